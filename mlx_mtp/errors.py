@@ -1,0 +1,21 @@
+"""Errors that mlx-mtp raises for bad input.
+
+Every error a user can cause (bad paths, bad checkpoints, bad flags, bad prompts) is an
+`MTPError`, so the CLI can print it as one line and exit non-zero without a traceback.
+"""
+
+
+class MTPError(ValueError):
+    """A clear, user-facing error: the message is the whole story."""
+
+
+class UnsupportedModelError(MTPError):
+    """The checkpoint's architecture has no MTP family file."""
+
+
+class MissingHeadsError(MTPError):
+    """The config declares MTP layers whose tensors are absent, or the reverse."""
+
+
+class RollbackError(MTPError):
+    """A cache cannot be rolled back exactly, so speculative decoding is refused."""

@@ -1,0 +1,146 @@
+"""Text layer over the decode loop: ``stream_generate`` and ``generate``, as in mlx-lm.
+
+Responses are mlx-lm's ``GenerationResponse`` plus ``mtp``, a snapshot of the run's
+`MTPStats`. Stopping at EOS and max_tokens follows mlx-lm's ``stream_generate``.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Generator, List, Optional, Union
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationResponse as _LMResponse
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .errors import MTPError
+from .sampling import SamplingParams
+from .speculative import MTPStats, mtp_generate_step
+
+
+@dataclass
+class GenerationResponse(_LMResponse):
+    """mlx-lm's response with the MTP statistics of the run so far."""
+
+    mtp: Optional[MTPStats] = None
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> List[int]:
+    """Token ids of a prompt given as text, ids or an ``mx.array`` (mlx-lm's rule for BOS)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise MTPError("the prompt is empty")
+        bos = tokenizer.bos_token
+        add_special = bos is None or not prompt.startswith(bos)
+        return tokenizer.encode(prompt, add_special_tokens=add_special)
+    ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    if not ids:
+        raise MTPError("the prompt is empty")
+    return ids
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: Union[str, List[int], mx.array],
+    max_tokens: int = 256,
+    *,
+    num_draft_tokens: int = 2,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    seed: Optional[int] = None,
+    prefill_step_size: int = 2048,
+) -> Generator[GenerationResponse, None, None]:
+    """Stream a generation, one `GenerationResponse` per token.
+
+    Args:
+        model: A model from `mlx_mtp.load`.
+        tokenizer: Its tokenizer (a ``TokenizerWrapper`` or a Hugging Face tokenizer).
+        prompt: Text, or token ids.
+        max_tokens: Tokens to generate (-1: until EOS).
+        num_draft_tokens: MTP drafts per round (0: plain decoding).
+        temp, top_p, top_k, min_p, min_tokens_to_keep: Sampling, as in mlx-lm.
+        seed: Makes a sampled run reproducible.
+        prefill_step_size: Prompt chunk size.
+
+    Yields:
+        `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
+    """
+    if max_tokens == 0:
+        raise MTPError("max_tokens must be non-zero (use -1 for no limit)")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    ids = encode_prompt(tokenizer, prompt)
+    params = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    steps = mtp_generate_step(
+        ids,
+        model,
+        num_draft_tokens=num_draft_tokens,
+        params=params,
+        max_tokens=max_tokens,
+        seed=seed,
+        prefill_step_size=prefill_step_size,
+    )
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
+        tic = time.perf_counter()
+        for n, step in enumerate(steps):
+            if n == 0:
+                prompt_tps = len(ids) / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            stop = step.token in tokenizer.eos_token_ids
+            if not stop:
+                detokenizer.add_token(step.token)
+            last = stop or n + 1 == max_tokens
+            if last:
+                detokenizer.finalize()
+            yield GenerationResponse(
+                text=detokenizer.last_segment,
+                token=step.token,
+                logprobs=step.logprobs,
+                from_draft=step.from_draft,
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=n + 1,
+                generation_tps=(n + 1) / (time.perf_counter() - tic),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=("stop" if stop else "length") if last else None,
+                mtp=step.stats.snapshot(),
+            )
+            if last:
+                steps.close()
+                return
+
+
+def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """Generate a complete response; kwargs go to `stream_generate`."""
+    text, response = "", None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose and response is not None:
+        print()
+        print(format_stats(response))
+    return text
+
+
+def format_stats(r: GenerationResponse) -> str:
+    """One line: speed, acceptance per draft position, tokens per round."""
+    line = (
+        f"prompt {r.prompt_tokens} tok @ {r.prompt_tps:.1f} tok/s | "
+        f"generated {r.generation_tokens} tok @ {r.generation_tps:.1f} tok/s | "
+        f"peak {r.peak_memory:.2f} GB"
+    )
+    stats = r.mtp
+    if stats is not None and stats.num_draft_tokens:
+        per_pos = " ".join(f"{x:.2f}" for x in stats.acceptance_per_position)
+        line += (
+            f" | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.2f}),"
+            f" per position [{per_pos}] | {stats.tokens_per_round:.2f} tok/round"
+        )
+    return line

@@ -1,0 +1,216 @@
+"""Load a checkpoint with its MTP heads: ``load(path_or_hf_repo) -> (model, tokenizer)``.
+
+The trunk is built by mlx-lm's own class for the ``model_type`` through mlx-lm's
+``load_model`` (so quantized MLX conversions load exactly as mlx-lm loads them); the
+only change is a sanitize that first sets the MTP tensors aside. Those are translated by
+the family module and loaded strictly into an `MTPStack`.
+"""
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .errors import MissingHeadsError, MTPError
+from .models import get_family
+from .models.base import Model
+from .models.mtp import MTPStack
+
+log = logging.getLogger("mlx_mtp")
+
+
+def resolve(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
+    """A local folder, or a Hugging Face repo downloaded exactly as mlx-lm does."""
+    from mlx_lm.utils import _download
+
+    path = Path(path_or_hf_repo).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise MTPError(f"{path} has no config.json: not a model folder")
+        return path
+    if path_or_hf_repo.startswith((".", "/", "~")) or path_or_hf_repo.count("/") != 1:
+        raise MTPError(f"model path {path_or_hf_repo!r} does not exist")
+    try:
+        return _download(path_or_hf_repo, revision=revision)
+    except Exception as e:  # hub errors have many types; all mean "cannot get it"
+        raise MTPError(f"cannot fetch {path_or_hf_repo!r}: {e}") from None
+
+
+def read_config(model_path: Path) -> dict:
+    try:
+        with open(model_path / "config.json") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise MTPError(f"cannot read {model_path / 'config.json'}: {e}") from None
+
+
+def _splitting_classes(family, captured: dict):
+    """A ``get_model_classes`` for mlx-lm whose model sanitize sets MTP tensors aside."""
+    from mlx_lm.utils import _get_classes
+
+    def get_classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        class Trunk(model_class):
+            def sanitize(self, weights):
+                weights, captured["mtp"] = family.split_weights(weights, config)
+                if hasattr(model_class, "sanitize"):
+                    weights = model_class.sanitize(self, weights)
+                return weights
+
+        Trunk.__name__ = Trunk.__qualname__ = model_class.__name__
+        return Trunk, args_class
+
+    return get_classes
+
+
+def _load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, dict]:
+    from mlx_lm.utils import load_model
+
+    captured: Dict[str, Any] = {"mtp": {}}
+    try:
+        trunk, config = load_model(
+            model_path,
+            lazy=True,
+            get_model_classes=_splitting_classes(family, captured),
+        )
+        if not lazy:
+            mx.eval(trunk.parameters())
+    except MTPError:
+        raise
+    except FileNotFoundError as e:
+        raise MTPError(f"{model_path}: {e}") from None
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        raise MTPError(
+            f"cannot load the trunk from {model_path}: {_first_line(e)}"
+        ) from None
+    return trunk, config, captured["mtp"]
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _quantize_like(module: nn.Module, weights: dict, config: dict) -> None:
+    """Quantize the layers whose tensors come quantized (``.scales`` present)."""
+    quantization = config.get("quantization")
+    if not quantization:
+        return
+
+    def predicate(path, m):
+        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return quantization.get(path, True)
+
+    nn.quantize(
+        module,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def build_mtp(trunk: nn.Module, family, raw: dict, config: dict) -> MTPStack:
+    """Build and strictly load the MTP layers from their Hugging Face tensors."""
+    weights = family.sanitize(raw, config, trunk)
+    n = 1 + max(int(k.split(".")[1]) for k in weights)
+    stack = MTPStack([family.make_layer(trunk, j) for j in range(n)])
+    _quantize_like(stack, weights, config.get("mtp_quantization", config))
+    expected = dict(tree_flatten(stack.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {_names(missing)}")
+        if extra:
+            parts.append(f"unexpected {_names(extra)}")
+        raise MissingHeadsError("MTP weights do not match: " + "; ".join(parts))
+    for name, value in weights.items():
+        if value.shape != expected[name].shape:
+            raise MissingHeadsError(
+                f"MTP tensor {name} has shape {tuple(value.shape)}, expected "
+                f"{tuple(expected[name].shape)}"
+            )
+    stack.load_weights(list(weights.items()))
+    return stack
+
+
+def _names(keys, limit: int = 3) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _check_declared(family, config: dict, raw: dict, allow_missing_heads: bool) -> bool:
+    """Cross-check MTP tensors with the config; True when heads should be built."""
+    declared = family.declared_mtp_layers(config)
+    found = {family.mtp_layer_of(k, config) for k in raw}
+    if declared and len(found) < declared:
+        what = "no MTP tensors" if not found else f"tensors for {len(found)} only"
+        msg = (
+            f"config declares {declared} MTP layer(s) ({family.MTP_CONFIG_KEYS[0]}) "
+            f"but the checkpoint has {what}"
+        )
+        if not allow_missing_heads:
+            raise MissingHeadsError(
+                msg + " (use --allow-missing-heads to decode without)"
+            )
+        log.warning("%s; decoding without MTP heads", msg)
+        return False
+    if found and not declared:
+        log.warning("MTP tensors found but the config declares none; using them")
+    return bool(found)
+
+
+def load(
+    path_or_hf_repo: str,
+    *,
+    revision: Optional[str] = None,
+    allow_missing_heads: bool = False,
+    lazy: bool = False,
+    tokenizer_config: Optional[dict] = None,
+):
+    """Load a model with its MTP heads, and its tokenizer.
+
+    Args:
+        path_or_hf_repo: A local folder (Hugging Face checkpoint or MLX conversion) or a
+            Hugging Face repo id, resolved through huggingface-hub as mlx-lm does.
+        revision: Hub revision (branch, tag or commit).
+        allow_missing_heads: When the config declares MTP layers that the checkpoint
+            lacks, warn and load for plain decoding instead of failing.
+        lazy: Leave weights unevaluated until first use.
+        tokenizer_config: Extra tokenizer options, as in mlx-lm.
+
+    Returns:
+        ``(model, tokenizer)``: an `mlx_mtp.models.base.Model` and mlx-lm's
+        ``TokenizerWrapper``.
+
+    Raises:
+        MTPError: on any problem with the path, config, weights or heads.
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    model_path = resolve(path_or_hf_repo, revision)
+    config = read_config(model_path)
+    family = get_family(config)
+    trunk, config, raw = _load_trunk(model_path, family, lazy)
+    stack = MTPStack([])
+    if _check_declared(family, config, raw, allow_missing_heads):
+        stack = build_mtp(trunk, family, raw, config)
+        if not lazy:
+            mx.eval(stack.parameters())
+    model = Model(trunk, stack, family)
+    model.eval()
+    try:
+        tokenizer = load_tokenizer(
+            model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
+        )
+    except Exception as e:
+        raise MTPError(f"cannot load the tokenizer from {model_path}: {_first_line(e)}")
+    return model, tokenizer

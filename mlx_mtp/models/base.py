@@ -1,0 +1,180 @@
+"""The model interface the decode loop relies on, and the wrapper that provides it.
+
+`Model` holds an mlx-lm trunk (built by mlx-lm's own class for the `model_type`) and an
+`MTPStack`. It returns logits and hidden states and never samples:
+
+- ``hidden(inputs, cache)``: ``(B, L, H)`` trunk hidden states **after** the final norm,
+  the state every MTP family is trained on;
+- ``logits(h)``: the shared head, ``(..., H) -> (..., V)``;
+- ``mtp_forward(j, hidden, tokens, cache)``: MTP layer j over rows (hidden at i, token at
+  i+1), returning its ``(B, L, H)`` post-norm outputs;
+- ``__call__(inputs, cache)``: plain trunk logits, so mlx-lm's loops run on it unchanged.
+
+A family module supplies what differs: which tensors are MTP tensors, how their Hugging
+Face names map to `layers.{j}.*`, which decoder block the heads use, and whether the
+embedding of the first MTP row is zeroed (vLLM's convention for DeepSeek, GLM and MiMo).
+"""
+
+from types import ModuleType
+from typing import Any, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+
+from .mtp import MTPStack
+
+
+def trunk_hidden(trunk: nn.Module, inputs: mx.array, cache: Optional[List[Any]]):
+    """Post-final-norm hidden states of an mlx-lm `Model` whose `.model` returns them."""
+    return trunk.model(inputs, cache)
+
+
+def trunk_logits(trunk: nn.Module, h: mx.array) -> mx.array:
+    """Apply the trunk's head to post-norm hidden states, as its `__call__` does."""
+    if hasattr(trunk, "lm_head"):
+        return trunk.lm_head(h)
+    return trunk.model.embed_tokens.as_linear(h)
+
+
+def trunk_embed(trunk: nn.Module, ids: mx.array) -> mx.array:
+    """Token embeddings of the trunk, shared with the MTP layers."""
+    return trunk.model.embed_tokens(ids)
+
+
+class Model(nn.Module):
+    """An mlx-lm trunk with its MTP layers attached.
+
+    Args:
+        trunk: The mlx-lm model for the checkpoint's ``model_type``.
+        mtp: The MTP layers (possibly empty: plain decoding only).
+        family: The family module (see `mlx_mtp.models`).
+    """
+
+    def __init__(self, trunk: nn.Module, mtp: MTPStack, family: ModuleType):
+        super().__init__()
+        self.trunk = trunk
+        self.mtp = mtp
+        self._family = family
+        self.model_type = trunk.model_type
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp.layers)
+
+    @property
+    def args(self):
+        return self.trunk.args
+
+    @property
+    def layers(self):
+        return self.trunk.layers
+
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None):
+        return self.trunk(inputs, cache=cache)
+
+    def hidden(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
+        return getattr(self._family, "hidden", trunk_hidden)(self.trunk, inputs, cache)
+
+    def logits(self, h: mx.array) -> mx.array:
+        return getattr(self._family, "logits", trunk_logits)(self.trunk, h)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return getattr(self._family, "embed", trunk_embed)(self.trunk, ids)
+
+    def make_trunk_cache(self) -> List[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.trunk)
+
+    def make_mtp_cache(self) -> List[Any]:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.mtp.layers]
+
+    def mtp_forward(
+        self, j: int, hidden: mx.array, tokens: mx.array, cache: Optional[Any] = None
+    ) -> mx.array:
+        """Run MTP layer ``j`` on rows ``(hidden[i], tokens[i])``.
+
+        Row i of the call sits at position ``cache.offset + i``; ``tokens[i]`` is the token
+        that follows the position of ``hidden[i]``.
+
+        Args:
+            hidden: ``(B, L, H)`` post-norm hidden states (trunk or previous MTP layer).
+            tokens: ``(B, L)`` token ids.
+        Returns:
+            ``(B, L, H)`` post-norm MTP outputs; ``logits(out)`` predicts the token after
+            ``tokens``.
+        """
+        e = self.embed(tokens)  # (B, L, H)
+        offset = cache.offset if cache is not None else 0
+        if offset == 0 and getattr(self._family, "MASK_FIRST_POSITION", False):
+            keep = (mx.arange(e.shape[1]) > 0)[None, :, None]
+            e = mx.where(keep, e, mx.zeros_like(e))
+        mask = create_attention_mask(
+            e, cache, return_array=getattr(self._family, "MASK_AS_ARRAY", False)
+        )
+        return self.mtp.layers[j](e, hidden, mask, cache)
+
+
+def mlx_lm_sanitize(trunk: nn.Module, weights: dict) -> dict:
+    """Run the sanitize of the mlx-lm class the trunk was built from (not a subclass's)."""
+    for cls in type(trunk).__mro__:
+        if cls.__module__.startswith("mlx_lm.") and "sanitize" in vars(cls):
+            return cls.sanitize(trunk, weights)
+    return weights
+
+
+def sanitize_layer(
+    trunk: nn.Module, weights: dict, prefix: str, head_names: dict, j: int
+) -> dict:
+    """Translate one MTP layer's Hugging Face tensors to the schema `layers.{j}.*`.
+
+    The layer's tensors are renamed to the trunk's layer 0 and passed through the trunk's
+    own sanitize, so the decoder block gets exactly the trunk's fixes (expert stacking,
+    FP8 dequantization, MLA splits). Then the fusion and norm parts are renamed by
+    ``head_names`` (family name -> schema name) and the rest lands under ``block``.
+
+    Args:
+        weights: Tensors of the MTP layers, Hugging Face names.
+        prefix: The layer's name prefix, e.g. ``"model.layers.3."``.
+    """
+    local = {
+        "model.layers.0." + k[len(prefix) :]: v
+        for k, v in weights.items()
+        if k.startswith(prefix)
+    }
+    out = {}
+    for key, value in mlx_lm_sanitize(trunk, local).items():
+        name = key[len("model.layers.0.") :]
+        for src, dst in head_names.items():
+            if name.startswith(src + "."):
+                out[f"layers.{j}.{dst}{name[len(src):]}"] = value
+                break
+        else:
+            out[f"layers.{j}.block.{name}"] = value
+    return out
+
+
+def check_copy(copy: mx.array, original: Optional[mx.array], what: str) -> None:
+    """Check that a duplicated tensor (an MTP layer's embedding or head) equals the trunk's.
+
+    Large tensors are compared on a strided subset of rows, which catches heads taken
+    from another model without reading gigabytes.
+    """
+    from ..errors import MissingHeadsError
+
+    if original is None:
+        return
+    if copy.shape != original.shape:
+        raise MissingHeadsError(
+            f"{what} has shape {tuple(copy.shape)} but the trunk's is "
+            f"{tuple(original.shape)}: the MTP heads do not belong to this model"
+        )
+    step = max(1, copy.shape[0] // 256)
+    if not mx.array_equal(copy[::step], original[::step]).item():
+        raise MissingHeadsError(
+            f"{what} differs from the trunk's copy: the MTP heads do not belong to "
+            "this model"
+        )

@@ -1,0 +1,55 @@
+"""MiMo-7B MTP: layers at ``model.mtp_layers.{j}``, concatenation order [hidden, embedding].
+
+Names: ``token_layernorm`` (embedding norm), ``hidden_layernorm``, ``input_proj`` [H, 2H],
+``final_layernorm`` and a Qwen2 decoder layer. Embedding and head are the trunk's.
+"""
+
+import re
+from typing import Optional
+
+from mlx_lm.models import mimo as lm
+
+from .base import sanitize_layer
+from .mtp import MTPLayer
+
+MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
+MASK_FIRST_POSITION = True
+
+HEAD_NAMES = {
+    "token_layernorm": "enorm",
+    "hidden_layernorm": "hnorm",
+    "input_proj": "eh_proj",
+    "final_layernorm": "norm",
+}
+
+
+def declared_mtp_layers(config: dict) -> int:
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
+def mtp_layer_of(key: str, config: dict) -> Optional[int]:
+    m = re.match(r"model\.mtp_layers\.(\d+)\.", key)
+    return int(m[1]) if m else None
+
+
+def split_weights(weights: dict, config: dict):
+    trunk, mtp = {}, {}
+    for k, v in weights.items():
+        (trunk if mtp_layer_of(k, config) is None else mtp)[k] = v
+    return trunk, mtp
+
+
+def sanitize(weights: dict, config: dict, trunk) -> dict:
+    n = 1 + max(mtp_layer_of(k, config) for k in weights)
+    out = {}
+    for j in range(n):
+        out.update(
+            sanitize_layer(trunk, weights, f"model.mtp_layers.{j}.", HEAD_NAMES, j)
+        )
+    return out
+
+
+def make_layer(trunk, j: int) -> MTPLayer:
+    args = trunk.args
+    block = lm.TransformerBlock(args)
+    return MTPLayer(args.hidden_size, args.rms_norm_eps, block, hidden_first=True)

@@ -1,0 +1,336 @@
+"""The MTP decode loop: a generator of per-token records, one round at a time.
+
+Bookkeeping. ``state.tokens`` holds the committed tokens t_0..t_n; the trunk's cache holds
+t_0..t_{n-1} and t_n is *pending* (the input of the next verify). MTP row i pairs the
+trunk's post-norm hidden state h_i with token t_{i+1} at position i; layer j's row i takes
+layer j-1's output instead of h_i and token t_{i+j+1}, and predicts t_{i+j+2}. Rows below
+``state.frontier`` are in every MTP cache, computed from true trunk hidden states and
+committed tokens only (as vLLM keeps them); ``state.hidden`` holds h for rows
+frontier..n-1.
+
+Each round reads as four phases:
+  draft   MTP layers over rows frontier..n-1, then chained, give k draft tokens;
+  verify  one trunk pass over [t_n, d_1..d_k] gives k+1 target distributions;
+  accept  greedy matching or speculative sampling gives a accepted drafts + 1 token;
+  commit  roll every cache back to the accepted length, append the tokens.
+The next round is queued (``mx.async_eval``) before this round's tokens are yielded, so
+there is one host sync per round.
+"""
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Generator, List, Optional
+
+import mlx.core as mx
+
+from .cache import (
+    Caches,
+    begin_verify,
+    cache_length,
+    check_rollback,
+    make_caches,
+    rewind,
+    trim_to,
+)
+from .errors import MTPError
+from .rejection import AcceptResult, accept_greedy, accept_stochastic
+from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
+
+
+@dataclass
+class MTPStats:
+    """Running speculative-decoding statistics of one generation."""
+
+    num_draft_tokens: int
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    drafted_per_position: List[int] = field(default_factory=list)
+    accepted_per_position: List[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.drafted_per_position = [0] * self.num_draft_tokens
+        self.accepted_per_position = [0] * self.num_draft_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> List[float]:
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+        ]
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def record(self, k: int, a: int) -> None:
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += a
+        self.emitted += a + 1
+        for j in range(k):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += int(j < a)
+
+    def snapshot(self) -> "MTPStats":
+        copy = replace(self)  # __post_init__ zeroes the per-position lists
+        copy.drafted_per_position = list(self.drafted_per_position)
+        copy.accepted_per_position = list(self.accepted_per_position)
+        return copy
+
+
+@dataclass
+class StepOutput:
+    token: int
+    logprobs: mx.array  # (V,)
+    from_draft: bool
+    stats: MTPStats  # the generation's live statistics
+
+
+@dataclass
+class DecodeState:
+    tokens: List[int]  # committed t_0..t_n; t_n is pending
+    hidden: Optional[mx.array]  # (1, n - frontier, H), None without MTP
+    frontier: int = 0
+    depth: int = 0  # MTP layers in use: min(k, number of layers)
+
+
+@dataclass
+class Draft:
+    tokens: mx.array  # (k,) int32
+    logprobs: Optional[mx.array]  # (k, V) filtered q; None when greedy
+    depth: int  # MTP layers that processed the rows this round (0: no draft)
+
+    @property
+    def k(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass
+class Verified:
+    hidden: mx.array  # (1, k + 1, H)
+    logprobs: mx.array  # (k + 1, V) log-softmax of the target logits
+    marks: list  # rollback marks of the trunk caches
+
+
+@dataclass
+class Round:
+    draft: Draft
+    verified: Verified
+    result: AcceptResult
+
+
+def _pick(logits: mx.array, params: SamplingParams, key) -> tuple:
+    """One draft token from ``(1, V)`` logits, and its filtered distribution."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1).astype(mx.int32), None
+    logprobs = filtered_logprobs(logits, params)  # (1, V)
+    return sample(logprobs, key).astype(mx.int32), logprobs
+
+
+def _row_tokens(state: DecodeState, drafts: List[mx.array], j: int) -> mx.array:
+    """Tokens of layer j for rows frontier..n-1: t_{i+j+1}, drafts past t_n. (1, R)"""
+    rows = len(state.tokens) - 1 - state.frontier
+    committed = mx.array(state.tokens[state.frontier + j + 1 :], dtype=mx.int32)
+    # rows [e, n-1], j = 1: [t_{e+2} .. t_n, d_1]
+    return mx.concatenate([committed, *drafts[:j]])[-rows:][None]
+
+
+def draft(model, mtp_caches, state: DecodeState, k: int, params, key) -> Draft:
+    """Draft k tokens: MTP layers in order over the pending rows, then chain the last.
+
+    Layer j < depth runs on every row from the frontier to the newest; a layer used past
+    its own depth (k > number of layers) runs on its own output at the next position.
+    """
+    rows = len(state.tokens) - 1 - state.frontier
+    if k == 0 or state.depth == 0 or rows <= 0:
+        return Draft(mx.zeros((0,), dtype=mx.int32), None, 0)
+    keys = mx.random.split(key, k)
+    h, tokens, logprobs = state.hidden, [], []
+    for j in range(k):
+        if j < state.depth:
+            layer, ids = j, _row_tokens(state, tokens, j)
+        else:
+            layer, h, ids = state.depth - 1, h[:, -1:], tokens[-1][None]
+        h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (1, R, H)
+        token, lp = _pick(model.logits(h[:, -1]), params, keys[j])
+        tokens.append(token)
+        logprobs.append(lp)
+    q = None if params.greedy else mx.concatenate(logprobs)
+    return Draft(mx.concatenate(tokens), q, min(k, state.depth))
+
+
+def verify(model, trunk_cache, pending: int, d: Draft) -> Verified:
+    """One trunk pass over [t_n, d_1..d_k]."""
+    ids = mx.concatenate([mx.array([pending], dtype=mx.int32), d.tokens])[None]
+    marks = begin_verify(trunk_cache)
+    hidden = model.hidden(ids, trunk_cache)  # (1, k + 1, H)
+    return Verified(hidden, log_softmax(model.logits(hidden)[0]), marks)
+
+
+def accept(d: Draft, v: Verified, params: SamplingParams, key) -> AcceptResult:
+    if params.greedy:
+        return accept_greedy(d.tokens, v.logprobs)
+    target = filtered_logprobs(v.logprobs, params)  # (k + 1, V)
+    if d.k == 0:
+        return AcceptResult(mx.array(0), sample(target[0], key))
+    return accept_stochastic(d.tokens, d.logprobs, target, key)
+
+
+def commit(
+    caches: Caches, state: DecodeState, rnd: Round, a: int, new_tokens: List[int]
+) -> None:
+    """Keep t_n and the a accepted drafts in every cache; append the round's tokens.
+
+    MTP caches keep only rows whose inputs were all committed before this round (rows
+    up to n - depth), so every kept entry comes from true trunk hidden states; the
+    dropped rows are recomputed from ``state.hidden`` by the next draft.
+    """
+    rewind(caches.trunk, rnd.verified.marks, rnd.draft.k - a)
+    if state.hidden is not None:
+        n = len(state.tokens) - 1
+        frontier = state.frontier
+        if rnd.draft.depth:
+            frontier = max(state.frontier, n - rnd.draft.depth + 1)
+        for c in caches.mtp:
+            trim_to(c, frontier)
+        kept = state.hidden[:, frontier - state.frontier :]
+        state.hidden = mx.concatenate([kept, rnd.verified.hidden[:, : a + 1]], axis=1)
+        state.frontier = frontier
+    state.tokens.extend(new_tokens)
+
+
+def extend_mtp(model, mtp_caches, state: DecodeState, step: int) -> None:
+    """Write the MTP rows that need no draft token and whose hidden state is known."""
+    end = min(
+        state.frontier + state.hidden.shape[1],  # rows with a trunk hidden state
+        len(state.tokens) - state.depth,  # rows whose tokens are all committed
+    )
+    for start in range(state.frontier, end, step):
+        stop = min(start + step, end)
+        h = state.hidden[:, start - state.frontier : stop - state.frontier]
+        for j in range(state.depth):
+            ids = mx.array(state.tokens[start + j + 1 : stop + j + 1], dtype=mx.int32)
+            h = model.mtp_forward(j, h, ids[None], mtp_caches[j])
+        mx.eval([c.state for c in mtp_caches[: state.depth]])
+    if end > state.frontier:
+        state.hidden = state.hidden[:, end - state.frontier :]
+        state.frontier = end
+
+
+def prefill(model, caches: Caches, prompt: List[int], depth: int, step: int):
+    """Run the trunk over all prompt tokens but the last, in chunks of ``step``."""
+    state = DecodeState(list(prompt), None, 0, depth)
+    if depth:
+        state.hidden = mx.zeros((1, 0, model.args.hidden_size))
+    for start in range(0, len(prompt) - 1, step):
+        ids = mx.array(prompt[start : min(start + step, len(prompt) - 1)])[None]
+        h = model.hidden(ids, caches.trunk)  # (1, L, H)
+        if depth:
+            state.hidden = mx.concatenate([state.hidden, h], axis=1)
+            extend_mtp(model, caches.mtp, state, step)
+        mx.eval([c.state for c in caches.trunk], state.hidden)
+        mx.clear_cache()
+    return state
+
+
+def launch(model, caches: Caches, state: DecodeState, k: int, params, key) -> Round:
+    """Build one round (draft, verify, accept) lazily and start evaluating it."""
+    draft_key, accept_key = mx.random.split(key)
+    d = draft(model, caches.mtp, state, k, params, draft_key)
+    v = verify(model, caches.trunk, state.tokens[-1], d)
+    result = accept(d, v, params, accept_key)
+    mx.async_eval(
+        result.num_accepted, result.next_token, d.tokens, v.hidden, v.logprobs
+    )
+    return Round(d, v, result)
+
+
+def _settle(caches: Caches, state: DecodeState, rnd: Optional[Round], seen: int):
+    """On exit: drop a queued round and tokens never yielded, so caches hold exactly
+    the prompt and the yielded tokens (the last one only if a round had consumed it)."""
+    held = cache_length(caches.trunk)
+    extra = held - min(held, seen)
+    rewind(caches.trunk, rnd.verified.marks if rnd else None, extra)
+    frontier = min(state.frontier, seen)
+    for c in caches.mtp:
+        trim_to(c, frontier)
+
+
+def mtp_generate_step(
+    prompt,
+    model,
+    *,
+    num_draft_tokens: int = 2,
+    params: SamplingParams = SamplingParams(),
+    max_tokens: int = 256,
+    seed: Optional[int] = None,
+    prefill_step_size: int = 2048,
+    caches: Optional[Caches] = None,
+) -> Generator[StepOutput, None, MTPStats]:
+    """Generate tokens with MTP drafting and exact verification.
+
+    Args:
+        prompt: Prompt token ids (list or 1-D ``mx.array``), not empty.
+        model: An `mlx_mtp.models.base.Model`.
+        num_draft_tokens: Drafts per round, k. 0 runs plain decoding (the baseline).
+        params: Sampling settings; ``temp == 0`` is greedy.
+        max_tokens: Tokens to generate; -1 for no limit.
+        seed: Seed of the sampling keys; None draws one at random.
+        prefill_step_size: Prompt chunk size.
+        caches: Fresh caches to fill (default: new ones).
+
+    Yields:
+        `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
+    """
+    prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    if not prompt:
+        raise MTPError("the prompt is empty")
+    if num_draft_tokens < 0:
+        raise MTPError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    caches = caches or make_caches(model)
+    k = num_draft_tokens if model.num_mtp_layers else 0
+    if k:
+        check_rollback(caches.trunk)
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    key = mx.random.key(seed)
+    stats = MTPStats(k)
+    state = prefill(
+        model, caches, prompt, min(k, model.num_mtp_layers), prefill_step_size
+    )
+    seen, rnd = len(prompt) - 1, None
+    try:
+        key, sub = mx.random.split(key)
+        rnd = launch(model, caches, state, _round_k(k, max_tokens, 0), params, sub)
+        while rnd is not None:
+            mx.eval(rnd.result.num_accepted, rnd.result.next_token, rnd.draft.tokens)
+            a = rnd.result.num_accepted.item()
+            new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
+            logprobs = rnd.verified.logprobs
+            commit(caches, state, rnd, a, new)
+            stats.record(rnd.draft.k, a)
+            done = rnd
+            rnd = None
+            if max_tokens < 0 or stats.emitted < max_tokens:
+                key, sub = mx.random.split(key)
+                k_next = _round_k(k, max_tokens, stats.emitted)
+                rnd = launch(model, caches, state, k_next, params, sub)
+            for i, token in enumerate(new):
+                seen += 1
+                yield StepOutput(token, logprobs[i], i < a, stats)
+            if stats.rounds % 64 == 0:
+                mx.clear_cache()
+    finally:
+        _settle(caches, state, rnd, seen)
+
+
+def _round_k(k: int, max_tokens: int, emitted: int) -> int:
+    """Drafts for the next round: never more than the tokens still wanted, minus one."""
+    if max_tokens < 0:
+        return k
+    return max(0, min(k, max_tokens - emitted - 1))
