@@ -168,6 +168,32 @@ def _check_declared(family, config: dict, raw: dict, allow_missing_heads: bool) 
     return bool(found)
 
 
+def load_model(
+    path_or_hf_repo: str,
+    *,
+    revision: Optional[str] = None,
+    allow_missing_heads: bool = False,
+    lazy: bool = False,
+) -> Tuple[Model, dict, Path]:
+    """Load a model with its MTP heads (no tokenizer).
+
+    Returns:
+        ``(model, config, model_path)``. See `load` for the arguments.
+    """
+    model_path = resolve(path_or_hf_repo, revision)
+    config = read_config(model_path)
+    family = get_family(config)
+    trunk, config, raw = _load_trunk(model_path, family, lazy)
+    stack = MTPStack([])
+    if _check_declared(family, config, raw, allow_missing_heads):
+        stack = build_mtp(trunk, family, raw, config)
+        if not lazy:
+            mx.eval(stack.parameters())
+    model = Model(trunk, stack, family)
+    model.eval()
+    return model, config, model_path
+
+
 def load(
     path_or_hf_repo: str,
     *,
@@ -196,17 +222,12 @@ def load(
     """
     from mlx_lm.utils import load_tokenizer
 
-    model_path = resolve(path_or_hf_repo, revision)
-    config = read_config(model_path)
-    family = get_family(config)
-    trunk, config, raw = _load_trunk(model_path, family, lazy)
-    stack = MTPStack([])
-    if _check_declared(family, config, raw, allow_missing_heads):
-        stack = build_mtp(trunk, family, raw, config)
-        if not lazy:
-            mx.eval(stack.parameters())
-    model = Model(trunk, stack, family)
-    model.eval()
+    model, config, model_path = load_model(
+        path_or_hf_repo,
+        revision=revision,
+        allow_missing_heads=allow_missing_heads,
+        lazy=lazy,
+    )
     try:
         tokenizer = load_tokenizer(
             model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")

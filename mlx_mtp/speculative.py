@@ -48,10 +48,13 @@ class MTPStats:
     emitted: int = 0
     drafted_per_position: List[int] = field(default_factory=list)
     accepted_per_position: List[int] = field(default_factory=list)
+    # rounds that drafted all k tokens, by number accepted (0..k)
+    accepted_histogram: List[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.drafted_per_position = [0] * self.num_draft_tokens
         self.accepted_per_position = [0] * self.num_draft_tokens
+        self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
 
     @property
     def acceptance_rate(self) -> float:
@@ -76,11 +79,14 @@ class MTPStats:
         for j in range(k):
             self.drafted_per_position[j] += 1
             self.accepted_per_position[j] += int(j < a)
+        if k == self.num_draft_tokens:
+            self.accepted_histogram[a] += 1
 
     def snapshot(self) -> "MTPStats":
         copy = replace(self)  # __post_init__ zeroes the per-position lists
         copy.drafted_per_position = list(self.drafted_per_position)
         copy.accepted_per_position = list(self.accepted_per_position)
+        copy.accepted_histogram = list(self.accepted_histogram)
         return copy
 
 
@@ -206,10 +212,14 @@ def commit(
 
 
 def extend_mtp(model, mtp_caches, state: DecodeState, step: int) -> None:
-    """Write the MTP rows that need no draft token and whose hidden state is known."""
+    """Write the MTP rows that need no draft token and whose hidden state is known.
+
+    Row n-1 is always left to `draft`, whose first token comes from its output.
+    """
     end = min(
         state.frontier + state.hidden.shape[1],  # rows with a trunk hidden state
         len(state.tokens) - state.depth,  # rows whose tokens are all committed
+        len(state.tokens) - 2,  # row n - 1
     )
     for start in range(state.frontier, end, step):
         stop = min(start + step, end)

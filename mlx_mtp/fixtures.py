@@ -1,0 +1,776 @@
+"""Tiny random checkpoints in the exact Hugging Face layouts of MTP model families.
+
+``write_checkpoint(family, out_dir)`` writes a complete, offline checkpoint folder:
+
+- ``config.json`` with the family's real key names (tiny sizes, hidden size 64);
+- ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
+  ``model.safetensors.index.json`` when ``num_shards > 1``; tensors carry the
+  official HF names, MTP tensors included, and the MTP tensors sit in the last shard;
+- ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``
+  (a byte-level BPE trained in-process) and ``generation_config.json``.
+
+Families and where their MTP tensors live:
+
+- ``deepseek_v3``: ``model.layers.{num_hidden_layers}.`` (``enorm``, ``hnorm``,
+  ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens`` + an MLA/MoE decoder layer);
+- ``glm4_moe``: ``model.layers.{num_hidden_layers}.``, same names, GQA/MoE decoder layer;
+- ``mimo``: ``model.mtp_layers.{i}.`` (``token_layernorm``, ``hidden_layernorm``,
+  ``input_proj``, ``final_layernorm`` + a Qwen2 decoder layer), two layers,
+  concat order ``[hidden, embedding]``.
+
+With ``predictable=True`` the MTP heads are rewired so they often, but not always,
+agree with the trunk's greedy next-next token (see ``_make_predictable``). Speculative
+decoding on such a checkpoint sees both accepted and rejected drafts.
+
+Only numpy, mlx and tokenizers are used; no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
+
+HIDDEN = 64
+INTERMEDIATE = 128
+MOE_INTERMEDIATE = 32
+
+# Standard deviations of the random weights. With H=64, a std of 0.1 keeps every
+# projection roughly norm-preserving and gives logits of std ~0.8 (not degenerate).
+EMBED_STD = 0.1
+WEIGHT_STD = 0.1
+BIAS_STD = 0.02
+NORM_NOISE_STD = 0.05
+
+# predictable=True constants (see _make_predictable): trunk embedding scale, noise on
+# the hidden-state half of the MTP projection, damping of the MTP layer's outputs.
+# Measured teacher-forced top-1 agreement of MTP head vs. the trunk's greedy
+# next-next token, greedy continuations (32 tokens) of random 4-8 token prompts,
+# seeds 0-3: deepseek_v3 0.48-0.62, glm4_moe 0.59-0.65, mimo 0.48-0.68 (both layers).
+# Random heads (predictable=False) agree < 0.01.
+PREDICTABLE_EMBED_SCALE = 30.0
+PREDICTABLE_PROJ_NOISE = 0.02
+PREDICTABLE_DAMPING = 0.2
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+Tensors = Dict[str, np.ndarray]
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+
+
+def write_checkpoint(
+    family: str,
+    out_dir,
+    *,
+    seed: int = 0,
+    predictable: bool = False,
+    vocab_size: int = 512,
+    dtype: str = "float32",
+    num_shards: int = 1,
+    tokenizer: bool = True,
+) -> pathlib.Path:
+    """Write a tiny random checkpoint of ``family`` into ``out_dir`` and return its path.
+
+    The output is a pure function of the arguments (same seed, same bytes).
+    ``tokenizer=False`` writes no tokenizer files, which allows vocabularies too small
+    for the byte-level BPE (< 259 tokens; the last id is then the eos token).
+    ``dtype`` is one of float32 / bfloat16 / float16; it sets the stored tensor dtype
+    and ``config["torch_dtype"]``, except ``e_score_correction_bias``, which stays
+    float32 as in the real DeepSeek/GLM releases.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {tuple(_DTYPES)}")
+    if num_shards < 1:
+        raise ValueError("num_shards must be >= 1")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if tokenizer:
+        write_tokenizer(out, vocab_size)
+        token_ids = _special_token_ids(vocab_size)
+    else:
+        token_ids = {tok: vocab_size - 1 for tok in SPECIAL_TOKENS}
+    spec = _SPECS[family]
+    rng = np.random.default_rng(seed)
+    config, tensors = spec.build(_Init(rng), vocab_size)
+    config.update(_token_id_config(token_ids))
+    config["torch_dtype"] = dtype
+    if predictable:
+        _make_predictable(spec, config, tensors, rng)
+
+    mtp_keys = [k for k in tensors if spec.is_mtp_key(k, config)]
+    _write_weights(out, tensors, mtp_keys, _DTYPES[dtype], num_shards)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", _generation_config(token_ids))
+    return out
+
+
+def write_tokenizer(out_dir, vocab_size: int = 512) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
+
+    The tokenizer is a byte-level BPE (Qwen/DeepSeek style) with at most
+    ``vocab_size`` tokens; the special tokens ``<|endoftext|>`` (eos, bos and pad),
+    ``<|im_start|>`` and ``<|im_end|>`` come right after the BPE vocabulary (ids
+    ``vocab_size - 3 .. vocab_size - 1`` up to the corpus limit of ~920 tokens; larger
+    vocabularies leave the top embedding rows unused). No BOS is added on encode.
+    The chat template is ChatML.
+    """
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
+    ids = _special_token_ids(vocab_size)
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(ids))
+    _write_json(out / "special_tokens_map.json", _special_tokens_map())
+
+
+# ---------------------------------------------------------------------------
+# Random tensors
+# ---------------------------------------------------------------------------
+
+
+class _Init:
+    """Draws float32 weights from one seeded generator, in call order."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def normal(self, shape, std: float) -> np.ndarray:
+        return (std * self.rng.standard_normal(shape)).astype(np.float32)
+
+    def linear(self, out_dim: int, in_dim: int, std: float = WEIGHT_STD) -> np.ndarray:
+        return self.normal((out_dim, in_dim), std)
+
+    def norm(self, dim: int) -> np.ndarray:
+        """RMSNorm weight: 1 + small noise."""
+        return 1.0 + self.normal((dim,), NORM_NOISE_STD)
+
+
+def _dense_mlp(init: _Init, prefix: str, hidden: int, inter: int) -> Tensors:
+    """SwiGLU MLP: ``{prefix}{gate,up,down}_proj.weight``."""
+    return {
+        f"{prefix}gate_proj.weight": init.linear(inter, hidden),
+        f"{prefix}up_proj.weight": init.linear(inter, hidden),
+        f"{prefix}down_proj.weight": init.linear(hidden, inter),
+    }
+
+
+def _moe_mlp(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """DeepSeek/GLM MoE with per-expert tensors (HF layout, not stacked)."""
+    hidden, n_experts = cfg["hidden_size"], cfg["n_routed_experts"]
+    inter = cfg["moe_intermediate_size"]
+    t = {
+        f"{prefix}gate.weight": init.linear(n_experts, hidden),
+        f"{prefix}gate.e_score_correction_bias": init.normal((n_experts,), 0.01),
+    }
+    for e in range(n_experts):
+        t.update(_dense_mlp(init, f"{prefix}experts.{e}.", hidden, inter))
+    shared = inter * cfg["n_shared_experts"]
+    t.update(_dense_mlp(init, f"{prefix}shared_experts.", hidden, shared))
+    return t
+
+
+def _mla_attention(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """DeepSeek-V3 multi-head latent attention (q and kv LoRA), no biases."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    q_rank, kv_rank = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    nope, rope, v_dim = (
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+    )
+    return {
+        f"{prefix}q_a_proj.weight": init.linear(q_rank, hidden),
+        f"{prefix}q_a_layernorm.weight": init.norm(q_rank),
+        f"{prefix}q_b_proj.weight": init.linear(heads * (nope + rope), q_rank),
+        f"{prefix}kv_a_proj_with_mqa.weight": init.linear(kv_rank + rope, hidden),
+        f"{prefix}kv_a_layernorm.weight": init.norm(kv_rank),
+        f"{prefix}kv_b_proj.weight": init.linear(heads * (nope + v_dim), kv_rank),
+        f"{prefix}o_proj.weight": init.linear(hidden, heads * v_dim),
+    }
+
+
+def _gqa_attention(
+    init: _Init, prefix: str, cfg: dict, head_dim: int, qk_norm: bool
+) -> Tensors:
+    """Grouped-query attention with q/k/v biases and a bias-free ``o_proj``."""
+    hidden = cfg["hidden_size"]
+    q_dim = cfg["num_attention_heads"] * head_dim
+    kv_dim = cfg["num_key_value_heads"] * head_dim
+    t = {}
+    for name, dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+        t[f"{prefix}{name}.weight"] = init.linear(dim, hidden)
+        t[f"{prefix}{name}.bias"] = init.normal((dim,), BIAS_STD)
+    t[f"{prefix}o_proj.weight"] = init.linear(hidden, q_dim)
+    if qk_norm:
+        t[f"{prefix}q_norm.weight"] = init.norm(head_dim)
+        t[f"{prefix}k_norm.weight"] = init.norm(head_dim)
+    return t
+
+
+def _decoder_layer(
+    init: _Init,
+    prefix: str,
+    hidden: int,
+    attention: Callable[[str], Tensors],
+    mlp: Callable[[str], Tensors],
+) -> Tensors:
+    """Pre-norm decoder block: input/post-attention norms + ``self_attn.*`` + ``mlp.*``."""
+    t = {f"{prefix}input_layernorm.weight": init.norm(hidden)}
+    t.update(attention(f"{prefix}self_attn."))
+    t[f"{prefix}post_attention_layernorm.weight"] = init.norm(hidden)
+    t.update(mlp(f"{prefix}mlp."))
+    return t
+
+
+def _nextn_head(init: _Init, prefix: str, hidden: int, trunk: Tensors) -> Tensors:
+    """DeepSeek-style MTP fusion tensors, incl. exact copies of embed and lm_head."""
+    return {
+        f"{prefix}enorm.weight": init.norm(hidden),
+        f"{prefix}hnorm.weight": init.norm(hidden),
+        f"{prefix}eh_proj.weight": init.linear(hidden, 2 * hidden),
+        f"{prefix}shared_head.norm.weight": init.norm(hidden),
+        f"{prefix}shared_head.head.weight": trunk["lm_head.weight"].copy(),
+        f"{prefix}embed_tokens.weight": trunk["model.embed_tokens.weight"].copy(),
+    }
+
+
+def _trunk(init: _Init, cfg: dict, layer: Callable[[str, int], Tensors]) -> Tensors:
+    """Embedding, ``num_hidden_layers`` decoder layers, final norm and lm_head."""
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    t = {"model.embed_tokens.weight": init.normal((vocab, hidden), EMBED_STD)}
+    for i in range(cfg["num_hidden_layers"]):
+        t.update(layer(f"model.layers.{i}.", i))
+    t["model.norm.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab, hidden)
+    return t
+
+
+# ---------------------------------------------------------------------------
+# Families
+# ---------------------------------------------------------------------------
+
+
+def _deepseek_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """DeepSeek-V3: 3 MLA layers (layer 0 dense, 1-2 MoE) + MTP at ``model.layers.3``."""
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": 3,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 2,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+
+    def layer(prefix: str, idx: int) -> Tensors:
+        dense = idx < cfg["first_k_dense_replace"]
+        return _decoder_layer(
+            init,
+            prefix,
+            HIDDEN,
+            lambda p: _mla_attention(init, p, cfg),
+            lambda p: (
+                _dense_mlp(init, p, HIDDEN, INTERMEDIATE)
+                if dense
+                else _moe_mlp(init, p, cfg)
+            ),
+        )
+
+    tensors = _trunk(init, cfg, layer)
+    tensors.update(_nextn_layers(init, cfg, tensors, layer))
+    return cfg, tensors
+
+
+def _glm4_moe(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """GLM-4.5 (glm4_moe): 2 GQA layers (0 dense, 1 MoE) + MTP at ``model.layers.2``."""
+    cfg = {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": 2,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+
+    def layer(prefix: str, idx: int) -> Tensors:
+        dense = idx < cfg["first_k_dense_replace"]
+        return _decoder_layer(
+            init,
+            prefix,
+            HIDDEN,
+            lambda p: _gqa_attention(init, p, cfg, cfg["head_dim"], qk_norm=True),
+            lambda p: (
+                _dense_mlp(init, p, HIDDEN, INTERMEDIATE)
+                if dense
+                else _moe_mlp(init, p, cfg)
+            ),
+        )
+
+    tensors = _trunk(init, cfg, layer)
+    tensors.update(_nextn_layers(init, cfg, tensors, layer))
+    return cfg, tensors
+
+
+def _mimo(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """MiMo-7B: 2 Qwen2 layers + two MTP layers at ``model.mtp_layers.{0,1}``."""
+    cfg = {
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "mimo",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_nextn_predict_layers": 2,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 2,
+        "use_cache": True,
+    }
+    head_dim = HIDDEN // cfg["num_attention_heads"]
+
+    def layer(prefix: str, idx: int) -> Tensors:
+        return _decoder_layer(
+            init,
+            prefix,
+            HIDDEN,
+            lambda p: _gqa_attention(init, p, cfg, head_dim, qk_norm=False),
+            lambda p: _dense_mlp(init, p, HIDDEN, INTERMEDIATE),
+        )
+
+    tensors = _trunk(init, cfg, layer)
+    for i in range(cfg["num_nextn_predict_layers"]):
+        prefix = f"model.mtp_layers.{i}."
+        tensors[f"{prefix}token_layernorm.weight"] = init.norm(HIDDEN)
+        tensors[f"{prefix}hidden_layernorm.weight"] = init.norm(HIDDEN)
+        tensors[f"{prefix}input_proj.weight"] = init.linear(HIDDEN, 2 * HIDDEN)
+        tensors[f"{prefix}final_layernorm.weight"] = init.norm(HIDDEN)
+        tensors.update(layer(prefix, cfg["num_hidden_layers"] + i))
+    return cfg, tensors
+
+
+def _nextn_layers(
+    init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
+) -> Tensors:
+    """DeepSeek/GLM MTP layers at ``model.layers.{num_hidden_layers + i}.``."""
+    t = {}
+    for idx in _nextn_indices(cfg):
+        prefix = f"model.layers.{idx}."
+        t.update(_nextn_head(init, prefix, cfg["hidden_size"], trunk))
+        t.update(layer(prefix, idx))
+    return t
+
+
+def _nextn_indices(cfg: dict) -> range:
+    first = cfg["num_hidden_layers"]
+    return range(first, first + cfg["num_nextn_predict_layers"])
+
+
+@dataclass(frozen=True)
+class _FamilySpec:
+    """How one family builds its tensors and names its MTP fusion tensors."""
+
+    build: Callable[[_Init, int], Tuple[dict, Tensors]]
+    mtp_prefixes: Callable[[dict], List[str]]
+    emb_norm: str
+    proj: str
+    final_norm: str
+    hidden_first: bool  # concat order of the MTP projection input
+    has_embed_copy: bool
+
+    def is_mtp_key(self, key: str, cfg: dict) -> bool:
+        return any(key.startswith(p) for p in self.mtp_prefixes(cfg))
+
+
+def _nextn_prefixes(cfg: dict) -> List[str]:
+    return [f"model.layers.{i}." for i in _nextn_indices(cfg)]
+
+
+def _mimo_prefixes(cfg: dict) -> List[str]:
+    return [f"model.mtp_layers.{i}." for i in range(cfg["num_nextn_predict_layers"])]
+
+
+_DEEPSEEK_STYLE = dict(
+    mtp_prefixes=_nextn_prefixes,
+    emb_norm="enorm.weight",
+    proj="eh_proj.weight",
+    final_norm="shared_head.norm.weight",
+    hidden_first=False,
+    has_embed_copy=True,
+)
+
+_SPECS = {
+    "deepseek_v3": _FamilySpec(build=_deepseek_v3, **_DEEPSEEK_STYLE),
+    "glm4_moe": _FamilySpec(build=_glm4_moe, **_DEEPSEEK_STYLE),
+    "mimo": _FamilySpec(
+        build=_mimo,
+        mtp_prefixes=_mimo_prefixes,
+        emb_norm="token_layernorm.weight",
+        proj="input_proj.weight",
+        final_norm="final_layernorm.weight",
+        hidden_first=True,
+        has_embed_copy=False,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------
+# predictable=True
+# ---------------------------------------------------------------------------
+
+
+def _make_predictable(
+    spec: _FamilySpec, cfg: dict, tensors: Tensors, rng: np.random.Generator
+) -> None:
+    """Rewire ``tensors`` in place so the MTP heads often agree with the trunk.
+
+    1. The trunk embedding is scaled by ``PREDICTABLE_EMBED_SCALE``: the residual
+       stream is dominated by the current token, so the trunk's greedy next token is
+       roughly a function f of the current token. Embedding copies inside MTP layers
+       stay exact copies of the scaled table.
+    2. Each MTP projection passes the normed embedding through: ``[I | 0.02 R]``
+       for ``[embedding, hidden]`` order, ``[0.02 R | I]`` for MiMo's
+       ``[hidden, embedding]``. The embedding norm is set to ones and the MTP final
+       norm to ``model.norm.weight``.
+    3. The MTP layer's ``o_proj`` and every MLP ``down_proj`` in it (dense, experts,
+       shared experts) are damped by ``PREDICTABLE_DAMPING``.
+
+    The MTP head at row i then predicts roughly f(t_{i+1}), i.e. t_{i+2}, with
+    context effects making it wrong some of the time.
+    """
+    hidden = cfg["hidden_size"]
+    embed = tensors["model.embed_tokens.weight"] * np.float32(PREDICTABLE_EMBED_SCALE)
+    tensors["model.embed_tokens.weight"] = embed
+    for prefix in spec.mtp_prefixes(cfg):
+        if spec.has_embed_copy:
+            tensors[f"{prefix}embed_tokens.weight"] = embed.copy()
+        eye = np.eye(hidden, dtype=np.float32)
+        noise = (PREDICTABLE_PROJ_NOISE * rng.standard_normal((hidden, hidden))).astype(
+            np.float32
+        )
+        halves = [noise, eye] if spec.hidden_first else [eye, noise]
+        tensors[f"{prefix}{spec.proj}"] = np.concatenate(halves, axis=1)
+        tensors[f"{prefix}{spec.emb_norm}"] = np.ones(hidden, dtype=np.float32)
+        tensors[f"{prefix}{spec.final_norm}"] = tensors["model.norm.weight"].copy()
+        for key in tensors:
+            if key.startswith(prefix) and key.endswith(
+                ("o_proj.weight", "down_proj.weight")
+            ):
+                tensors[key] = tensors[key] * np.float32(PREDICTABLE_DAMPING)
+
+
+# ---------------------------------------------------------------------------
+# Writing weights and configs
+# ---------------------------------------------------------------------------
+
+
+def _to_mx(name: str, value: np.ndarray, dtype) -> mx.array:
+    """Cast to the checkpoint dtype; router correction biases stay float32."""
+    arr = mx.array(value)
+    if name.endswith("e_score_correction_bias"):
+        return arr.astype(mx.float32)
+    return arr.astype(dtype)
+
+
+def _shard_groups(
+    trunk_keys: List[str], mtp_keys: List[str], num_shards: int
+) -> List[List[str]]:
+    """Split keys into ``num_shards`` contiguous groups; MTP keys go to the last one."""
+    per_shard = -(-len(trunk_keys) // num_shards)
+    groups = [
+        trunk_keys[i * per_shard : (i + 1) * per_shard] for i in range(num_shards)
+    ]
+    groups[-1] = groups[-1] + mtp_keys
+    return groups
+
+
+def _write_weights(
+    out: pathlib.Path, tensors: Tensors, mtp_keys: List[str], dtype, num_shards: int
+) -> None:
+    """Write one ``model.safetensors`` or N shards plus the HF index file."""
+    arrays = {k: _to_mx(k, v, dtype) for k, v in tensors.items()}
+    if num_shards == 1:
+        mx.save_safetensors(
+            str(out / "model.safetensors"), arrays, metadata={"format": "pt"}
+        )
+        return
+    mtp = set(mtp_keys)
+    trunk_keys = [k for k in tensors if k not in mtp]
+    weight_map = {}
+    for i, keys in enumerate(_shard_groups(trunk_keys, mtp_keys, num_shards)):
+        name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        shard = {k: arrays[k] for k in keys}
+        mx.save_safetensors(str(out / name), shard, metadata={"format": "pt"})
+        weight_map.update({k: name for k in keys})
+    total = sum(a.nbytes for a in arrays.values())
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+def _write_json(path: pathlib.Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def _token_id_config(ids: Dict[str, int]) -> dict:
+    eos = ids[EOS_TOKEN]
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+
+
+def _generation_config(ids: Dict[str, int]) -> dict:
+    return {
+        "bos_token_id": ids[EOS_TOKEN],
+        "eos_token_id": [ids[EOS_TOKEN], ids[IM_END]],
+        "pad_token_id": ids[EOS_TOKEN],
+        "do_sample": False,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+_CORPUS = '''\
+The quick brown fox jumps over the lazy dog. A speculative decoder drafts a few
+tokens with a cheap head and then verifies them with the full model in one pass.
+When the draft agrees with the model, several tokens are accepted at once; when it
+does not, the first wrong token is replaced and the rest of the draft is dropped.
+Multi-token prediction adds small extra layers on top of the trunk. Each layer reads
+the hidden state of the last position and the embedding of the next token, and it
+predicts the token after that. The output is exact: greedy decoding with a draft head
+gives the same text as greedy decoding without one, only faster.
+Once upon a time there was a little robot who liked to count. It counted the stars,
+the trees, the birds in the sky and the fish in the sea. One day it met a cat. "Hello,"
+said the robot. "How many lives do you have?" The cat thought about it for a while
+and then said, "Nine, but I only use one at a time." The robot was very happy.
+It is a truth universally acknowledged that a model in possession of a good cache
+must be in want of a faster kernel. The weather today is sunny with a light breeze,
+and the temperature will reach twenty degrees in the afternoon. Please remember to
+bring an umbrella tomorrow, because it may rain in the evening.
+Question: What is the capital of France? Answer: The capital of France is Paris.
+Question: What is two plus two? Answer: Two plus two is four.
+User: Can you write a function that adds two numbers? Assistant: Sure, here it is.
+
+import math
+import numpy as np
+
+
+def add(a, b):
+    """Return the sum of a and b."""
+    return a + b
+
+
+def softmax(x, axis=-1):
+    x = x - np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.value = start
+
+    def step(self, n=1):
+        self.value += n
+        return self.value
+
+    def __repr__(self):
+        return f"Counter(value={self.value})"
+
+
+def forward(self, hidden_states, attention_mask=None, cache=None):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states = self.self_attn(hidden_states, attention_mask, cache)
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    return residual + self.mlp(hidden_states)
+
+
+for i in range(10):
+    if i % 2 == 0:
+        print("even", i)
+    else:
+        print("odd", i)
+
+numbers = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+squares = {n: n * n for n in numbers}
+total = sum(value for value in squares.values())
+print(f"total = {total}, mean = {total / len(numbers):.2f}")
+with open("data.txt", "w", encoding="utf-8") as handle:
+    handle.write("hello world\\n")
+try:
+    result = math.sqrt(-1)
+except ValueError as error:
+    print("error:", error)
+'''
+
+
+def _special_token_ids(vocab_size: int) -> Dict[str, int]:
+    """Ids of the special tokens in the tokenizer for ``vocab_size``."""
+    tokenizer = _load_trained(vocab_size)
+    return {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+
+
+def _load_trained(vocab_size: int):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_tokenizer_json(vocab_size))
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    """Train the byte-level BPE once per ``vocab_size``; return its JSON."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    n_special = len(SPECIAL_TOKENS)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + n_special:
+        raise ValueError(f"vocab_size must be >= {len(alphabet) + n_special}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - n_special,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    assert tokenizer.get_vocab_size() <= vocab_size
+    return tokenizer.to_str()
+
+
+def _tokenizer_config(ids: Dict[str, int]) -> dict:
+    added = {
+        str(ids[tok]): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for tok in SPECIAL_TOKENS
+    }
+    return {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": EOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def _special_tokens_map() -> dict:
+    return {
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": EOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+    }

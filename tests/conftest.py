@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny checkpoints in each family's Hugging Face layout, built once."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_mtp.fixtures import FAMILIES, write_checkpoint
+from mlx_mtp.loading import load, load_model
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(family, predictable=False, **kw) -> Path``, cached per arguments."""
+    made = {}
+
+    def make(family, predictable=False, **kw):
+        key = (family, predictable, tuple(sorted(kw.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{family}{'-pred' if predictable else ''}")
+            made[key] = write_checkpoint(family, out, predictable=predictable, **kw)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def loaded(checkpoint):
+    """``loaded(family, predictable=False) -> (model, tokenizer)``, cached."""
+    models = {}
+
+    def get(family, predictable=False):
+        if (family, predictable) not in models:
+            models[family, predictable] = load(str(checkpoint(family, predictable)))
+        return models[family, predictable]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    mx.random.seed(0)

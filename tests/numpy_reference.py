@@ -1,0 +1,440 @@
+"""Independent float64 numpy reference for the trunk and MTP heads.
+
+This module is the ground truth that the MLX runtime (`mlx_mtp`) is tested
+against. It reads a raw Hugging Face checkpoint folder (``config.json`` plus
+``*.safetensors`` with HF tensor names) and runs a teacher-forced forward in
+float64. It must not import mlx or mlx_lm.
+
+Families: ``deepseek_v3`` (MLA + MoE), ``glm4_moe`` (GQA with qk-norm and
+partial RoPE + MoE) and ``mimo`` (Qwen2 layers). The trunk math follows
+mlx-lm 0.32.2, which is the trunk we must match.
+
+Conventions pinned here (see shared/docs/mtp_formats.md §0.1, §3, §5, §6):
+
+- The MTP head reads the trunk hidden state AFTER the trunk's final norm.
+- Concat order is ``[enorm(emb), hnorm(hidden)]`` for deepseek_v3 and
+  glm4_moe, and the reversed ``[hidden_layernorm(hidden), token_layernorm(emb)]``
+  for mimo.
+- MTP layer ``j`` row ``i`` pairs hidden row ``i`` with token ``t_{i+j+1}``,
+  sits at RoPE position ``i``, attends causally to rows ``0..i`` and predicts
+  ``t_{i+j+2}``.
+- The token embedding of row 0 (position 0) is set to zero, as vLLM does.
+- Layer ``j >= 1`` reads the output of layer ``j-1`` after that layer's final
+  norm (``shared_head.norm`` / ``final_layernorm``).
+- Embedding and LM head always come from the trunk; the copies inside the
+  MTP block (``embed_tokens``, ``shared_head.head``) are ignored.
+"""
+
+import glob
+import json
+import os
+import struct
+
+import numpy as np
+from safetensors.numpy import load_file
+
+FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
+
+# DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed eps in mlx-lm and HF.
+MLA_NORM_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint loading
+
+
+def _load_bf16_safetensors(path):
+    """Read a safetensors file by hand; numpy has no bfloat16 dtype."""
+    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        raw = data[start:end]
+        if info["dtype"] == "BF16":
+            bits = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16
+            arr = bits.view(np.float32)
+        else:
+            arr = np.frombuffer(raw, dtype=dtypes[info["dtype"]])
+        out[name] = arr.reshape(info["shape"])
+    return out
+
+
+def load_checkpoint(ckpt_dir):
+    """Return (config dict, {HF name: float64 array})."""
+    with open(os.path.join(ckpt_dir, "config.json")) as f:
+        config = json.load(f)
+    weights = {}
+    for path in sorted(glob.glob(os.path.join(ckpt_dir, "*.safetensors"))):
+        try:
+            tensors = load_file(path)
+        except (TypeError, ValueError):
+            tensors = _load_bf16_safetensors(path)
+        weights.update(tensors)
+    if not weights:
+        raise FileNotFoundError(f"no *.safetensors in {ckpt_dir}")
+    return config, {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+
+
+# ---------------------------------------------------------------------------
+# Building blocks. x is (n, D) for one sequence of n rows.
+
+
+def rmsnorm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # no overflow for large |x|
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def linear(W, prefix, x):
+    """x @ W[prefix.weight].T (+ W[prefix.bias] when the checkpoint has it)."""
+    y = x @ W[prefix + ".weight"].T
+    bias = W.get(prefix + ".bias")
+    return y if bias is None else y + bias
+
+
+def rope_angles(positions, dims, base, scale=1.0):
+    """(n, dims/2) angles: position * scale * base^(-2i/dims)."""
+    inv_freq = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    return np.outer(np.asarray(positions, dtype=np.float64) * scale, inv_freq)
+
+
+def rope_rotate_half(x, positions, dims, base, scale=1.0):
+    """Non-interleaved RoPE (mlx nn.RoPE traditional=False) on x[..., :dims].
+
+    x is (heads, n, head_dim); pairs are (i, i + dims/2); the rest is unchanged.
+    """
+    ang = rope_angles(positions, dims, base, scale)
+    cos, sin = np.cos(ang), np.sin(ang)
+    half = dims // 2
+    x1, x2 = x[..., :half], x[..., half:dims]
+    rotated = np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return np.concatenate([rotated, x[..., dims:]], axis=-1)
+
+
+def rope_interleaved(x, positions, dims, base, scale=1.0):
+    """Interleaved RoPE (mlx traditional=True): pairs (2i, 2i+1) of x[..., :dims]."""
+    ang = rope_angles(positions, dims, base, scale)
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+    out = x.copy()
+    out[..., 0:dims:2] = x1 * cos - x2 * sin
+    out[..., 1:dims:2] = x1 * sin + x2 * cos
+    return out
+
+
+def causal_attention(q, k, v, scale):
+    """Softmax(q k^T * scale) v with a causal mask.
+
+    q is (H, n, d), k is (Hkv, n, d), v is (Hkv, n, dv); Hkv divides H and
+    query head h reads kv head h // (H / Hkv). Returns (n, H * dv).
+    """
+    n_heads, n = q.shape[0], q.shape[1]
+    repeat = n_heads // k.shape[0]
+    k = np.repeat(k, repeat, axis=0)
+    v = np.repeat(v, repeat, axis=0)
+    scores = (q @ k.transpose(0, 2, 1)) * scale  # (H, n, n)
+    future = np.triu(np.ones((n, n), dtype=bool), k=1)
+    scores = np.where(future, -np.inf, scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ v  # (H, n, dv)
+    return out.transpose(1, 0, 2).reshape(n, -1)
+
+
+def mlp(W, prefix, x):
+    """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
+    gate = linear(W, prefix + ".gate_proj", x)
+    up = linear(W, prefix + ".up_proj", x)
+    return linear(W, prefix + ".down_proj", silu(gate) * up)
+
+
+def _rope_scale(cfg):
+    """Position scale for mlx-lm's initialize_rope; only default and linear."""
+    scaling = cfg.get("rope_scaling")
+    if scaling is None:
+        return 1.0
+    kind = scaling.get("type") or scaling.get("rope_type", "default")
+    if kind == "default":
+        return 1.0
+    if kind == "linear":
+        return 1.0 / scaling["factor"]
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not in the reference")
+
+
+# ---------------------------------------------------------------------------
+# Mixture of experts (DeepSeek-V3 / GLM-4-MoE "noaux_tc" routing)
+
+
+def route_tokens(logits, bias, cfg):
+    """Pick experts and weights per row, as mlx-lm group_expert_select.
+
+    Selection uses sigmoid(logits) + e_score_correction_bias, limited to the
+    best topk_group groups (group score = sum of its 2 best biased scores;
+    the other groups are set to 0, not -inf). Weights are the un-biased
+    sigmoid scores of the selected experts, normalised when norm_topk_prob
+    and top_k > 1, times routed_scaling_factor.
+    Returns (indices (n, k), weights (n, k)).
+    """
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise NotImplementedError("only sigmoid scoring is in the reference")
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise NotImplementedError("only noaux_tc routing is in the reference")
+    top_k = cfg["num_experts_per_tok"]
+    n_group = cfg.get("n_group", 1) or 1
+    topk_group = cfg.get("topk_group", 1) or 1
+
+    scores = sigmoid(logits)  # (n, E)
+    choice = scores + bias
+    if n_group > 1:
+        grouped = choice.reshape(choice.shape[0], n_group, -1).copy()
+        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # (n, G)
+        n_drop = n_group - topk_group
+        drop = np.argsort(group_scores, axis=-1, kind="stable")[:, :n_drop]
+        np.put_along_axis(grouped, drop[..., None], 0.0, axis=1)
+        choice = grouped.reshape(choice.shape)
+
+    inds = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(scores, inds, axis=-1)
+    if top_k > 1 and cfg.get("norm_topk_prob", True):
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return inds, weights * cfg.get("routed_scaling_factor", 1.0)
+
+
+def moe(W, prefix, cfg, x):
+    """Routed SiLU-gated experts plus shared experts."""
+    logits = x @ W[prefix + ".gate.weight"].T
+    bias = W.get(prefix + ".gate.e_score_correction_bias")
+    if bias is None:
+        bias = np.zeros(logits.shape[-1])
+    inds, weights = route_tokens(logits, bias, cfg)
+    out = np.zeros_like(x)
+    for row in range(x.shape[0]):
+        for e, w in zip(inds[row], weights[row]):
+            expert = f"{prefix}.experts.{e}"
+            out[row] += w * mlp(W, expert, x[row : row + 1])[0]
+    if cfg.get("n_shared_experts"):
+        out = out + mlp(W, prefix + ".shared_experts", x)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Attention variants
+
+
+def mla_attention(W, prefix, cfg, x, positions):
+    """DeepSeek-V3 multi-head latent attention (no cache, causal)."""
+    n, n_heads = x.shape[0], cfg["num_attention_heads"]
+    d_nope, d_rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    d_v, rank = cfg["v_head_dim"], cfg["kv_lora_rank"]
+    if cfg.get("rope_scaling") is not None:
+        raise NotImplementedError(
+            "DeepSeek rope_scaling (yarn) is not in the reference"
+        )
+
+    if cfg.get("q_lora_rank") is None:
+        q = linear(W, prefix + ".q_proj", x)
+    else:
+        q_a = linear(W, prefix + ".q_a_proj", x)
+        q_a = rmsnorm(q_a, W[prefix + ".q_a_layernorm.weight"], MLA_NORM_EPS)
+        q = linear(W, prefix + ".q_b_proj", q_a)
+    q = q.reshape(n, n_heads, d_nope + d_rope).transpose(1, 0, 2)  # (H, n, dq)
+    q_nope, q_pe = q[..., :d_nope], q[..., d_nope:]
+
+    kv_a = linear(W, prefix + ".kv_a_proj_with_mqa", x)
+    latent, k_pe = kv_a[:, :rank], kv_a[:, rank:]
+    latent = rmsnorm(latent, W[prefix + ".kv_a_layernorm.weight"], MLA_NORM_EPS)
+    kv = linear(W, prefix + ".kv_b_proj", latent)
+    kv = kv.reshape(n, n_heads, d_nope + d_v).transpose(1, 0, 2)  # (H, n, .)
+    k_nope, v = kv[..., :d_nope], kv[..., d_nope:]
+
+    base = cfg.get("rope_theta", 10000.0)
+    q_pe = rope_interleaved(q_pe, positions, d_rope, base)
+    k_pe = rope_interleaved(k_pe[None], positions, d_rope, base)  # (1, n, d_rope)
+    k_pe = np.broadcast_to(k_pe, (n_heads, n, d_rope))
+
+    q_full = np.concatenate([q_nope, q_pe], axis=-1)
+    k_full = np.concatenate([k_nope, k_pe], axis=-1)
+    scale = (d_nope + d_rope) ** -0.5
+    out = causal_attention(q_full, k_full, v, scale)
+    return linear(W, prefix + ".o_proj", out)
+
+
+def gqa_attention(W, prefix, cfg, x, positions, family):
+    """Grouped-query attention of glm4_moe and mimo (no cache, causal).
+
+    glm4_moe: per-head q_norm/k_norm before RoPE (when use_qk_norm), RoPE on
+    the first head_dim * partial_rotary_factor dims, rope_scaling ignored as
+    in mlx-lm. mimo: Qwen2 attention, full RoPE.
+    """
+    n = x.shape[0]
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    base = cfg.get("rope_theta", 10000.0)
+    if family == "glm4_moe":
+        head_dim = cfg["head_dim"]
+        rope_dims = int(head_dim * cfg["partial_rotary_factor"])
+        rope_scale, traditional = 1.0, False
+    else:
+        head_dim = cfg["hidden_size"] // n_heads
+        rope_dims = head_dim
+        rope_scale, traditional = _rope_scale(cfg), cfg.get("rope_traditional", False)
+
+    q = linear(W, prefix + ".q_proj", x).reshape(n, n_heads, head_dim)
+    k = linear(W, prefix + ".k_proj", x).reshape(n, n_kv, head_dim)
+    v = linear(W, prefix + ".v_proj", x).reshape(n, n_kv, head_dim)
+    if family == "glm4_moe" and cfg.get("use_qk_norm"):
+        eps = cfg["rms_norm_eps"]
+        q = rmsnorm(q, W[prefix + ".q_norm.weight"], eps)
+        k = rmsnorm(k, W[prefix + ".k_norm.weight"], eps)
+    q, k, v = (t.transpose(1, 0, 2) for t in (q, k, v))  # (heads, n, head_dim)
+
+    rope = rope_interleaved if traditional else rope_rotate_half
+    q = rope(q, positions, rope_dims, base, rope_scale)
+    k = rope(k, positions, rope_dims, base, rope_scale)
+    out = causal_attention(q, k, v, head_dim**-0.5)
+    return linear(W, prefix + ".o_proj", out)
+
+
+# ---------------------------------------------------------------------------
+# Decoder layers
+
+
+def is_moe_layer(cfg, family, layer_idx):
+    """The mlx-lm rule for which layers use the MoE MLP."""
+    if family == "mimo" or cfg.get("n_routed_experts") is None:
+        return False
+    if layer_idx < cfg.get("first_k_dense_replace", 0):
+        return False
+    if family == "deepseek_v3":
+        return layer_idx % cfg.get("moe_layer_freq", 1) == 0
+    return True
+
+
+def decoder_layer(W, prefix, cfg, family, layer_idx, x, positions):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+    eps = cfg["rms_norm_eps"]
+    a_in = rmsnorm(x, W[prefix + ".input_layernorm.weight"], eps)
+    if family == "deepseek_v3":
+        attn = mla_attention(W, prefix + ".self_attn", cfg, a_in, positions)
+    else:
+        attn = gqa_attention(W, prefix + ".self_attn", cfg, a_in, positions, family)
+    h = x + attn
+    m_in = rmsnorm(h, W[prefix + ".post_attention_layernorm.weight"], eps)
+    if is_moe_layer(cfg, family, layer_idx):
+        return h + moe(W, prefix + ".mlp", cfg, m_in)
+    return h + mlp(W, prefix + ".mlp", m_in)
+
+
+# ---------------------------------------------------------------------------
+# Trunk and MTP heads
+
+
+def lm_head_weight(W, cfg, family):
+    """Trunk LM head, as mlx-lm picks it.
+
+    mimo ties it to the embedding when tie_word_embeddings; deepseek_v3 and
+    glm4_moe always use lm_head.weight.
+    """
+    if family == "mimo" and cfg.get("tie_word_embeddings", False):
+        return W["model.embed_tokens.weight"]
+    return W["lm_head.weight"]
+
+
+def trunk_hidden(W, cfg, family, tokens):
+    """Hidden states (n, D) after the trunk's final norm (model.norm)."""
+    x = W["model.embed_tokens.weight"][np.asarray(tokens)]
+    positions = np.arange(len(tokens))
+    for layer in range(cfg["num_hidden_layers"]):
+        x = decoder_layer(W, f"model.layers.{layer}", cfg, family, layer, x, positions)
+    return rmsnorm(x, W["model.norm.weight"], cfg["rms_norm_eps"])
+
+
+def mtp_prefix(cfg, family, j):
+    """Checkpoint prefix of MTP layer j."""
+    if family == "mimo":
+        return f"model.mtp_layers.{j}"
+    return f"model.layers.{cfg['num_hidden_layers'] + j}"
+
+
+def num_mtp_layers(W, cfg, family):
+    """MTP layers present in the checkpoint (checked against the config)."""
+    key = "input_proj.weight" if family == "mimo" else "eh_proj.weight"
+    count = 0
+    while f"{mtp_prefix(cfg, family, count)}.{key}" in W:
+        count += 1
+    declared = cfg.get("num_nextn_predict_layers")
+    if count and declared is not None and declared != count:
+        raise ValueError(
+            f"config declares {declared} MTP layers, checkpoint has {count}"
+        )
+    return count
+
+
+def mtp_layer(W, cfg, family, j, hidden, next_tokens):
+    """One MTP layer over rows 0..m-1 at positions 0..m-1.
+
+    hidden is (m, D), post final norm; next_tokens[i] is the token paired
+    with hidden row i. Returns z (m, D), the layer output after its final norm.
+    """
+    prefix, eps = mtp_prefix(cfg, family, j), cfg["rms_norm_eps"]
+    emb = W["model.embed_tokens.weight"][np.asarray(next_tokens)].copy()
+    emb[0] = 0.0  # vLLM zeroes the embedding at position 0
+    if family == "mimo":
+        h_n = rmsnorm(hidden, W[prefix + ".hidden_layernorm.weight"], eps)
+        e_n = rmsnorm(emb, W[prefix + ".token_layernorm.weight"], eps)
+        x = linear(W, prefix + ".input_proj", np.concatenate([h_n, e_n], axis=-1))
+        final_norm = prefix + ".final_layernorm.weight"
+    else:
+        e_n = rmsnorm(emb, W[prefix + ".enorm.weight"], eps)
+        h_n = rmsnorm(hidden, W[prefix + ".hnorm.weight"], eps)
+        x = linear(W, prefix + ".eh_proj", np.concatenate([e_n, h_n], axis=-1))
+        final_norm = prefix + ".shared_head.norm.weight"
+    layer_idx = cfg["num_hidden_layers"] + j
+    positions = np.arange(x.shape[0])
+    y = decoder_layer(W, prefix, cfg, family, layer_idx, x, positions)
+    return rmsnorm(y, W[final_norm], eps)
+
+
+def reference_logits(ckpt_dir, tokens):
+    """Teacher-forced logits for one sequence t_0..t_{n-1}.
+
+    Args:
+        ckpt_dir: HF checkpoint folder (config.json + *.safetensors).
+        tokens: the token ids t_0..t_{n-1}, n >= 1.
+
+    Returns:
+        (main, mtp): main is (n, V), the trunk logits at each position.
+        mtp[j] is (n-1-j, V) for MTP layer j: row i holds the logits for
+        t_{i+j+2}. Arrays are float64.
+    """
+    config, W = load_checkpoint(ckpt_dir)
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise NotImplementedError(f"model_type {family!r} is not in the reference")
+    tokens = [int(t) for t in tokens]
+    n, head = len(tokens), lm_head_weight(W, config, family)
+
+    hidden = trunk_hidden(W, config, family, tokens)
+    main = hidden @ head.T
+    mtp = []
+    for j in range(num_mtp_layers(W, config, family)):
+        rows = n - 1 - j
+        if rows <= 0:
+            mtp.append(np.zeros((0, head.shape[0])))
+            continue
+        # Row i: hidden row i (trunk, or layer j-1 output) with token t_{i+j+1}.
+        hidden = mtp_layer(W, config, family, j, hidden[:rows], tokens[j + 1 :])
+        mtp.append(hidden @ head.T)
+    return main, mtp

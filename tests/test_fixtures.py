@@ -1,0 +1,303 @@
+"""Tiny HF-layout checkpoints: load with plain mlx-lm, tokenizer, names and shapes."""
+
+import json
+import pathlib
+import runpy
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import load_model, load_tokenizer
+
+from mlx_mtp.fixtures import FAMILIES, write_checkpoint
+
+H = 64
+V = 512
+
+# Where each family keeps its MTP tensors (official HF names).
+MTP_PREFIX = {
+    "deepseek_v3": ("model.layers.3.",),
+    "glm4_moe": ("model.layers.2.",),
+    "mimo": ("model.mtp_layers.0.", "model.mtp_layers.1."),
+}
+NEXTN_FUSION = {
+    "enorm.weight": (H,),
+    "hnorm.weight": (H,),
+    "eh_proj.weight": (H, 2 * H),
+    "shared_head.norm.weight": (H,),
+    "shared_head.head.weight": (V, H),
+    "embed_tokens.weight": (V, H),
+}
+MIMO_FUSION = {
+    "token_layernorm.weight": (H,),
+    "hidden_layernorm.weight": (H,),
+    "input_proj.weight": (H, 2 * H),
+    "final_layernorm.weight": (H,),
+}
+MLA_SHAPES = {
+    "self_attn.q_a_proj.weight": (32, H),
+    "self_attn.q_a_layernorm.weight": (32,),
+    "self_attn.q_b_proj.weight": (4 * 24, 32),
+    "self_attn.kv_a_proj_with_mqa.weight": (24, H),
+    "self_attn.kv_a_layernorm.weight": (16,),
+    "self_attn.kv_b_proj.weight": (4 * 32, 16),
+    "self_attn.o_proj.weight": (H, 64),
+}
+GLM_ATTN_SHAPES = {
+    "self_attn.q_proj.weight": (64, H),
+    "self_attn.q_proj.bias": (64,),
+    "self_attn.k_proj.weight": (32, H),
+    "self_attn.k_proj.bias": (32,),
+    "self_attn.v_proj.weight": (32, H),
+    "self_attn.v_proj.bias": (32,),
+    "self_attn.o_proj.weight": (H, 64),
+    "self_attn.q_norm.weight": (16,),
+    "self_attn.k_norm.weight": (16,),
+}
+MOE_SHAPES = {
+    "mlp.gate.weight": (4, H),
+    "mlp.gate.e_score_correction_bias": (4,),
+    **{
+        f"mlp.experts.{e}.{p}.weight": s
+        for e in range(4)
+        for p, s in (
+            ("gate_proj", (32, H)),
+            ("up_proj", (32, H)),
+            ("down_proj", (H, 32)),
+        )
+    },
+    "mlp.shared_experts.gate_proj.weight": (32, H),
+    "mlp.shared_experts.up_proj.weight": (32, H),
+    "mlp.shared_experts.down_proj.weight": (H, 32),
+}
+# (projection, embedding norm, final norm) rewired by predictable=True.
+PREDICTABLE_NAMES = {
+    "deepseek_v3": ("eh_proj.weight", "enorm.weight", "shared_head.norm.weight"),
+    "glm4_moe": ("eh_proj.weight", "enorm.weight", "shared_head.norm.weight"),
+    "mimo": ("input_proj.weight", "token_layernorm.weight", "final_layernorm.weight"),
+}
+
+
+def _weights(path: pathlib.Path) -> dict:
+    weights = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def _is_mtp(family: str, key: str) -> bool:
+    return key.startswith(MTP_PREFIX[family])
+
+
+def _strip_mtp(family: str, src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """Copy of ``src`` without MTP tensors (plain mlx-lm only drops layer 61)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            (dst / f.name).write_bytes(f.read_bytes())
+    trunk = {k: v for k, v in _weights(src).items() if not _is_mtp(family, k)}
+    mx.save_safetensors(str(dst / "model.safetensors"), trunk, {"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fixtures")
+    return {
+        (fam, pred): write_checkpoint(fam, root / f"{fam}-{pred}", predictable=pred)
+        for fam in FAMILIES
+        for pred in (False, True)
+    }
+
+
+@pytest.mark.parametrize("predictable", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trunk_loads_with_plain_mlx_lm(checkpoints, tmp_path, family, predictable):
+    path = _strip_mtp(family, checkpoints[family, predictable], tmp_path / "trunk")
+    model, config = load_model(path)  # strict: every parameter must be present
+    assert config["model_type"] == family
+    logits = model(mx.array([[1, 2, 3, 4, 5]]))
+    assert logits.shape == (1, 5, V)
+    assert bool(mx.all(mx.isfinite(logits)))
+    assert float(mx.std(logits[0, -1])) > 0.3  # not degenerate
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "mimo"])
+def test_mlx_lm_sanitize_drops_mtp_itself(checkpoints, family):
+    model, _ = load_model(checkpoints[family, False])
+    assert model(mx.array([[7, 8]])).shape == (1, 2, V)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_round_trips(checkpoints, family):
+    path = checkpoints[family, False]
+    tok = load_tokenizer(path)
+    config = json.loads((path / "config.json").read_text())
+    gen = json.loads((path / "generation_config.json").read_text())
+    for text in ["Hello world!", "def add(a, b):\n    return a + b\n", "héllo ✓ 日本"]:
+        ids = tok.encode(text)
+        assert max(ids) < V
+        assert tok.decode(ids) == text
+    assert len(tok._tokenizer) <= V
+    assert tok.eos_token == "<|endoftext|>"
+    assert tok.eos_token_id == config["eos_token_id"] == config["bos_token_id"]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert gen["eos_token_id"] == [config["eos_token_id"], im_end]
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode("<|im_start|>")[-1] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def _expected_mtp_shapes(family: str) -> dict:
+    if family == "mimo":
+        layer = {
+            "input_layernorm.weight": (H,),
+            "post_attention_layernorm.weight": (H,),
+            **{k: v for k, v in GLM_ATTN_SHAPES.items() if "_norm" not in k},
+            "mlp.gate_proj.weight": (128, H),
+            "mlp.up_proj.weight": (128, H),
+            "mlp.down_proj.weight": (H, 128),
+        }
+        return {
+            p + k: s
+            for p in MTP_PREFIX[family]
+            for k, s in {**MIMO_FUSION, **layer}.items()
+        }
+    attn = MLA_SHAPES if family == "deepseek_v3" else GLM_ATTN_SHAPES
+    layer = {
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+        **attn,
+        **MOE_SHAPES,
+    }
+    (prefix,) = MTP_PREFIX[family]
+    return {prefix + k: s for k, s in {**NEXTN_FUSION, **layer}.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_tensor_names_and_shapes(checkpoints, family):
+    weights = _weights(checkpoints[family, False])
+    mtp = {k: tuple(v.shape) for k, v in weights.items() if _is_mtp(family, k)}
+    assert mtp == _expected_mtp_shapes(family)
+    assert weights["model.embed_tokens.weight"].shape == (V, H)
+    assert weights["lm_head.weight"].shape == (V, H)
+    if family != "mimo":
+        (prefix,) = MTP_PREFIX[family]
+        head, embed = (
+            weights[prefix + "shared_head.head.weight"],
+            weights[prefix + "embed_tokens.weight"],
+        )
+        assert mx.array_equal(head, weights["lm_head.weight"])
+        assert mx.array_equal(embed, weights["model.embed_tokens.weight"])
+        assert weights["model.layers.0.mlp.gate_proj.weight"].shape == (128, H)
+        assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].shape == (4,)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_keys(checkpoints, family):
+    config = json.loads((checkpoints[family, False] / "config.json").read_text())
+    arch = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+    assert config["architectures"] == [arch.get(family, "MiMoForCausalLM")]
+    assert config["hidden_size"] == H and config["vocab_size"] == V
+    assert config["tie_word_embeddings"] is False
+    assert config["torch_dtype"] == "float32"
+    layers = {"deepseek_v3": (3, 1), "glm4_moe": (2, 1), "mimo": (2, 2)}[family]
+    assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == layers
+    tok_cfg = json.loads(
+        (checkpoints[family, False] / "tokenizer_config.json").read_text()
+    )
+    assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert "<|im_start|>" in tok_cfg["chat_template"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_predictable_construction(checkpoints, family):
+    w = {k: np.array(v) for k, v in _weights(checkpoints[family, True]).items()}
+    base = {k: np.array(v) for k, v in _weights(checkpoints[family, False]).items()}
+    np.testing.assert_allclose(
+        w["model.embed_tokens.weight"],
+        30 * base["model.embed_tokens.weight"],
+        rtol=1e-6,
+    )
+    proj, enorm, final = PREDICTABLE_NAMES[family]
+    for prefix in MTP_PREFIX[family]:
+        p = w[prefix + proj]
+        eye = p[:, H:] if family == "mimo" else p[:, :H]
+        np.testing.assert_array_equal(eye, np.eye(H))
+        np.testing.assert_array_equal(w[prefix + enorm], np.ones(H))
+        np.testing.assert_array_equal(w[prefix + final], w["model.norm.weight"])
+        o = prefix + "self_attn.o_proj.weight"
+        np.testing.assert_allclose(w[o], 0.2 * base[o], rtol=1e-6)
+        if family != "mimo":
+            np.testing.assert_array_equal(
+                w[prefix + "embed_tokens.weight"], w["model.embed_tokens.weight"]
+            )
+
+
+def test_deterministic_and_seeded(tmp_path):
+    a = write_checkpoint("glm4_moe", tmp_path / "a", seed=3)
+    b = write_checkpoint("glm4_moe", tmp_path / "b", seed=3)
+    c = write_checkpoint("glm4_moe", tmp_path / "c", seed=4)
+    for name in ["model.safetensors", "tokenizer.json", "config.json"]:
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    assert (a / "model.safetensors").read_bytes() != (
+        c / "model.safetensors"
+    ).read_bytes()
+
+
+def test_sharded_index_puts_mtp_last(tmp_path):
+    path = write_checkpoint(
+        "deepseek_v3", tmp_path / "ds", num_shards=3, dtype="bfloat16"
+    )
+    assert not (path / "model.safetensors").exists()
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    weights = _weights(path)
+    assert set(weight_map) == set(weights)
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in weights.values())
+    for key, shard in weight_map.items():
+        assert set(mx.load(str(path / shard))) >= {key}
+        if _is_mtp("deepseek_v3", key):
+            assert shard == shards[-1]
+    assert weights["lm_head.weight"].dtype == mx.bfloat16
+    assert (
+        weights["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == mx.float32
+    )
+    assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_sharded_checkpoint_loads_with_plain_mlx_lm(tmp_path):
+    path = write_checkpoint("mimo", tmp_path / "mimo", num_shards=2)
+    model, _ = load_model(path)
+    assert model(mx.array([[1, 2]])).shape == (1, 2, V)
+
+
+def test_cli_script(tmp_path, monkeypatch, capsys):
+    script = (
+        pathlib.Path(__file__).resolve().parents[1]
+        / "scripts"
+        / "make_tiny_checkpoint.py"
+    )
+    out = tmp_path / "cli"
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            str(script),
+            "mimo",
+            str(out),
+            "--predictable",
+            "--seed",
+            "2",
+            "--shards",
+            "2",
+        ],
+    )
+    runpy.run_path(str(script), run_name="__main__")
+    assert capsys.readouterr().out.strip() == str(out)
+    assert (out / "model.safetensors.index.json").exists()
