@@ -94,5 +94,7 @@ def test_drafting_params_do_not_matter_for_greedy(loaded):
     model, tokenizer = loaded("glm4_moe", predictable=True)
     ids = tokenizer.encode(PROMPTS[2])
     params = SamplingParams(temp=0.0, top_p=0.5, top_k=3)
-    outs = mtp_generate_step(ids, model, num_draft_tokens=2, params=params, max_tokens=32)
+    outs = mtp_generate_step(
+        ids, model, num_draft_tokens=2, params=params, max_tokens=32
+    )
     assert [o.token for o in outs] == plain_greedy(model, ids, 32)

@@ -47,7 +47,12 @@ def sample_tokens(model, params, k, n):
     out = np.zeros((n, 3), dtype=np.int64)
     for seed in range(n):
         steps = mtp_generate_step(
-            PROMPT, model, num_draft_tokens=k, params=params, max_tokens=k + 2, seed=seed
+            PROMPT,
+            model,
+            num_draft_tokens=k,
+            params=params,
+            max_tokens=k + 2,
+            seed=seed,
         )
         out[seed] = [o.token for _, o in zip(range(3), steps)]
         steps.close()
@@ -118,7 +123,12 @@ def test_seed_reproducible(small_model):
 
     def run(seed):
         steps = mtp_generate_step(
-            PROMPT, small_model, num_draft_tokens=3, params=params, max_tokens=24, seed=seed
+            PROMPT,
+            small_model,
+            num_draft_tokens=3,
+            params=params,
+            max_tokens=24,
+            seed=seed,
         )
         return [o.token for o in steps]
 

@@ -1,0 +1,92 @@
+"""Rollback: after decoding with partial acceptance, every cache equals a fresh prefill
+of the committed tokens; the MTP caches hold entries computed from true trunk states."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from mlx_mtp.cache import Caches, check_rollback, make_caches
+from mlx_mtp.errors import RollbackError
+from mlx_mtp.fixtures import FAMILIES
+from mlx_mtp.speculative import mtp_generate_step
+
+
+def assert_same_kv(cache, fresh, upto=None):
+    upto = fresh.offset if upto is None else upto
+    for ours, ref in ((cache.keys, fresh.keys), (cache.values, fresh.values)):
+        np.testing.assert_allclose(
+            np.array(ours[..., :upto, :]), np.array(ref[..., :upto, :]), atol=1e-4
+        )
+
+
+def fresh_caches(model, tokens):
+    """Trunk caches of a prefill of ``tokens``, and MTP caches of a teacher-forced pass."""
+    caches = make_caches(model)
+    seq = mx.array(tokens)[None]
+    h = model.hidden(seq, caches.trunk)
+    for j, c in enumerate(caches.mtp):
+        h = model.mtp_forward(j, h[:, : len(tokens) - 1 - j], seq[:, j + 1 :], c)
+    return caches
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("stop_after", (7, 30))
+def test_caches_equal_fresh_prefill_after_close(family, stop_after, loaded):
+    model, tokenizer = loaded(family, predictable=True)
+    prompt = tokenizer.encode("The quick brown fox")
+    caches = make_caches(model)
+    steps = mtp_generate_step(
+        prompt, model, num_draft_tokens=3, max_tokens=64, caches=caches
+    )
+    seen = [o for _, o in zip(range(stop_after), steps)]
+    steps.close()
+    stats = seen[-1].stats
+    assert stats.accepted > 0
+    if stop_after == 30:
+        assert stats.accepted < stats.drafted  # rejections were rolled back
+    tokens = prompt + [o.token for o in seen]
+    held = caches.trunk[0].offset
+    assert held in (len(tokens) - 1, len(tokens))  # the last token if it was consumed
+    fresh = fresh_caches(model, tokens[:held])
+    for ours, ref in zip(caches.trunk, fresh.trunk):
+        assert ours.offset == held
+        assert_same_kv(ours, ref)
+    for j, (ours, ref) in enumerate(zip(caches.mtp, fresh.mtp)):
+        assert 0 < ours.offset <= ref.offset
+        assert_same_kv(ours, ref, upto=ours.offset)
+
+
+def test_mtp_cache_keeps_up_over_a_long_run(loaded):
+    """The MTP cache follows the committed sequence (no decay from stale entries)."""
+    model, tokenizer = loaded("glm4_moe", predictable=True)
+    prompt = tokenizer.encode("import numpy as np\n")
+    caches = make_caches(model)
+    outs = list(
+        mtp_generate_step(
+            prompt, model, num_draft_tokens=2, max_tokens=96, caches=caches
+        )
+    )
+    committed = len(prompt) + len(outs)
+    assert caches.mtp[0].offset >= committed - 4
+    fresh = fresh_caches(model, prompt + [o.token for o in outs])
+    assert_same_kv(caches.mtp[0], fresh.mtp[0], upto=caches.mtp[0].offset)
+
+
+def test_unsupported_caches_fail_closed():
+    check_rollback([KVCache(), KVCache()])
+    with pytest.raises(RollbackError, match="ArraysCache"):
+        check_rollback([KVCache(), ArraysCache(2)])
+    with pytest.raises(RollbackError, match="RotatingKVCache"):
+        check_rollback([RotatingKVCache(max_size=8)])
+
+
+def test_loop_refuses_before_decoding(loaded):
+    model, _ = loaded("mimo")
+    caches = Caches(
+        trunk=[ArraysCache(2) for _ in model.layers], mtp=model.make_mtp_cache()
+    )
+    steps = mtp_generate_step([1, 2, 3], model, num_draft_tokens=2, caches=caches)
+    with pytest.raises(RollbackError):
+        next(steps)
+    assert all(c.offset == 0 for c in caches.mtp)
