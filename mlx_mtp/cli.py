@@ -36,6 +36,14 @@ def friendly_errors(fn):
     return wrapper
 
 
+def _quiet_transformers():
+    """Silence transformers' notes about model types it does not know (tokenizers load
+    fine); mlx-mtp prints its own warnings."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mlx-mtp")
 def main():
@@ -121,6 +129,7 @@ def generate(
     from .generate import format_stats, stream_generate
     from .loading import load
 
+    _quiet_transformers()
     if prompt == "-":
         prompt = sys.stdin.read()
     mdl, tokenizer = load(model, allow_missing_heads=allow_missing_heads)

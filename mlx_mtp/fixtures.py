@@ -275,6 +275,28 @@ def _trunk(init: _Init, cfg: dict, layer: Callable[[str, int], Tensors]) -> Tens
 # ---------------------------------------------------------------------------
 
 
+def _moe_layers(
+    init: _Init, cfg: dict, attention: Callable[[str], Tensors]
+) -> Callable[[str, int], Tensors]:
+    """Decoder layers with ``attention``: dense MLP below first_k_dense_replace, else MoE."""
+
+    def layer(prefix: str, idx: int) -> Tensors:
+        dense = idx < cfg["first_k_dense_replace"]
+        return _decoder_layer(
+            init,
+            prefix,
+            HIDDEN,
+            attention,
+            lambda p: (
+                _dense_mlp(init, p, HIDDEN, INTERMEDIATE)
+                if dense
+                else _moe_mlp(init, p, cfg)
+            ),
+        )
+
+    return layer
+
+
 def _deepseek_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     """DeepSeek-V3: 3 MLA layers (layer 0 dense, 1-2 MoE) + MTP at ``model.layers.3``."""
     cfg = {
@@ -316,20 +338,7 @@ def _deepseek_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
         "use_cache": True,
     }
 
-    def layer(prefix: str, idx: int) -> Tensors:
-        dense = idx < cfg["first_k_dense_replace"]
-        return _decoder_layer(
-            init,
-            prefix,
-            HIDDEN,
-            lambda p: _mla_attention(init, p, cfg),
-            lambda p: (
-                _dense_mlp(init, p, HIDDEN, INTERMEDIATE)
-                if dense
-                else _moe_mlp(init, p, cfg)
-            ),
-        )
-
+    layer = _moe_layers(init, cfg, lambda p: _mla_attention(init, p, cfg))
     tensors = _trunk(init, cfg, layer)
     tensors.update(_nextn_layers(init, cfg, tensors, layer))
     return cfg, tensors
@@ -371,20 +380,9 @@ def _glm4_moe(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
         "use_cache": True,
     }
 
-    def layer(prefix: str, idx: int) -> Tensors:
-        dense = idx < cfg["first_k_dense_replace"]
-        return _decoder_layer(
-            init,
-            prefix,
-            HIDDEN,
-            lambda p: _gqa_attention(init, p, cfg, cfg["head_dim"], qk_norm=True),
-            lambda p: (
-                _dense_mlp(init, p, HIDDEN, INTERMEDIATE)
-                if dense
-                else _moe_mlp(init, p, cfg)
-            ),
-        )
-
+    layer = _moe_layers(
+        init, cfg, lambda p: _gqa_attention(init, p, cfg, cfg["head_dim"], qk_norm=True)
+    )
     tensors = _trunk(init, cfg, layer)
     tensors.update(_nextn_layers(init, cfg, tensors, layer))
     return cfg, tensors

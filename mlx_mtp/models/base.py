@@ -178,3 +178,22 @@ def check_copy(copy: mx.array, original: Optional[mx.array], what: str) -> None:
             f"{what} differs from the trunk's copy: the MTP heads do not belong to "
             "this model"
         )
+
+
+def split_mtp(weights: dict, config: dict, layer_of) -> tuple:
+    """Split tensors into (trunk, mtp) by ``layer_of(key, config)`` (None: trunk)."""
+    trunk, mtp = {}, {}
+    for k, v in weights.items():
+        (trunk if layer_of(k, config) is None else mtp)[k] = v
+    return trunk, mtp
+
+
+def sanitize_layers(
+    trunk, weights: dict, config: dict, layer_of, prefix, heads
+) -> dict:
+    """`sanitize_layer` for every MTP layer present; ``prefix(j)`` names layer j."""
+    n = 1 + max(layer_of(k, config) for k in weights)
+    out = {}
+    for j in range(n):
+        out.update(sanitize_layer(trunk, weights, prefix(j), heads, j))
+    return out

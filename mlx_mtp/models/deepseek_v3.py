@@ -10,7 +10,7 @@ from typing import Optional
 
 from mlx_lm.models import deepseek_v3 as lm
 
-from .base import check_copy, sanitize_layer
+from .base import check_copy, sanitize_layers, split_mtp
 from .mtp import MTPLayer
 
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
@@ -43,10 +43,7 @@ def mtp_layer_of(key: str, config: dict) -> Optional[int]:
 
 def split_weights(weights: dict, config: dict):
     """Split tensors into (trunk, mtp); check and drop the MTP layers' shared copies."""
-    trunk, mtp = {}, {}
-    for k, v in weights.items():
-        (trunk if mtp_layer_of(k, config) is None else mtp)[k] = v
-    L = config["num_hidden_layers"]
+    trunk, mtp = split_mtp(weights, config, mtp_layer_of)
     for key in list(mtp):
         name = key.split(".", 3)[3]
         if name in COPIES:
@@ -58,13 +55,14 @@ def split_weights(weights: dict, config: dict):
 def sanitize(weights: dict, config: dict, trunk) -> dict:
     """Map the MTP tensors of `split_weights` to the schema ``layers.{j}.*``."""
     L = config["num_hidden_layers"]
-    n = 1 + max(mtp_layer_of(k, config) for k in weights)
-    out = {}
-    for j in range(n):
-        out.update(
-            sanitize_layer(trunk, weights, f"model.layers.{L + j}.", HEAD_NAMES, j)
-        )
-    return out
+    return sanitize_layers(
+        trunk,
+        weights,
+        config,
+        mtp_layer_of,
+        lambda j: f"model.layers.{L + j}.",
+        HEAD_NAMES,
+    )
 
 
 def make_layer(trunk, j: int, block_class=lm.DeepseekV3DecoderLayer) -> MTPLayer:

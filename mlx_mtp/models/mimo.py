@@ -9,7 +9,7 @@ from typing import Optional
 
 from mlx_lm.models import mimo as lm
 
-from .base import sanitize_layer
+from .base import sanitize_layers, split_mtp
 from .mtp import MTPLayer
 
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
@@ -33,20 +33,18 @@ def mtp_layer_of(key: str, config: dict) -> Optional[int]:
 
 
 def split_weights(weights: dict, config: dict):
-    trunk, mtp = {}, {}
-    for k, v in weights.items():
-        (trunk if mtp_layer_of(k, config) is None else mtp)[k] = v
-    return trunk, mtp
+    return split_mtp(weights, config, mtp_layer_of)
 
 
 def sanitize(weights: dict, config: dict, trunk) -> dict:
-    n = 1 + max(mtp_layer_of(k, config) for k in weights)
-    out = {}
-    for j in range(n):
-        out.update(
-            sanitize_layer(trunk, weights, f"model.mtp_layers.{j}.", HEAD_NAMES, j)
-        )
-    return out
+    return sanitize_layers(
+        trunk,
+        weights,
+        config,
+        mtp_layer_of,
+        lambda j: f"model.mtp_layers.{j}.",
+        HEAD_NAMES,
+    )
 
 
 def make_layer(trunk, j: int) -> MTPLayer:
