@@ -39,6 +39,20 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> List[int]:
     return ids
 
 
+def fit_context(model, prompt_tokens: int, max_tokens: int) -> int:
+    """Cap max_tokens at the model's context (``max_position_embeddings``); a prompt
+    that does not leave room for one token is an error."""
+    limit = getattr(model.args, "max_position_embeddings", None)
+    if not limit:
+        return max_tokens
+    room = limit - prompt_tokens
+    if room < 1:
+        raise MTPError(
+            f"the prompt has {prompt_tokens} tokens but the model's context is {limit}"
+        )
+    return room if max_tokens < 0 else min(max_tokens, room)
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -74,6 +88,7 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
+    max_tokens = fit_context(model, len(ids), max_tokens)
     params = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
     steps = mtp_generate_step(
         ids,

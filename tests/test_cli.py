@@ -40,3 +40,28 @@ def test_chat_template_flags(checkpoint):
 def test_help_and_module_entry():
     assert run("--help").exit_code == 0
     assert "--num-draft-tokens" in run("generate", "--help").output
+
+
+def test_ctrl_c_stops_cleanly(checkpoint):
+    """SIGINT mid-generation: exit 130, stats line, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = str(checkpoint("deepseek_v3", predictable=True))
+    cmd = [sys.executable, "-m", "mlx_mtp", "generate", "--model", path]
+    proc = subprocess.Popen(
+        cmd + ["-p", "def f(x):", "-m", "-1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline and not proc.stdout.read(1):
+        pass  # wait for the first streamed text
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert "interrupted" in err and "tok/s" in err

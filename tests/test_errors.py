@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mlx_mtp import MTPError, generate, load
+from mlx_mtp import MTPError, generate, load, stream_generate
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MissingHeadsError, UnsupportedModelError
 
@@ -137,3 +137,16 @@ def test_bad_flags(checkpoint):
     assert run_cli("generate", "--model", path, "-k", "-1").exit_code == 2
     result = run_cli("generate", "--model", path, "-p", "x", "--max-tokens", "0")
     assert_one_line_error(result, "max_tokens")
+
+
+def test_context_overflow(loaded):
+    model, tokenizer = loaded("mimo")
+    limit = model.args.max_position_embeddings
+    with pytest.raises(MTPError, match=f"context is {limit}"):
+        generate(model, tokenizer, [5] * limit, max_tokens=4)
+    responses = list(
+        stream_generate(
+            model, tokenizer, [5] * (limit - 3), max_tokens=-1, num_draft_tokens=2
+        )
+    )
+    assert len(responses) <= 3
