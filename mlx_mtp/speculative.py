@@ -262,8 +262,9 @@ def launch(model, caches: Caches, state: DecodeState, k: int, params, key) -> Ro
 
 
 def _settle(caches: Caches, state: DecodeState, rnd: Optional[Round], seen: int):
-    """On exit: drop a queued round and tokens never yielded, so caches hold exactly
-    the prompt and the yielded tokens (the last one only if a round had consumed it)."""
+    """On exit: drop a queued round and tokens never yielded. The trunk caches then hold
+    the prompt and every yielded token but the last (which stays pending, as inside
+    the loop); ``seen`` is that length."""
     held = cache_length(caches.trunk)
     extra = held - min(held, seen)
     rewind(caches.trunk, rnd.verified.marks if rnd else None, extra)
@@ -282,7 +283,7 @@ def mtp_generate_step(
     seed: Optional[int] = None,
     prefill_step_size: int = 2048,
     caches: Optional[Caches] = None,
-) -> Generator[StepOutput, None, MTPStats]:
+) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
 
     Args:
@@ -297,6 +298,9 @@ def mtp_generate_step(
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
+        When the generator ends or is closed, the trunk caches hold the prompt and all
+        yielded tokens but the last, and the MTP caches only entries that agree with
+        them.
     """
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt:
@@ -313,7 +317,7 @@ def mtp_generate_step(
     state = prefill(
         model, caches, prompt, min(k, model.num_mtp_layers), prefill_step_size
     )
-    seen, rnd = len(prompt) - 1, None
+    seen, rnd = len(prompt) - 1, None  # positions to keep on exit: yielded - 1
     try:
         key, sub = mx.random.split(key)
         rnd = launch(model, caches, state, _round_k(k, max_tokens, 0), params, sub)
@@ -324,7 +328,6 @@ def mtp_generate_step(
             logprobs = rnd.verified.logprobs
             commit(caches, state, rnd, a, new)
             stats.record(rnd.draft.k, a)
-            done = rnd
             rnd = None
             if max_tokens < 0 or stats.emitted < max_tokens:
                 key, sub = mx.random.split(key)
