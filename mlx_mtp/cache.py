@@ -1,18 +1,25 @@
 """Caches for speculative decoding, and the one helper that rolls them back.
 
-The trunk's caches are mlx-lm's own (`make_prompt_cache`); each MTP layer has a plain
-`KVCache` whose row i holds position i. Rollback goes through `begin_verify` (called
-before a verify pass writes k+1 positions) and `rewind` (called after, with the number
-of positions to drop). A cache type joins by registering a `Rollback` adapter: KV caches
-trim; a recurrent cache would capture its state per verified position in `begin` and
-restore the accepted one in `rewind`, with no change to the decode loop. A cache with no
-adapter makes `check_rollback` fail before decoding starts.
+The trunk's caches are mlx-lm's own (`make_prompt_cache`), except that recurrent layers
+whose mixer can record per-position states get a `RecurrentCache`; each MTP layer has a
+plain `KVCache` whose row i holds position i. Rollback goes through `begin_verify`
+(called before a verify pass writes k+1 positions) and `rewind` (called after, with the
+number of positions to drop). Each cache type has an adapter:
+
+- KV caches (`KVCache`, `QuantizedKVCache`) trim the rejected tail;
+- `RecurrentCache` asks its layer to record ``[conv_state, ssm_state]`` after every
+  position of the pass (a `Capture`) and, on rewind, puts back the record at the
+  accepted length: O(k) states per layer, no recomputation, and nothing at all to do
+  when every draft is accepted.
+
+A cache with no adapter (a sliding-window `RotatingKVCache`, or an `ArraysCache` whose
+mixer cannot record states) makes `check_rollback` fail before decoding starts.
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from .errors import RollbackError
 
@@ -42,7 +49,65 @@ class TrimRollback:
             cache.trim(n)
 
 
-ADAPTERS: Dict[type, Any] = {KVCache: TrimRollback, QuantizedKVCache: TrimRollback}
+class RecurrentCache(ArraysCache):
+    """An `ArraysCache` whose layer records its contents after every position of a pass
+    when ``capture`` is set (see `mlx_mtp.models.gated_delta`). The layer clears
+    ``capture`` when it has recorded."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.capture: Optional["Capture"] = None
+
+
+@dataclass
+class Capture:
+    """What a recurrent layer recorded during one verify pass.
+
+    ``base`` is the cache contents before the pass, ``steps[t]`` after position t, and
+    ``kept`` how many of the pass's positions the cache holds now.
+    """
+
+    base: List[Any]
+    steps: Optional[List[List[Any]]] = None
+    kept: int = 0
+
+    def record(self, steps: List[List[Any]]) -> None:
+        self.steps = steps
+        self.kept = len(steps)
+
+
+class CaptureRollback:
+    """Recurrent caches: record states per position, restore the accepted one."""
+
+    @staticmethod
+    def begin(cache) -> Capture:
+        cache.capture = Capture(list(cache.cache))
+        return cache.capture
+
+    @staticmethod
+    def rewind(cache, mark: Optional[Capture], n: int) -> None:
+        if n <= 0:
+            return
+        if mark is None or mark.steps is None or n > mark.kept:
+            raise RollbackError(
+                f"cannot roll a recurrent cache back by {n} positions: no state recorded"
+            )
+        mark.kept -= n
+        cache.cache = list(mark.steps[mark.kept - 1] if mark.kept else mark.base)
+
+
+ADAPTERS: Dict[type, Any] = {
+    KVCache: TrimRollback,
+    QuantizedKVCache: TrimRollback,
+    RecurrentCache: CaptureRollback,
+}
+
+
+def with_recurrent_caches(caches: List[Any]) -> List[Any]:
+    """Replace fresh `ArraysCache` entries with `RecurrentCache` (same slots)."""
+    return [
+        RecurrentCache(len(c.cache)) if type(c) is ArraysCache else c for c in caches
+    ]
 
 
 def _adapter(cache):
@@ -52,10 +117,15 @@ def _adapter(cache):
 def check_rollback(caches: List[Any]) -> None:
     """Raise `RollbackError` unless every cache can be rolled back exactly."""
     bad = sorted({type(c).__name__ for c in caches if _adapter(c) is None})
+    if "RotatingKVCache" in bad:
+        raise RollbackError(
+            "MTP drafting cannot roll back a sliding-window (rotating) KV cache exactly "
+            "once it wraps; drop --max-kv-size or use --num-draft-tokens 0"
+        )
     if bad:
         raise RollbackError(
             f"speculative decoding needs exact cache rollback, which mlx-mtp does not "
-            f"support yet for {', '.join(bad)}; use --num-draft-tokens 0"
+            f"support for {', '.join(bad)} in this model; use --num-draft-tokens 0"
         )
 
 
@@ -75,8 +145,3 @@ def trim_to(cache, length: int) -> None:
     """Trim a KV cache so it holds exactly its first ``length`` positions (if longer)."""
     if cache.offset > length:
         cache.trim(cache.offset - length)
-
-
-def cache_length(caches: List[Any]) -> int:
-    """Positions held by a trunk cache list (all layers hold the same count)."""
-    return caches[0].offset if caches else 0

@@ -17,6 +17,16 @@ Families and where their MTP tensors live:
 - ``mimo``: ``model.mtp_layers.{i}.`` (``token_layernorm``, ``hidden_layernorm``,
   ``input_proj``, ``final_layernorm`` + a Qwen2 decoder layer), two layers,
   concat order ``[hidden, embedding]``.
+- ``qwen3_5`` / ``qwen3_5_moe``: hybrid trunk (3 Gated-DeltaNet layers, then one gated
+  full-attention layer) nested under ``model.language_model.``, config in
+  ``text_config``; MTP at top-level ``mtp.`` (``fc``, ``pre_fc_norm_{embedding,hidden}``,
+  ``norm``, ``layers.0.*``). The MoE variant stores the trunk's experts fused
+  (``experts.gate_up_proj``) and the MTP layer's per expert, as releases do.
+- ``qwen3_next``: the same hybrid, flat config and ``model.`` names, MoE everywhere,
+  per-expert tensors, ``num_nextn_predict_layers``.
+
+Qwen norms are stored zero-centred, as Hugging Face's ``x * (1 + w)`` convention has
+them (except the Gated-DeltaNet output norm); convolution weights are ``(C, 1, K)``.
 
 With ``predictable=True`` the MTP heads are rewired so they often, but not always,
 agree with the trunk's greedy next-next token (see ``_make_predictable``). Speculative
@@ -36,7 +46,7 @@ from typing import Callable, Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
-FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
+FAMILIES = ("deepseek_v3", "glm4_moe", "mimo", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 HIDDEN = 64
 INTERMEDIATE = 128
@@ -434,6 +444,225 @@ def _mimo(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, tensors
 
 
+# ---------------------------------------------------------------------------
+# Qwen3.5 / Qwen3-Next: hybrid Gated-DeltaNet trunks, MTP at top-level ``mtp.``
+# ---------------------------------------------------------------------------
+
+QWEN_LAYERS = 4  # 3 Gated-DeltaNet layers, then 1 gated full-attention layer
+QWEN_EXPERTS = 4
+
+
+def _text_config(cfg: dict) -> dict:
+    return cfg.get("text_config", cfg)
+
+
+def _qwen_text_config(vocab_size: int, moe: bool) -> dict:
+    """The text-model keys shared by Qwen3.5 and Qwen3-Next (tiny sizes)."""
+    cfg = {
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": QWEN_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    }
+    if moe:
+        cfg.update(
+            num_experts=QWEN_EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=MOE_INTERMEDIATE,
+            shared_expert_intermediate_size=2 * MOE_INTERMEDIATE,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+        )
+    return cfg
+
+
+def _zero_norm(init: _Init, dim: int) -> np.ndarray:
+    """A zero-centred ``(1 + w)`` norm weight: small noise around 0."""
+    return init.normal((dim,), NORM_NOISE_STD)
+
+
+def _gated_attention(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Qwen3-Next gated attention: q_proj emits query and gate; q/k norms; no biases."""
+    hidden, hd = cfg["hidden_size"], cfg["head_dim"]
+    q_dim = cfg["num_attention_heads"] * hd
+    kv_dim = cfg["num_key_value_heads"] * hd
+    return {
+        f"{prefix}q_proj.weight": init.linear(2 * q_dim, hidden),
+        f"{prefix}k_proj.weight": init.linear(kv_dim, hidden),
+        f"{prefix}v_proj.weight": init.linear(kv_dim, hidden),
+        f"{prefix}o_proj.weight": init.linear(hidden, q_dim),
+        f"{prefix}q_norm.weight": _zero_norm(init, hd),
+        f"{prefix}k_norm.weight": _zero_norm(init, hd),
+    }
+
+
+def _gated_deltanet(init: _Init, prefix: str, cfg: dict, fused: bool) -> Tensors:
+    """Gated-DeltaNet mixer; ``fused`` is Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``."""
+    hidden, nv = cfg["hidden_size"], cfg["linear_num_value_heads"]
+    key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value_dim = nv * cfg["linear_value_head_dim"]
+    conv_dim = 2 * key_dim + value_dim
+    if fused:
+        t = {
+            f"{prefix}in_proj_qkvz.weight": init.linear(conv_dim + value_dim, hidden),
+            f"{prefix}in_proj_ba.weight": init.linear(2 * nv, hidden),
+        }
+    else:
+        t = {
+            f"{prefix}in_proj_qkv.weight": init.linear(conv_dim, hidden),
+            f"{prefix}in_proj_z.weight": init.linear(value_dim, hidden),
+            f"{prefix}in_proj_b.weight": init.linear(nv, hidden),
+            f"{prefix}in_proj_a.weight": init.linear(nv, hidden),
+        }
+    kernel = cfg["linear_conv_kernel_dim"]
+    t[f"{prefix}conv1d.weight"] = init.normal((conv_dim, 1, kernel), 0.3)
+    t[f"{prefix}dt_bias"] = 1.0 + init.normal((nv,), 0.1)
+    t[f"{prefix}A_log"] = np.log(init.rng.uniform(1.0, 8.0, nv)).astype(np.float32)
+    t[f"{prefix}norm.weight"] = 1.0 + init.normal((cfg["linear_value_head_dim"],), 0.05)
+    t[f"{prefix}out_proj.weight"] = init.linear(hidden, value_dim)
+    return t
+
+
+def _qwen_moe(init: _Init, prefix: str, cfg: dict, fused: bool) -> Tensors:
+    """Sparse MoE with a gated shared expert; experts fused (3-D) or one per expert."""
+    hidden, n, inter = (
+        cfg["hidden_size"],
+        cfg["num_experts"],
+        cfg["moe_intermediate_size"],
+    )
+    t = {f"{prefix}gate.weight": init.linear(n, hidden)}
+    if fused:
+        t[f"{prefix}experts.gate_up_proj"] = init.normal(
+            (n, 2 * inter, hidden), WEIGHT_STD
+        )
+        t[f"{prefix}experts.down_proj"] = init.normal((n, hidden, inter), WEIGHT_STD)
+    else:
+        for e in range(n):
+            t.update(_dense_mlp(init, f"{prefix}experts.{e}.", hidden, inter))
+    shared = cfg["shared_expert_intermediate_size"]
+    t.update(_dense_mlp(init, f"{prefix}shared_expert.", hidden, shared))
+    t[f"{prefix}shared_expert_gate.weight"] = init.linear(1, hidden)
+    return t
+
+
+def _qwen_tensors(
+    init: _Init,
+    cfg: dict,
+    base: str,
+    deltanet: Callable[[str], Tensors],
+    mlp: Callable[[str, bool], Tensors],
+) -> Tensors:
+    """Trunk under ``base`` (e.g. ``model.language_model.``) and the ``mtp.`` layer.
+
+    ``mlp(prefix, is_mtp)`` builds an MLP; ``deltanet(prefix)`` a linear-attention mixer.
+    """
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    t = {f"{base}embed_tokens.weight": init.normal((vocab, hidden), EMBED_STD)}
+    for i in range(cfg["num_hidden_layers"]):
+        prefix = f"{base}layers.{i}."
+        linear = (i + 1) % cfg["full_attention_interval"] != 0
+        t[f"{prefix}input_layernorm.weight"] = _zero_norm(init, hidden)
+        if linear:
+            t.update(deltanet(f"{prefix}linear_attn."))
+        else:
+            t.update(_gated_attention(init, f"{prefix}self_attn.", cfg))
+        t[f"{prefix}post_attention_layernorm.weight"] = _zero_norm(init, hidden)
+        t.update(mlp(f"{prefix}mlp.", False))
+    t[f"{base}norm.weight"] = _zero_norm(init, hidden)
+    t["lm_head.weight"] = init.linear(vocab, hidden)
+    t["mtp.pre_fc_norm_embedding.weight"] = _zero_norm(init, hidden)
+    t["mtp.pre_fc_norm_hidden.weight"] = _zero_norm(init, hidden)
+    t["mtp.fc.weight"] = init.linear(hidden, 2 * hidden)
+    t["mtp.layers.0.input_layernorm.weight"] = _zero_norm(init, hidden)
+    t.update(_gated_attention(init, "mtp.layers.0.self_attn.", cfg))
+    t["mtp.layers.0.post_attention_layernorm.weight"] = _zero_norm(init, hidden)
+    t.update(mlp("mtp.layers.0.mlp.", True))
+    t["mtp.norm.weight"] = _zero_norm(init, hidden)
+    return t
+
+
+def _qwen3_5(init: _Init, vocab_size: int, moe: bool = False) -> Tuple[dict, Tensors]:
+    """Qwen3.5 / 3.6 (dense, or MoE): text model under ``model.language_model.``."""
+    text = _qwen_text_config(vocab_size, moe)
+    text.update(
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
+        mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False,
+        attn_output_gate=True,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+        },
+    )
+    name = (
+        "Qwen3_5MoeForConditionalGeneration"
+        if moe
+        else "Qwen3_5ForConditionalGeneration"
+    )
+    cfg = {
+        "architectures": [name],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "text_config": text,
+        "tie_word_embeddings": False,
+    }
+
+    def mlp(prefix: str, is_mtp: bool) -> Tensors:
+        if not moe:
+            return _dense_mlp(init, prefix, HIDDEN, INTERMEDIATE)
+        return _qwen_moe(init, prefix, text, fused=not is_mtp)
+
+    tensors = _qwen_tensors(
+        init,
+        text,
+        "model.language_model.",
+        lambda p: _gated_deltanet(init, p, text, fused=False),
+        mlp,
+    )
+    return cfg, tensors
+
+
+def _qwen3_next(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """Qwen3-Next: flat config with 4.x-style rope keys, MoE in every layer."""
+    cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
+    cfg.update(_qwen_text_config(vocab_size, moe=True))
+    cfg.update(
+        num_nextn_predict_layers=1,
+        rope_theta=10000000.0,
+        partial_rotary_factor=0.25,
+        rope_scaling=None,
+    )
+    tensors = _qwen_tensors(
+        init,
+        cfg,
+        "model.",
+        lambda p: _gated_deltanet(init, p, cfg, fused=True),
+        lambda p, is_mtp: _qwen_moe(init, p, cfg, fused=False),
+    )
+    return cfg, tensors
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -462,6 +691,9 @@ class _FamilySpec:
     final_norm: str
     hidden_first: bool  # concat order of the MTP projection input
     has_embed_copy: bool
+    embed_key: str = "model.embed_tokens.weight"
+    trunk_norm_key: str = "model.norm.weight"
+    unit_norm: float = 1.0  # stored value of a norm weight that scales by one
 
     def is_mtp_key(self, key: str, cfg: dict) -> bool:
         return any(key.startswith(p) for p in self.mtp_prefixes(cfg))
@@ -484,6 +716,16 @@ _DEEPSEEK_STYLE = dict(
     has_embed_copy=True,
 )
 
+_QWEN_STYLE = dict(
+    mtp_prefixes=lambda cfg: ["mtp."],
+    emb_norm="pre_fc_norm_embedding.weight",
+    proj="fc.weight",
+    final_norm="norm.weight",
+    hidden_first=False,
+    has_embed_copy=False,
+    unit_norm=0.0,
+)
+
 _SPECS = {
     "deepseek_v3": _FamilySpec(build=_deepseek_v3, **_DEEPSEEK_STYLE),
     "glm4_moe": _FamilySpec(build=_glm4_moe, **_DEEPSEEK_STYLE),
@@ -496,6 +738,19 @@ _SPECS = {
         hidden_first=True,
         has_embed_copy=False,
     ),
+    "qwen3_5": _FamilySpec(
+        build=_qwen3_5,
+        embed_key="model.language_model.embed_tokens.weight",
+        trunk_norm_key="model.language_model.norm.weight",
+        **_QWEN_STYLE,
+    ),
+    "qwen3_5_moe": _FamilySpec(
+        build=functools.partial(_qwen3_5, moe=True),
+        embed_key="model.language_model.embed_tokens.weight",
+        trunk_norm_key="model.language_model.norm.weight",
+        **_QWEN_STYLE,
+    ),
+    "qwen3_next": _FamilySpec(build=_qwen3_next, **_QWEN_STYLE),
 }
 
 
@@ -523,9 +778,9 @@ def _make_predictable(
     The MTP head at row i then predicts roughly f(t_{i+1}), i.e. t_{i+2}, with
     context effects making it wrong some of the time.
     """
-    hidden = cfg["hidden_size"]
-    embed = tensors["model.embed_tokens.weight"] * np.float32(PREDICTABLE_EMBED_SCALE)
-    tensors["model.embed_tokens.weight"] = embed
+    hidden = _text_config(cfg)["hidden_size"]
+    embed = tensors[spec.embed_key] * np.float32(PREDICTABLE_EMBED_SCALE)
+    tensors[spec.embed_key] = embed
     for prefix in spec.mtp_prefixes(cfg):
         if spec.has_embed_copy:
             tensors[f"{prefix}embed_tokens.weight"] = embed.copy()
@@ -535,8 +790,10 @@ def _make_predictable(
         )
         halves = [noise, eye] if spec.hidden_first else [eye, noise]
         tensors[f"{prefix}{spec.proj}"] = np.concatenate(halves, axis=1)
-        tensors[f"{prefix}{spec.emb_norm}"] = np.ones(hidden, dtype=np.float32)
-        tensors[f"{prefix}{spec.final_norm}"] = tensors["model.norm.weight"].copy()
+        tensors[f"{prefix}{spec.emb_norm}"] = np.full(
+            hidden, spec.unit_norm, dtype=np.float32
+        )
+        tensors[f"{prefix}{spec.final_norm}"] = tensors[spec.trunk_norm_key].copy()
         for key in tensors:
             if key.startswith(prefix) and key.endswith(
                 ("o_proj.weight", "down_proj.weight")

@@ -57,6 +57,7 @@ def _splitting_classes(family, captured: dict):
 
         class Trunk(model_class):
             def sanitize(self, weights):
+                captured["raw"] = family_is_raw(family, weights, config)
                 weights, captured["mtp"] = family.split_weights(weights, config)
                 if hasattr(model_class, "sanitize"):
                     weights = model_class.sanitize(self, weights)
@@ -68,10 +69,18 @@ def _splitting_classes(family, captured: dict):
     return get_classes
 
 
+def family_is_raw(family, weights: dict, config: dict) -> bool:
+    """Whether the tensors are in the raw Hugging Face form the family's sanitize fixes
+    (e.g. Qwen's ``(1 + w)`` norms); families without the distinction say True."""
+    return getattr(family, "is_raw", lambda w, c: True)(weights, config)
+
+
 def _load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, dict]:
+    """Build the trunk with mlx-lm; returns ``(trunk, config, captured)`` where
+    ``captured`` holds the MTP tensors (``"mtp"``) and the raw flag (``"raw"``)."""
     from mlx_lm.utils import load_model
 
-    captured: Dict[str, Any] = {"mtp": {}}
+    captured: Dict[str, Any] = {"mtp": {}, "raw": True}
     try:
         trunk, config = load_model(
             model_path,
@@ -88,7 +97,9 @@ def _load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, 
         raise MTPError(
             f"cannot load the trunk from {model_path}: {_first_line(e)}"
         ) from None
-    return trunk, config, captured["mtp"]
+    if hasattr(family, "prepare"):
+        family.prepare(trunk)
+    return trunk, config, captured
 
 
 def _first_line(e: Exception) -> str:
@@ -116,9 +127,15 @@ def _quantize_like(module: nn.Module, weights: dict, config: dict) -> None:
     )
 
 
-def build_mtp(trunk: nn.Module, family, raw: dict, config: dict) -> MTPStack:
-    """Build and strictly load the MTP layers from their Hugging Face tensors."""
-    weights = family.sanitize(raw, config, trunk)
+def build_mtp(
+    trunk: nn.Module, family, tensors: dict, config: dict, raw: bool = True
+) -> MTPStack:
+    """Build and strictly load the MTP layers from their checkpoint tensors.
+
+    Args:
+        raw: The checkpoint is in raw Hugging Face form (see `family_is_raw`).
+    """
+    weights = family.sanitize(tensors, config, trunk, raw=raw)
     n = 1 + max(int(k.split(".")[1]) for k in weights)
     stack = MTPStack([family.make_layer(trunk, j) for j in range(n)])
     _quantize_like(stack, weights, config.get("mtp_quantization", config))
@@ -183,10 +200,10 @@ def load_model(
     model_path = resolve(path_or_hf_repo, revision)
     config = read_config(model_path)
     family = get_family(config)
-    trunk, config, raw = _load_trunk(model_path, family, lazy)
+    trunk, config, captured = _load_trunk(model_path, family, lazy)
     stack = MTPStack([])
-    if _check_declared(family, config, raw, allow_missing_heads):
-        stack = build_mtp(trunk, family, raw, config)
+    if _check_declared(family, config, captured["mtp"], allow_missing_heads):
+        stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
         if not lazy:
             mx.eval(stack.parameters())
     model = Model(trunk, stack, family)

@@ -26,7 +26,6 @@ import mlx.core as mx
 from .cache import (
     Caches,
     begin_verify,
-    cache_length,
     check_rollback,
     make_caches,
     rewind,
@@ -104,6 +103,7 @@ class DecodeState:
     hidden: Optional[mx.array]  # (1, n - frontier, H), None without MTP
     frontier: int = 0
     depth: int = 0  # MTP layers in use: min(k, number of layers)
+    marks: Optional[list] = None  # rollback marks of the last committed verify
 
 
 @dataclass
@@ -198,6 +198,7 @@ def commit(
     dropped rows are recomputed from ``state.hidden`` by the next draft.
     """
     rewind(caches.trunk, rnd.verified.marks, rnd.draft.k - a)
+    state.marks = rnd.verified.marks
     if state.hidden is not None:
         n = len(state.tokens) - 1
         frontier = state.frontier
@@ -265,9 +266,10 @@ def _settle(caches: Caches, state: DecodeState, rnd: Optional[Round], seen: int)
     """On exit: drop a queued round and tokens never yielded. The trunk caches then hold
     the prompt and every yielded token but the last (which stays pending, as inside
     the loop); ``seen`` is that length."""
-    held = cache_length(caches.trunk)
-    extra = held - min(held, seen)
-    rewind(caches.trunk, rnd.verified.marks if rnd else None, extra)
+    if rnd is not None:
+        rewind(caches.trunk, rnd.verified.marks, rnd.draft.k + 1)
+    held = len(state.tokens) - 1  # committed positions
+    rewind(caches.trunk, state.marks, max(held - seen, 0))
     frontier = min(state.frontier, seen)
     for c in caches.mtp:
         trim_to(c, frontier)

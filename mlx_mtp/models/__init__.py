@@ -2,8 +2,10 @@
 
 A family module provides ``MTP_CONFIG_KEYS``, ``declared_mtp_layers(config)``,
 ``mtp_layer_of(key, config)``, ``split_weights(weights, config)``,
-``sanitize(weights, config, trunk)`` and ``make_layer(trunk, j)``, and may override
-``hidden``, ``logits`` and ``embed`` (see `base`).
+``sanitize(weights, config, trunk, raw)`` and ``make_layer(trunk, j)``. It may add
+``is_raw(weights, config)`` (the checkpoint needs the family's raw-HF fixes),
+``prepare(trunk)`` (install per-position state capture in recurrent mixers),
+``text_args(trunk)``, and override ``hidden``, ``logits`` and ``embed`` (see `base`).
 """
 
 import importlib
@@ -11,7 +13,7 @@ from types import ModuleType
 
 from ..errors import UnsupportedModelError
 
-FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
+FAMILIES = ("deepseek_v3", "glm4_moe", "mimo", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def get_family(config: dict) -> ModuleType:

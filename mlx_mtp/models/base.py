@@ -64,7 +64,8 @@ class Model(nn.Module):
 
     @property
     def args(self):
-        return self.trunk.args
+        """The text model's args (hidden_size, max_position_embeddings, ...)."""
+        return getattr(self._family, "text_args", lambda t: t.args)(self.trunk)
 
     @property
     def layers(self):
@@ -82,10 +83,17 @@ class Model(nn.Module):
     def embed(self, ids: mx.array) -> mx.array:
         return getattr(self._family, "embed", trunk_embed)(self.trunk, ids)
 
-    def make_trunk_cache(self) -> List[Any]:
+    def make_trunk_cache(self, max_kv_size: Optional[int] = None) -> List[Any]:
+        """mlx-lm's caches for the trunk; recurrent layers whose mixers record
+        per-position states (families with ``prepare``) get a `RecurrentCache`."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        return make_prompt_cache(self.trunk)
+        from ..cache import with_recurrent_caches
+
+        caches = make_prompt_cache(self.trunk, max_kv_size=max_kv_size)
+        if hasattr(self._family, "prepare"):
+            caches = with_recurrent_caches(caches)
+        return caches
 
     def make_mtp_cache(self) -> List[Any]:
         from mlx_lm.models.cache import KVCache

@@ -52,7 +52,7 @@ def split_weights(weights: dict, config: dict):
     return trunk, mtp
 
 
-def sanitize(weights: dict, config: dict, trunk) -> dict:
+def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     """Map the MTP tensors of `split_weights` to the schema ``layers.{j}.*``."""
     L = config["num_hidden_layers"]
     return sanitize_layers(

@@ -36,7 +36,7 @@ def split_weights(weights: dict, config: dict):
     return split_mtp(weights, config, mtp_layer_of)
 
 
-def sanitize(weights: dict, config: dict, trunk) -> dict:
+def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     return sanitize_layers(
         trunk,
         weights,

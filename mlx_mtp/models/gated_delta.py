@@ -1,0 +1,122 @@
+"""Gated-DeltaNet mixers that can record their state after every position of a pass.
+
+A verify pass feeds k+1 tokens through the trunk; if only a of the k drafts are accepted,
+each recurrent layer must continue from its state after position a, which mlx-lm's
+mixers do not expose (they return the final state only). `install_capture` gives the
+trunk's mixers a subclass that, when its cache asks for it (`RecurrentCache.capture`),
+runs the projections and the convolution over all positions at once, as usual, and the
+recurrence one position at a time, recording ``[conv_state, ssm_state]`` after each.
+No projection weight is read twice; the extra cost is k more calls of the small
+recurrence kernel. Without a capture request the mixer is mlx-lm's, unchanged.
+
+The recurrence runs the same per-position update as plain one-token decoding, so the
+recorded states, and the states kept after rollback, equal those of plain decoding.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+
+class CaptureDeltaNet:
+    """Mixin over an mlx-lm Gated-DeltaNet class; subclasses provide `_project`."""
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        capture = getattr(cache, "capture", None)
+        if capture is None:
+            return super().__call__(inputs, mask, cache)
+        cache.capture = None
+        return self._capture_call(inputs, mask, cache, capture)
+
+    def _project(self, inputs: mx.array):
+        """``(qkv (B, S, conv_dim), z (B, S, Hv, Dv), b (B, S, Hv), a (B, S, Hv))``."""
+        raise NotImplementedError
+
+    def _capture_call(self, inputs: mx.array, mask, cache, capture) -> mx.array:
+        if mask is not None or cache.lengths is not None:
+            raise ValueError("state capture supports unpadded single sequences only")
+        if getattr(self, "sharding_group", None) is not None:
+            raise ValueError("state capture does not support sharded mixers")
+        B, S, _ = inputs.shape
+        qkv, z, b, a = self._project(inputs)
+        n_keep = self.conv_kernel_size - 1
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, n_keep, self.conv_dim), dtype=inputs.dtype)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)  # (B, n_keep + S, C)
+        conv_out = nn.silu(self.conv1d(conv_input))  # (B, S, C)
+        q, k, v = [
+            t.reshape(B, S, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        state, ys, steps = cache[1], [], []
+        for t in range(S):
+            at = slice(t, t + 1)
+            y, state = gated_delta_update(
+                q[:, at],
+                k[:, at],
+                v[:, at],
+                a[:, at],
+                b[:, at],
+                self.A_log,
+                self.dt_bias,
+                state,
+                None,
+                use_kernel=not self.training,
+            )  # y: (B, 1, Hv, Dv)
+            ys.append(y)
+            steps.append([conv_input[:, t + 1 : t + 1 + n_keep], state])
+        cache[0] = mx.contiguous(conv_input[:, -n_keep:])
+        cache[1] = state
+        cache.advance(S)
+        capture.record(steps)
+        out = self.norm(mx.concatenate(ys, axis=1), z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+class Qwen3_5DeltaNet(CaptureDeltaNet, qwen3_5.GatedDeltaNet):
+    def _project(self, inputs):
+        B, S, _ = inputs.shape
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        return (
+            self.in_proj_qkv(inputs),
+            z,
+            self.in_proj_b(inputs),
+            self.in_proj_a(inputs),
+        )
+
+
+class Qwen3NextDeltaNet(CaptureDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet):
+    def _project(self, inputs):
+        B, S, _ = inputs.shape
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
+        )
+        qkv = mx.concatenate(
+            [q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1
+        )
+        return qkv, z, b, a
+
+
+CAPTURING = {
+    qwen3_5.GatedDeltaNet: Qwen3_5DeltaNet,
+    qwen3_next.Qwen3NextGatedDeltaNet: Qwen3NextDeltaNet,
+}
+
+
+def install_capture(layers) -> None:
+    """Switch every Gated-DeltaNet mixer in ``layers`` to its capturing subclass.
+
+    Only the class changes (parameters and state are untouched); the subclass behaves
+    exactly as mlx-lm's unless its cache requests a capture.
+    """
+    for layer in layers:
+        mixer = getattr(layer, "linear_attn", None)
+        if mixer is not None and type(mixer) in CAPTURING:
+            mixer.__class__ = CAPTURING[type(mixer)]
