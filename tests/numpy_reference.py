@@ -6,8 +6,9 @@ against. It reads a raw Hugging Face checkpoint folder (``config.json`` plus
 float64. It must not import mlx or mlx_lm.
 
 Families: ``deepseek_v3`` (MLA + MoE), ``glm4_moe`` (GQA with qk-norm and
-partial RoPE + MoE) and ``mimo`` (Qwen2 layers). The trunk math follows
-mlx-lm 0.32.2, which is the trunk we must match.
+partial RoPE + MoE), ``mimo`` (Qwen2 layers), and the hybrid Gated-DeltaNet
+trunks ``qwen3_5`` (dense), ``qwen3_5_moe`` and ``qwen3_next`` (MoE). The
+trunk math follows mlx-lm 0.32.2, which is the trunk we must match.
 
 Conventions pinned here (see shared/docs/mtp_formats.md §0.1, §3, §5, §6):
 
@@ -18,11 +19,22 @@ Conventions pinned here (see shared/docs/mtp_formats.md §0.1, §3, §5, §6):
 - MTP layer ``j`` row ``i`` pairs hidden row ``i`` with token ``t_{i+j+1}``,
   sits at RoPE position ``i``, attends causally to rows ``0..i`` and predicts
   ``t_{i+j+2}``.
-- The token embedding of row 0 (position 0) is set to zero, as vLLM does.
+- The token embedding of row 0 (position 0) is set to zero, as vLLM does,
+  for deepseek_v3, glm4_moe and mimo, but NOT for the Qwen families.
 - Layer ``j >= 1`` reads the output of layer ``j-1`` after that layer's final
-  norm (``shared_head.norm`` / ``final_layernorm``).
+  norm (``shared_head.norm`` / ``final_layernorm`` / ``mtp.norm``).
 - Embedding and LM head always come from the trunk; the copies inside the
   MTP block (``embed_tokens``, ``shared_head.head``) are ignored.
+
+Qwen families (§1-2): config in ``text_config`` for qwen3_5*, flat for
+qwen3_next; trunk tensors under ``model.language_model.`` / ``model.``,
+``lm_head.weight`` top-level; MTP at ``mtp.`` with ``fc``,
+``pre_fc_norm_{embedding,hidden}``, ``norm`` and one full-attention layer
+``mtp.layers.0``. Layer i of the trunk is Gated-DeltaNet unless
+``(i + 1) % full_attention_interval == 0``. Every Qwen RMSNorm in the raw
+files is applied as ``x_hat * (1 + w)`` (input/post-attention, final, q/k and
+all MTP norms), except the Gated-DeltaNet output norm ``linear_attn.norm``,
+applied as ``x_hat * w``.
 """
 
 import glob
@@ -33,7 +45,14 @@ import struct
 import numpy as np
 from safetensors.numpy import load_file
 
-FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
+FAMILIES = (
+    "deepseek_v3",
+    "glm4_moe",
+    "mimo",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+)
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed eps in mlx-lm and HF.
 MLA_NORM_EPS = 1e-6
@@ -407,6 +426,313 @@ def mtp_layer(W, cfg, family, j, hidden, next_tokens):
     return rmsnorm(y, W[final_norm], eps)
 
 
+# ---------------------------------------------------------------------------
+# Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: hybrid Gated-DeltaNet trunks
+#
+# Raw HF files store every RMSNorm zero-centred, applied as x_hat * (1 + w),
+# except the Gated-DeltaNet output norm (linear_attn.norm), applied as x_hat * w.
+
+QWEN_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+# normalize_qk's l2-norm eps, added to sum(x^2) (mlx-lm gated_delta.py).
+GDN_L2_EPS = 1e-6
+
+
+def qwen_text_config(config):
+    """The text-model config: ``text_config`` for qwen3_5*, else the flat config."""
+    return config.get("text_config", config)
+
+
+def qwen_base(family):
+    """Prefix of the trunk tensors (embed_tokens, layers, norm)."""
+    return "model." if family == "qwen3_next" else "model.language_model."
+
+
+def rmsnorm_shifted(x, w, eps):
+    """Qwen's zero-centred RMSNorm: x_hat * (1 + w)."""
+    return rmsnorm(x, 1.0 + w, eps)
+
+
+def softplus(x):
+    """log(1 + exp(x)) without overflow."""
+    return np.logaddexp(0.0, x)
+
+
+def l2_normalize(x, eps=GDN_L2_EPS):
+    """x / sqrt(sum(x^2) + eps) over the last axis (mlx-lm normalize_qk)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def causal_depthwise_conv_silu(x, w):
+    """SiLU of a depthwise causal conv1d with zero initial state.
+
+    x is (n, C); w is the HF weight (C, 1, K). Output row t is
+    sum_k w[c, 0, k] * x_pad[t + k, c] with K-1 zero rows padded in front
+    (cross-correlation, as torch and mlx convolve).
+    """
+    n, kernel = x.shape[0], w.shape[-1]
+    taps = w[:, 0, :]  # (C, K)
+    padded = np.concatenate([np.zeros((kernel - 1, x.shape[1])), x], axis=0)
+    out = np.zeros_like(x)
+    for k in range(kernel):
+        out += padded[k : k + n] * taps[:, k]
+    return silu(out)
+
+
+def gdn_inputs(W, prefix, cfg, family, x):
+    """Project x to (mixed_qkv (n, 2*Hk*Dk + Hv*Dv), z (n, Hv, Dv), b, a (n, Hv)).
+
+    qwen3_5 has separate in_proj_{qkv,z,b,a}. qwen3_next fuses them into
+    in_proj_qkvz / in_proj_ba, grouped per key head: for each of the Hk key
+    heads, [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)], with
+    r = Hv / Hk (mlx-lm fix_query_key_value_ordering).
+    """
+    n = x.shape[0]
+    nk, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    nv, dv = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    if family != "qwen3_next":
+        mixed_qkv = linear(W, prefix + ".in_proj_qkv", x)
+        z = linear(W, prefix + ".in_proj_z", x).reshape(n, nv, dv)
+        b = linear(W, prefix + ".in_proj_b", x)
+        a = linear(W, prefix + ".in_proj_a", x)
+        return mixed_qkv, z, b, a
+    r = nv // nk
+    qkvz = linear(W, prefix + ".in_proj_qkvz", x).reshape(n, nk, -1)
+    q = qkvz[..., :dk]
+    k = qkvz[..., dk : 2 * dk]
+    v = qkvz[..., 2 * dk : 2 * dk + r * dv]
+    z = qkvz[..., 2 * dk + r * dv :]
+    ba = linear(W, prefix + ".in_proj_ba", x).reshape(n, nk, 2 * r)
+    b, a = ba[..., :r].reshape(n, nv), ba[..., r:].reshape(n, nv)
+    mixed_qkv = np.concatenate(
+        [q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1
+    )
+    return mixed_qkv, z.reshape(n, nv, dv), b, a
+
+
+def gated_delta_rule(q, k, v, g, beta):
+    """Sequential gated delta rule from a zero state (mlx-lm gated_delta_ops).
+
+    q, k are (n, Hk, Dk), v is (n, Hv, Dv), g and beta are (n, Hv). Value
+    head h reads key head h // (Hv / Hk). Per step, with S (Hv, Dv, Dk):
+    S *= g; delta = (v - S k) * beta; S += delta k^T; y = S q.
+    Returns y (n, Hv, Dv).
+    """
+    n, n_v, d_v = v.shape
+    repeat = n_v // k.shape[1]
+    q = np.repeat(q, repeat, axis=1)
+    k = np.repeat(k, repeat, axis=1)
+    state = np.zeros((n_v, d_v, k.shape[-1]))
+    ys = np.zeros_like(v)
+    for t in range(n):
+        state = state * g[t][:, None, None]
+        kv_mem = np.einsum("hvk,hk->hv", state, k[t])
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        state = state + delta[:, :, None] * k[t][:, None, :]
+        ys[t] = np.einsum("hvk,hk->hv", state, q[t])
+    return ys
+
+
+def gated_deltanet(W, prefix, cfg, family, x):
+    """Gated-DeltaNet mixer over one sequence (zero conv and recurrent state)."""
+    n = x.shape[0]
+    nk, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    nv, dv = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    mixed_qkv, z, b, a = gdn_inputs(W, prefix, cfg, family, x)
+    conv = causal_depthwise_conv_silu(mixed_qkv, W[prefix + ".conv1d.weight"])
+    key_dim = nk * dk
+    q = conv[:, :key_dim].reshape(n, nk, dk)
+    k = conv[:, key_dim : 2 * key_dim].reshape(n, nk, dk)
+    v = conv[:, 2 * key_dim :].reshape(n, nv, dv)
+    q = l2_normalize(q) * dk**-0.5
+    k = l2_normalize(k)
+
+    a_decay = np.exp(W[prefix + ".A_log"])
+    g = np.exp(-a_decay * softplus(a + W[prefix + ".dt_bias"]))
+    beta = sigmoid(b)
+    y = gated_delta_rule(q, k, v, g, beta)  # (n, Hv, Dv)
+
+    # RMSNormGated: plain weight (not 1 + w), then times silu(z).
+    y = rmsnorm(y, W[prefix + ".norm.weight"], cfg["rms_norm_eps"]) * silu(z)
+    return linear(W, prefix + ".out_proj", y.reshape(n, nv * dv))
+
+
+def qwen_head_dim(cfg):
+    """Attention head dim (qwen3_5 defaults to hidden_size / heads)."""
+    head_dim = cfg.get("head_dim")
+    return head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def qwen_rope(cfg, family):
+    """(rope dims, base, position scale) as mlx-lm's Qwen args derive them.
+
+    qwen3_5 reads rope_theta / partial_rotary_factor / type from
+    rope_parameters (text-only M-RoPE is plain RoPE); qwen3_next reads the
+    top-level rope_theta / partial_rotary_factor / rope_scaling.
+    """
+    if family == "qwen3_next":
+        base, factor = cfg["rope_theta"], cfg["partial_rotary_factor"]
+        scale = _rope_scale(cfg)
+    else:
+        params = dict(cfg.get("rope_parameters") or {})
+        base = params.get("rope_theta", 100000.0)
+        factor = params.get("partial_rotary_factor", 0.25)
+        scale = _rope_scale({"rope_scaling": params} if params else {})
+    return int(qwen_head_dim(cfg) * factor), base, scale
+
+
+def gated_attention(W, prefix, cfg, family, x, positions):
+    """Qwen3-Next / Qwen3.5 gated full attention (no cache, causal).
+
+    q_proj emits, per head, [query (hd), gate (hd)]; q_norm / k_norm are
+    per-head (1 + w) RMSNorms before RoPE; the output is
+    o_proj(attn * sigmoid(gate)).
+    """
+    n, eps = x.shape[0], cfg["rms_norm_eps"]
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = qwen_head_dim(cfg)
+    q_gate = linear(W, prefix + ".q_proj", x).reshape(n, n_heads, 2 * head_dim)
+    q, gate = q_gate[..., :head_dim], q_gate[..., head_dim:].reshape(n, -1)
+    k = linear(W, prefix + ".k_proj", x).reshape(n, n_kv, head_dim)
+    v = linear(W, prefix + ".v_proj", x).reshape(n, n_kv, head_dim)
+    q = rmsnorm_shifted(q, W[prefix + ".q_norm.weight"], eps)
+    k = rmsnorm_shifted(k, W[prefix + ".k_norm.weight"], eps)
+    q, k, v = (t.transpose(1, 0, 2) for t in (q, k, v))  # (heads, n, head_dim)
+
+    dims, base, scale = qwen_rope(cfg, family)
+    q = rope_rotate_half(q, positions, dims, base, scale)
+    k = rope_rotate_half(k, positions, dims, base, scale)
+    out = causal_attention(q, k, v, head_dim**-0.5)
+    return linear(W, prefix + ".o_proj", out * sigmoid(gate))
+
+
+def qwen_expert_weights(W, prefix, e):
+    """(gate (I, H), up (I, H), down (H, I)) of expert e, fused or per expert."""
+    fused = W.get(prefix + ".experts.gate_up_proj")
+    if fused is not None:
+        inter = fused.shape[1] // 2
+        gate_up = fused[e]
+        return gate_up[:inter], gate_up[inter:], W[prefix + ".experts.down_proj"][e]
+    expert = f"{prefix}.experts.{e}"
+    return (
+        W[expert + ".gate_proj.weight"],
+        W[expert + ".up_proj.weight"],
+        W[expert + ".down_proj.weight"],
+    )
+
+
+def qwen_moe(W, prefix, cfg, family, x):
+    """Softmax top-k routed experts plus a sigmoid-gated shared expert."""
+    logits = linear(W, prefix + ".gate", x)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top_k = cfg["num_experts_per_tok"]
+    inds = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, inds, axis=-1)
+    if cfg.get("norm_topk_prob", family != "qwen3_next"):
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+
+    out = np.zeros_like(x)
+    for row in range(x.shape[0]):
+        for e, w in zip(inds[row], weights[row]):
+            gate, up, down = qwen_expert_weights(W, prefix, e)
+            xr = x[row]
+            out[row] += w * (down @ (silu(gate @ xr) * (up @ xr)))
+    shared = mlp(W, prefix + ".shared_expert", x)
+    return out + sigmoid(linear(W, prefix + ".shared_expert_gate", x)) * shared
+
+
+def qwen_is_moe_layer(cfg, family, layer_idx):
+    """mlx-lm's MoE rule: qwen3_5 iff num_experts > 0; qwen3_next also
+    needs layer_idx not in mlp_only_layers and (idx+1) % decoder_sparse_step == 0."""
+    if cfg.get("num_experts", 0) <= 0:
+        return False
+    if family != "qwen3_next":
+        return True
+    step = cfg.get("decoder_sparse_step", 1)
+    return layer_idx not in cfg.get("mlp_only_layers", []) and (
+        (layer_idx + 1) % step == 0
+    )
+
+
+def qwen_decoder_layer(W, prefix, cfg, family, layer_idx, x, positions, linear_attn):
+    """Pre-norm Qwen hybrid block with a GDN or gated-attention mixer."""
+    eps = cfg["rms_norm_eps"]
+    a_in = rmsnorm_shifted(x, W[prefix + ".input_layernorm.weight"], eps)
+    if linear_attn:
+        mixed = gated_deltanet(W, prefix + ".linear_attn", cfg, family, a_in)
+    else:
+        attn = prefix + ".self_attn"
+        mixed = gated_attention(W, attn, cfg, family, a_in, positions)
+    h = x + mixed
+    m_in = rmsnorm_shifted(h, W[prefix + ".post_attention_layernorm.weight"], eps)
+    if qwen_is_moe_layer(cfg, family, layer_idx):
+        return h + qwen_moe(W, prefix + ".mlp", cfg, family, m_in)
+    return h + mlp(W, prefix + ".mlp", m_in)
+
+
+def qwen_trunk_hidden(W, cfg, family, tokens):
+    """Hidden states (n, D) after the trunk's final (1 + w) norm."""
+    base = qwen_base(family)
+    x = W[base + "embed_tokens.weight"][np.asarray(tokens)]
+    positions = np.arange(len(tokens))
+    interval = cfg.get("full_attention_interval", 4)
+    for i in range(cfg["num_hidden_layers"]):
+        is_linear = (i + 1) % interval != 0
+        prefix = f"{base}layers.{i}"
+        x = qwen_decoder_layer(W, prefix, cfg, family, i, x, positions, is_linear)
+    return rmsnorm_shifted(x, W[base + "norm.weight"], cfg["rms_norm_eps"])
+
+
+def qwen_lm_head(W, cfg, family):
+    """lm_head.weight, or the embedding when the text config ties them."""
+    if cfg.get("tie_word_embeddings", False):
+        return W[qwen_base(family) + "embed_tokens.weight"]
+    return W["lm_head.weight"]
+
+
+def qwen_num_mtp_layers(W, config, family):
+    """MTP layers at ``mtp.layers.{j}`` (checked against the config key)."""
+    count = 0
+    while f"mtp.layers.{count}.input_layernorm.weight" in W:
+        count += 1
+    if family == "qwen3_next":
+        declared = config.get("num_nextn_predict_layers")
+    else:
+        declared = qwen_text_config(config).get(
+            "mtp_num_hidden_layers", config.get("mtp_num_hidden_layers")
+        )
+    if count and declared is not None and declared != count:
+        raise ValueError(
+            f"config declares {declared} MTP layers, checkpoint has {count}"
+        )
+    return count
+
+
+def qwen_mtp_layer(W, cfg, family, j, hidden, next_tokens):
+    """Qwen MTP layer j over rows 0..m-1 at positions 0..m-1.
+
+    x = fc([pre_fc_norm_embedding(emb), pre_fc_norm_hidden(hidden)]), a
+    full-attention decoder layer, then mtp.norm (all norms 1 + w). The row-0
+    embedding is NOT zeroed. Returns z (m, D) after mtp.norm.
+    """
+    eps = cfg["rms_norm_eps"]
+    emb = W[qwen_base(family) + "embed_tokens.weight"][np.asarray(next_tokens)]
+    e_n = rmsnorm_shifted(emb, W["mtp.pre_fc_norm_embedding.weight"], eps)
+    h_n = rmsnorm_shifted(hidden, W["mtp.pre_fc_norm_hidden.weight"], eps)
+    x = linear(W, "mtp.fc", np.concatenate([e_n, h_n], axis=-1))
+    positions = np.arange(x.shape[0])
+    # The MTP layer is a full-attention layer; the MoE rule uses index 0.
+    y = qwen_decoder_layer(
+        W, f"mtp.layers.{j}", cfg, family, 0, x, positions, linear_attn=False
+    )
+    return rmsnorm_shifted(y, W["mtp.norm.weight"], eps)
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+
+
 def reference_logits(ckpt_dir, tokens):
     """Teacher-forced logits for one sequence t_0..t_{n-1}.
 
@@ -424,17 +750,26 @@ def reference_logits(ckpt_dir, tokens):
     if family not in FAMILIES:
         raise NotImplementedError(f"model_type {family!r} is not in the reference")
     tokens = [int(t) for t in tokens]
-    n, head = len(tokens), lm_head_weight(W, config, family)
+    if family in QWEN_FAMILIES:
+        cfg = qwen_text_config(config)
+        head = qwen_lm_head(W, cfg, family)
+        hidden = qwen_trunk_hidden(W, cfg, family, tokens)
+        n_mtp = qwen_num_mtp_layers(W, config, family)
+        layer_fn = qwen_mtp_layer
+    else:
+        cfg = config
+        head = lm_head_weight(W, cfg, family)
+        hidden = trunk_hidden(W, cfg, family, tokens)
+        n_mtp = num_mtp_layers(W, cfg, family)
+        layer_fn = mtp_layer
 
-    hidden = trunk_hidden(W, config, family, tokens)
-    main = hidden @ head.T
-    mtp = []
-    for j in range(num_mtp_layers(W, config, family)):
+    n, main, mtp = len(tokens), hidden @ head.T, []
+    for j in range(n_mtp):
         rows = n - 1 - j
         if rows <= 0:
             mtp.append(np.zeros((0, head.shape[0])))
             continue
         # Row i: hidden row i (trunk, or layer j-1 output) with token t_{i+j+1}.
-        hidden = mtp_layer(W, config, family, j, hidden[:rows], tokens[j + 1 :])
+        hidden = layer_fn(W, cfg, family, j, hidden[:rows], tokens[j + 1 :])
         mtp.append(hidden @ head.T)
     return main, mtp

@@ -1,0 +1,155 @@
+"""Exact rollback of recurrent (Gated-DeltaNet) state on hybrid trunks, and the Qwen
+norm-shift guard."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from mlx_mtp.cache import RecurrentCache, begin_verify, make_caches, rewind
+from mlx_mtp.loading import load_model
+from mlx_mtp.models.qwen3_next import SHIFTED
+from mlx_mtp.sampling import SamplingParams
+from mlx_mtp.speculative import commit, launch, prefill
+
+from .test_cache import assert_same_cache, fresh_caches
+
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+PROMPT = "def forward(self, x):"
+
+
+def trunk_state(caches):
+    """Evaluate every trunk cache (KV or recurrent)."""
+    mx.eval([c.state for c in caches.trunk])
+
+
+@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("n", (0, 1, 2, 3))
+def test_rewind_restores_state_at_any_length(family, n, loaded):
+    """A 4-token verify pass rewound by n equals a prefill without those n tokens."""
+    model, tokenizer = loaded(family, predictable=True)
+    prompt = tokenizer.encode(PROMPT)
+    extra = [11, 230, 57, 301]
+    caches = make_caches(model)
+    model.hidden(mx.array(prompt)[None], caches.trunk)
+    trunk_state(caches)
+    marks = begin_verify(caches.trunk)
+    model.hidden(mx.array(extra)[None], caches.trunk)
+    rewind(caches.trunk, marks, n)
+    fresh = fresh_caches(model, prompt + extra[: len(extra) - n])
+    for ours, ref in zip(caches.trunk, fresh.trunk):
+        assert_same_cache(ours, ref)
+
+
+def test_fast_path_copies_nothing(loaded):
+    """When every draft is accepted, the recurrent state is the pass's own output."""
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    caches = make_caches(model)
+    model.hidden(mx.array(tokenizer.encode(PROMPT))[None], caches.trunk)
+    marks = begin_verify(caches.trunk)
+    model.hidden(mx.array([11, 230, 57])[None], caches.trunk)
+    recurrent = [c for c in caches.trunk if isinstance(c, RecurrentCache)]
+    assert recurrent
+    before = [list(c.cache) for c in recurrent]
+    rewind(caches.trunk, marks, 0)
+    for c, old in zip(recurrent, before):
+        assert all(a is b for a, b in zip(c.cache, old))
+        assert c.capture is None
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_rollback_parity_after_partial_round(family, loaded):
+    """Run rounds until one accepts some but not all drafts; the trunk caches then
+    equal a fresh prefill of the committed tokens."""
+    model, tokenizer = loaded(family, predictable=True)
+    k, params = 3, SamplingParams()
+    caches = make_caches(model)
+    state = prefill(model, caches, tokenizer.encode(PROMPT), 1, 512)
+    key, partial = mx.random.key(0), 0
+    for _ in range(40):
+        rnd = launch(model, caches, state, k, params, key)
+        a = rnd.result.num_accepted.item()
+        new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
+        commit(caches, state, rnd, a, new)
+        if 0 < a < k:
+            partial += 1
+            fresh = fresh_caches(model, state.tokens[:-1])
+            for ours, ref in zip(caches.trunk, fresh.trunk):
+                assert_same_cache(ours, ref)
+            if partial == 2:
+                break
+    assert partial == 2, "no round with partial acceptance"
+
+
+# --- the (1 + w) norm shift is applied exactly once -----------------------------------
+
+
+def mlx_conversion(src, dst, shift_heads=True):
+    """Write what a correct converter writes: mlx-lm's sanitized trunk (norms shifted,
+    conv weights transposed, experts stacked) plus the ``mtp.*`` tensors with their norms
+    shifted too (or, with ``shift_heads=False``, left raw: the bug of shifting twice on
+    load would then be invisible, so that is the negative control's input)."""
+    trunk, _ = mlx_lm_load_model(src, lazy=False)
+    weights = dict(tree_flatten(trunk.parameters()))
+    raw = mx.load(str(src / "model.safetensors"))
+    for key, value in raw.items():
+        if not key.startswith("mtp."):
+            continue
+        norm = key.endswith(SHIFTED) or key.split(".")[1].endswith("norm_embedding")
+        norm = norm or key in ("mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight")
+        weights[key] = value + 1.0 if (shift_heads and norm) else value
+    dst.mkdir()
+    mx.save_safetensors(str(dst / "model.safetensors"), weights)
+    for f in src.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def mtp_logits(model, tokens):
+    seq = mx.array(tokens)[None]
+    h = model.hidden(seq)[:, :-1]
+    return np.array(model.logits(model.mtp_forward(0, h, seq[:, 1:])))
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_converted_checkpoint_is_not_shifted_again(family, checkpoint, tmp_path):
+    src = checkpoint(family, predictable=True)
+    tokens = [5, 77, 301, 12, 9, 140, 88, 2, 250, 31]
+    raw_model = load_model(str(src))[0]
+    expected = mtp_logits(raw_model, tokens)
+    converted = load_model(str(mlx_conversion(src, tmp_path / "mlx")))[0]
+    np.testing.assert_allclose(mtp_logits(converted, tokens), expected, atol=1e-4)
+    # The head norms of the converted copy hold 1 + w; had the loader added 1 again,
+    # its output would differ as much as this deliberately double-shifted copy does.
+    doubled = mlx_conversion(src, tmp_path / "doubled")
+    weights = mx.load(str(doubled / "model.safetensors"))
+    weights = {
+        k: v + 1.0 if k.startswith("mtp.") and k.endswith("norm.weight") else v
+        for k, v in weights.items()
+    }
+    mx.save_safetensors(str(doubled / "model.safetensors"), weights)
+    wrong = mtp_logits(load_model(str(doubled))[0], tokens)
+    assert np.abs(wrong - expected).max() > 0.5
+    assert (wrong.argmax(-1) != expected.argmax(-1)).any()
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_raw_heads_are_shifted_once(family, checkpoint):
+    """The loaded head norms are the file's values + 1, and no more."""
+    src = checkpoint(family, predictable=True)
+    raw = mx.load(str(src / "model.safetensors"))
+    layer = load_model(str(src))[0].mtp.layers[0]
+    pairs = [
+        (layer.enorm.weight, "mtp.pre_fc_norm_embedding.weight"),
+        (layer.hnorm.weight, "mtp.pre_fc_norm_hidden.weight"),
+        (layer.norm.weight, "mtp.norm.weight"),
+        (layer.block.input_layernorm.weight, "mtp.layers.0.input_layernorm.weight"),
+        (layer.block.self_attn.q_norm.weight, "mtp.layers.0.self_attn.q_norm.weight"),
+    ]
+    for loaded_weight, name in pairs:
+        np.testing.assert_allclose(np.array(loaded_weight), np.array(raw[name] + 1.0))
