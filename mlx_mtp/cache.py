@@ -32,8 +32,29 @@ class Caches:
     mtp: List[Any]
 
 
-def make_caches(model) -> Caches:
-    return Caches(trunk=model.make_trunk_cache(), mtp=model.make_mtp_cache())
+def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
+    """Fresh caches; ``max_kv_size`` gives attention layers a rotating window, as in
+    mlx-lm (models that make their own caches ignore it there too)."""
+    return Caches(
+        trunk=model.make_trunk_cache(max_kv_size=max_kv_size),
+        mtp=model.make_mtp_cache(),
+    )
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """mlx-lm's KV-cache quantization settings (``--kv-bits`` and friends)."""
+
+    bits: Optional[int] = None
+    group_size: int = 64
+    start: int = 5000  # mlx-lm's DEFAULT_QUANTIZED_KV_START
+
+    def apply(self, caches: List[Any]) -> None:
+        """Quantize the trunk's KV caches that reached ``start`` positions, in place,
+        at the same points mlx-lm does (after a model call)."""
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        maybe_quantize_kv_cache(caches, self.start, self.group_size, self.bits)
 
 
 class TrimRollback:

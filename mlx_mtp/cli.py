@@ -99,6 +99,28 @@ def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bo
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+@click.option(
+    "--max-kv-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rotating KV window (plain decoding only: -k 0).",
+)
+@click.option(
+    "--kv-bits",
+    type=click.Choice(["2", "3", "4", "6", "8"]),
+    default=None,
+    help="Quantize the KV cache to this many bits.",
+)
+@click.option(
+    "--kv-group-size", type=click.IntRange(min=1), default=64, show_default=True
+)
+@click.option(
+    "--quantized-kv-start",
+    type=click.IntRange(min=0),
+    default=5000,
+    show_default=True,
+    help="Positions before the KV cache is quantized.",
+)
 @click.option("--system-prompt", default=None)
 @click.option("--ignore-chat-template", is_flag=True)
 @click.option(
@@ -120,6 +142,10 @@ def generate(
     top_k,
     min_p,
     seed,
+    max_kv_size,
+    kv_bits,
+    kv_group_size,
+    quantized_kv_start,
     system_prompt,
     ignore_chat_template,
     allow_missing_heads,
@@ -147,6 +173,10 @@ def generate(
             top_k=top_k,
             min_p=min_p,
             seed=seed,
+            max_kv_size=max_kv_size,
+            kv_bits=None if kv_bits is None else int(kv_bits),
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
         ):
             click.echo(response.text, nl=False)
     finally:

@@ -13,6 +13,7 @@ from mlx_lm.generate import GenerationResponse as _LMResponse
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .cache import KVQuantization
 from .errors import MTPError
 from .sampling import SamplingParams
 from .speculative import MTPStats, mtp_generate_step
@@ -67,6 +68,10 @@ def stream_generate(
     min_tokens_to_keep: int = 1,
     seed: Optional[int] = None,
     prefill_step_size: int = 2048,
+    max_kv_size: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a generation, one `GenerationResponse` per token.
 
@@ -79,6 +84,8 @@ def stream_generate(
         temp, top_p, top_k, min_p, min_tokens_to_keep: Sampling, as in mlx-lm.
         seed: Makes a sampled run reproducible.
         prefill_step_size: Prompt chunk size.
+        max_kv_size, kv_bits, kv_group_size, quantized_kv_start: KV-cache options, as
+            in mlx-lm (a rotating window is refused when drafting).
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
@@ -98,6 +105,8 @@ def stream_generate(
         max_tokens=max_tokens,
         seed=seed,
         prefill_step_size=prefill_step_size,
+        max_kv_size=max_kv_size,
+        kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()

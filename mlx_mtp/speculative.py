@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from .cache import (
     Caches,
+    KVQuantization,
     begin_verify,
     check_rollback,
     make_caches,
@@ -234,7 +235,14 @@ def extend_mtp(model, mtp_caches, state: DecodeState, step: int) -> None:
         state.frontier = end
 
 
-def prefill(model, caches: Caches, prompt: List[int], depth: int, step: int):
+def prefill(
+    model,
+    caches: Caches,
+    prompt: List[int],
+    depth: int,
+    step: int,
+    kv: KVQuantization = KVQuantization(),
+):
     """Run the trunk over all prompt tokens but the last, in chunks of ``step``."""
     state = DecodeState(list(prompt), None, 0, depth)
     if depth:
@@ -242,6 +250,7 @@ def prefill(model, caches: Caches, prompt: List[int], depth: int, step: int):
     for start in range(0, len(prompt) - 1, step):
         ids = mx.array(prompt[start : min(start + step, len(prompt) - 1)])[None]
         h = model.hidden(ids, caches.trunk)  # (1, L, H)
+        kv.apply(caches.trunk)
         if depth:
             state.hidden = mx.concatenate([state.hidden, h], axis=1)
             extend_mtp(model, caches.mtp, state, step)
@@ -285,6 +294,8 @@ def mtp_generate_step(
     seed: Optional[int] = None,
     prefill_step_size: int = 2048,
     caches: Optional[Caches] = None,
+    max_kv_size: Optional[int] = None,
+    kv: KVQuantization = KVQuantization(),
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
 
@@ -297,6 +308,9 @@ def mtp_generate_step(
         seed: Seed of the sampling keys; None draws one at random.
         prefill_step_size: Prompt chunk size.
         caches: Fresh caches to fill (default: new ones).
+        max_kv_size: Rotating KV window for new caches (refused with drafting: a
+            wrapped window cannot be rolled back exactly).
+        kv: KV-cache quantization of the trunk, as mlx-lm's ``kv_bits`` options.
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -309,16 +323,17 @@ def mtp_generate_step(
         raise MTPError("the prompt is empty")
     if num_draft_tokens < 0:
         raise MTPError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-    caches = caches or make_caches(model)
+    if kv.bits is not None and max_kv_size is not None:
+        raise MTPError("KV quantization cannot be combined with a rotating KV window")
+    caches = caches or make_caches(model, max_kv_size)
     k = num_draft_tokens if model.num_mtp_layers else 0
     if k:
         check_rollback(caches.trunk)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     key = mx.random.key(seed)
     stats = MTPStats(k)
-    state = prefill(
-        model, caches, prompt, min(k, model.num_mtp_layers), prefill_step_size
-    )
+    depth = min(k, model.num_mtp_layers)
+    state = prefill(model, caches, prompt, depth, prefill_step_size, kv)
     seen, rnd = len(prompt) - 1, None  # positions to keep on exit: yielded - 1
     try:
         key, sub = mx.random.split(key)
@@ -329,6 +344,7 @@ def mtp_generate_step(
             new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
             logprobs = rnd.verified.logprobs
             commit(caches, state, rnd, a, new)
+            kv.apply(caches.trunk)
             stats.record(rnd.draft.k, a)
             rnd = None
             if max_tokens < 0 or stats.emitted < max_tokens:

@@ -20,7 +20,12 @@ MTP_PREFIX = {
     "deepseek_v3": ("model.layers.3.",),
     "glm4_moe": ("model.layers.2.",),
     "mimo": ("model.mtp_layers.0.", "model.mtp_layers.1."),
+    "qwen3_5": ("mtp.",),
+    "qwen3_5_moe": ("mtp.",),
+    "qwen3_next": ("mtp.",),
 }
+ORIGINAL = ("deepseek_v3", "glm4_moe", "mimo")
+QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 NEXTN_FUSION = {
     "enorm.weight": (H,),
     "hnorm.weight": (H,),
@@ -123,7 +128,7 @@ def test_trunk_loads_with_plain_mlx_lm(checkpoints, tmp_path, family, predictabl
     assert float(mx.std(logits[0, -1])) > 0.3  # not degenerate
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "mimo"])
+@pytest.mark.parametrize("family", ["glm4_moe", "mimo", *QWEN])
 def test_mlx_lm_sanitize_drops_mtp_itself(checkpoints, family):
     model, _ = load_model(checkpoints[family, False])
     assert model(mx.array([[7, 8]])).shape == (1, 2, V)
@@ -177,7 +182,7 @@ def _expected_mtp_shapes(family: str) -> dict:
     return {prefix + k: s for k, s in {**NEXTN_FUSION, **layer}.items()}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ORIGINAL)
 def test_mtp_tensor_names_and_shapes(checkpoints, family):
     weights = _weights(checkpoints[family, False])
     mtp = {k: tuple(v.shape) for k, v in weights.items() if _is_mtp(family, k)}
@@ -196,7 +201,7 @@ def test_mtp_tensor_names_and_shapes(checkpoints, family):
         assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].shape == (4,)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ORIGINAL)
 def test_config_keys(checkpoints, family):
     config = json.loads((checkpoints[family, False] / "config.json").read_text())
     arch = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
@@ -213,7 +218,7 @@ def test_config_keys(checkpoints, family):
     assert "<|im_start|>" in tok_cfg["chat_template"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ORIGINAL)
 def test_predictable_construction(checkpoints, family):
     w = {k: np.array(v) for k, v in _weights(checkpoints[family, True]).items()}
     base = {k: np.array(v) for k, v in _weights(checkpoints[family, False]).items()}
@@ -301,3 +306,84 @@ def test_cli_script(tmp_path, monkeypatch, capsys):
     runpy.run_path(str(script), run_name="__main__")
     assert capsys.readouterr().out.strip() == str(out)
     assert (out / "model.safetensors.index.json").exists()
+
+
+QWEN_ATTN = {
+    "self_attn.q_proj.weight": (128, H),  # query and gate
+    "self_attn.k_proj.weight": (32, H),
+    "self_attn.v_proj.weight": (32, H),
+    "self_attn.o_proj.weight": (H, 64),
+    "self_attn.q_norm.weight": (16,),
+    "self_attn.k_norm.weight": (16,),
+}
+
+
+def _qwen_mtp_shapes(family: str) -> dict:
+    shapes = {
+        "mtp.fc.weight": (H, 2 * H),
+        "mtp.pre_fc_norm_embedding.weight": (H,),
+        "mtp.pre_fc_norm_hidden.weight": (H,),
+        "mtp.norm.weight": (H,),
+        "mtp.layers.0.input_layernorm.weight": (H,),
+        "mtp.layers.0.post_attention_layernorm.weight": (H,),
+        **{"mtp.layers.0." + k: v for k, v in QWEN_ATTN.items()},
+    }
+    if family == "qwen3_5":
+        mlp = {"gate_proj": (128, H), "up_proj": (128, H), "down_proj": (H, 128)}
+        shapes.update({f"mtp.layers.0.mlp.{p}.weight": s for p, s in mlp.items()})
+        return shapes
+    expert = {"gate_proj": (32, H), "up_proj": (32, H), "down_proj": (H, 32)}
+    shared = {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}
+    prefix = "mtp.layers.0.mlp."
+    shapes[prefix + "gate.weight"] = (4, H)
+    shapes[prefix + "shared_expert_gate.weight"] = (1, H)
+    shapes.update({f"{prefix}shared_expert.{p}.weight": s for p, s in shared.items()})
+    for e in range(4):
+        shapes.update({f"{prefix}experts.{e}.{p}.weight": s for p, s in expert.items()})
+    return shapes
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_qwen_names_shapes_and_config(checkpoints, family):
+    path = checkpoints[family, False]
+    weights = _weights(path)
+    mtp = {k: tuple(v.shape) for k, v in weights.items() if k.startswith("mtp.")}
+    assert mtp == _qwen_mtp_shapes(family)
+    config = json.loads((path / "config.json").read_text())
+    base = "model." if family == "qwen3_next" else "model.language_model."
+    assert weights[base + "embed_tokens.weight"].shape == (V, H)
+    assert weights["lm_head.weight"].shape == (V, H)
+    gdn = base + "layers.0.linear_attn."
+    assert weights[gdn + "conv1d.weight"].shape == (128, 1, 4)  # HF (C, 1, K)
+    assert weights[base + "layers.3.self_attn.q_proj.weight"].shape == (128, H)
+    if family == "qwen3_next":
+        assert weights[gdn + "in_proj_qkvz.weight"].shape == (192, H)
+        assert config["num_nextn_predict_layers"] == 1
+        assert "text_config" not in config
+        assert base + "layers.0.mlp.experts.3.down_proj.weight" in weights
+    else:
+        assert weights[gdn + "in_proj_qkv.weight"].shape == (128, H)
+        text = config["text_config"]
+        assert text["mtp_num_hidden_layers"] == 1
+        assert text["rope_parameters"]["mrope_section"] == [1, 1, 0]
+        assert text["layer_types"][-1] == "full_attention"
+    if family == "qwen3_5_moe":  # trunk experts fused, MTP experts per expert
+        assert weights[base + "layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, H)
+    # (1 + w) norms are stored zero-centred; the Gated-DeltaNet norm is not
+    assert abs(float(weights[base + "norm.weight"].mean())) < 0.1
+    assert abs(float(weights["mtp.norm.weight"].mean())) < 0.1
+    assert abs(float(weights[gdn + "norm.weight"].mean()) - 1) < 0.1
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_qwen_predictable_construction(checkpoints, family):
+    w = {k: np.array(v) for k, v in _weights(checkpoints[family, True]).items()}
+    base = {k: np.array(v) for k, v in _weights(checkpoints[family, False]).items()}
+    prefix = "model." if family == "qwen3_next" else "model.language_model."
+    embed = prefix + "embed_tokens.weight"
+    np.testing.assert_allclose(w[embed], 30 * base[embed], rtol=1e-6)
+    np.testing.assert_array_equal(w["mtp.fc.weight"][:, :H], np.eye(H))
+    np.testing.assert_array_equal(w["mtp.pre_fc_norm_embedding.weight"], np.zeros(H))
+    np.testing.assert_array_equal(w["mtp.norm.weight"], w[prefix + "norm.weight"])
+    o = "mtp.layers.0.self_attn.o_proj.weight"
+    np.testing.assert_allclose(w[o], 0.2 * base[o], rtol=1e-6)
