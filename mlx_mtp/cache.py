@@ -152,14 +152,25 @@ def check_rollback(caches: List[Any]) -> None:
 
 def begin_verify(caches: List[Any]) -> List[Any]:
     """Prepare every cache for a verify pass; returns the marks `rewind` needs."""
-    return [_adapter(c).begin(c) for c in caches]
+    return [a.begin(c) if (a := _adapter(c)) else None for c in caches]
 
 
-def rewind(caches: List[Any], marks: Optional[List[Any]], n: int) -> None:
-    """Drop the last ``n`` positions from every cache (``marks`` from `begin_verify`)."""
+def rewind(
+    caches: List[Any], marks: Optional[List[Any]], n: int, strict: bool = True
+) -> None:
+    """Drop the last ``n`` positions from every cache (``marks`` from `begin_verify`).
+
+    A cache with no exact rollback (only possible in plain decoding, which never
+    rewinds mid-generation) raises `RollbackError`, or is left as is when not
+    ``strict`` (cleanup on exit).
+    """
     marks = marks or [None] * len(caches)
     for c, m in zip(caches, marks):
-        _adapter(c).rewind(c, m, n)
+        adapter = _adapter(c)
+        if adapter is not None:
+            adapter.rewind(c, m, n)
+        elif n > 0 and strict:
+            raise RollbackError(f"{type(c).__name__} cannot be rolled back")
 
 
 def trim_to(cache, length: int) -> None:

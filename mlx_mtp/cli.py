@@ -180,6 +180,7 @@ def generate(
         ):
             click.echo(response.text, nl=False)
     finally:
-        click.echo()
-        if verbose and response is not None:
-            click.echo(format_stats(response), err=True)
+        if response is not None:
+            click.echo()
+            if verbose:
+                click.echo(format_stats(response), err=True)

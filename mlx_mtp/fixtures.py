@@ -101,6 +101,7 @@ def write_checkpoint(
     dtype: str = "float32",
     num_shards: int = 1,
     tokenizer: bool = True,
+    **options,
 ) -> pathlib.Path:
     """Write a tiny random checkpoint of ``family`` into ``out_dir`` and return its path.
 
@@ -109,7 +110,8 @@ def write_checkpoint(
     for the byte-level BPE (< 259 tokens; the last id is then the eos token).
     ``dtype`` is one of float32 / bfloat16 / float16; it sets the stored tensor dtype
     and ``config["torch_dtype"]``, except ``e_score_correction_bias``, which stays
-    float32 as in the real DeepSeek/GLM releases.
+    float32 as in the real DeepSeek/GLM releases. ``options`` go to the family's
+    builder (``mimo``: ``num_attention_heads``, ``num_key_value_heads``).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -127,7 +129,7 @@ def write_checkpoint(
         token_ids = {tok: vocab_size - 1 for tok in SPECIAL_TOKENS}
     spec = _SPECS[family]
     rng = np.random.default_rng(seed)
-    config, tensors = spec.build(_Init(rng), vocab_size)
+    config, tensors = spec.build(_Init(rng), vocab_size, **options)
     config.update(_token_id_config(token_ids))
     config["torch_dtype"] = dtype
     if predictable:
@@ -398,7 +400,9 @@ def _glm4_moe(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, tensors
 
 
-def _mimo(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+def _mimo(
+    init: _Init, vocab_size: int, num_attention_heads=4, num_key_value_heads=2
+) -> Tuple[dict, Tensors]:
     """MiMo-7B: 2 Qwen2 layers + two MTP layers at ``model.mtp_layers.{0,1}``."""
     cfg = {
         "architectures": ["MiMoForCausalLM"],
@@ -407,8 +411,8 @@ def _mimo(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
         "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
         "num_nextn_predict_layers": 2,
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,

@@ -274,11 +274,12 @@ def launch(model, caches: Caches, state: DecodeState, k: int, params, key) -> Ro
 def _settle(caches: Caches, state: DecodeState, rnd: Optional[Round], seen: int):
     """On exit: drop a queued round and tokens never yielded. The trunk caches then hold
     the prompt and every yielded token but the last (which stays pending, as inside
-    the loop); ``seen`` is that length."""
+    the loop); ``seen`` is that length. Caches that cannot roll back (a rotating
+    window in plain decoding) keep the queued token."""
     if rnd is not None:
-        rewind(caches.trunk, rnd.verified.marks, rnd.draft.k + 1)
+        rewind(caches.trunk, rnd.verified.marks, rnd.draft.k + 1, strict=False)
     held = len(state.tokens) - 1  # committed positions
-    rewind(caches.trunk, state.marks, max(held - seen, 0))
+    rewind(caches.trunk, state.marks, max(held - seen, 0), strict=False)
     frontier = min(state.frontier, seen)
     for c in caches.mtp:
         trim_to(c, frontier)

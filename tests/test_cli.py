@@ -65,3 +65,20 @@ def test_ctrl_c_stops_cleanly(checkpoint):
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert "interrupted" in err and "tok/s" in err
+
+
+def test_kv_cache_flags(checkpoint):
+    """--kv-bits works with drafting; --max-kv-size is refused up front when drafting
+    (a wrapped window cannot be rolled back exactly) and works in plain decoding."""
+    path = str(checkpoint("mimo", predictable=True, num_attention_heads=2))
+    args = ("generate", "--model", path, "-p", "def f(x):", "-m", "24")
+    quantized = run(*args, "-k", "2", "--kv-bits", "4", "--kv-group-size", "32")
+    assert quantized.exit_code == 0, quantized.output
+    result = run(*args, "-k", "2", "--max-kv-size", "16")
+    assert result.exit_code == 1
+    assert result.output.startswith("mlx-mtp: error: MTP drafting cannot roll back")
+    assert "Traceback" not in result.output
+    plain = run(*args, "-k", "0", "--max-kv-size", "16")
+    assert plain.exit_code == 0, plain.output
+    both = run(*args, "-k", "0", "--max-kv-size", "16", "--kv-bits", "4")
+    assert both.exit_code == 1 and "rotating" in both.output

@@ -98,3 +98,55 @@ def test_drafting_params_do_not_matter_for_greedy(loaded):
         ids, model, num_draft_tokens=2, params=params, max_tokens=32
     )
     assert [o.token for o in outs] == plain_greedy(model, ids, 32)
+
+
+def test_greedy_identity_with_quantized_kv(checkpoint):
+    """KV caches quantized as mlx-lm's ``kv_bits`` does: rejected entries are trimmed
+    from the quantized cache, and the tokens match mlx-lm's quantized decoding."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlx_mtp.cache import KVQuantization, make_caches
+    from mlx_mtp.loading import load
+
+    path = checkpoint("mimo", predictable=True, num_attention_heads=2)
+    model, tokenizer = load(str(path))
+    kv = KVQuantization(bits=4, group_size=32, start=0)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        steps = generate_step(
+            mx.array(ids),
+            model.trunk,
+            max_tokens=NUM_TOKENS,
+            kv_bits=4,
+            kv_group_size=32,
+            quantized_kv_start=0,
+        )
+        expected = [int(t) for t, _ in steps]
+        for k in (1, 3):
+            caches = make_caches(model)
+            outs = list(
+                mtp_generate_step(
+                    ids,
+                    model,
+                    num_draft_tokens=k,
+                    max_tokens=NUM_TOKENS,
+                    kv=kv,
+                    caches=caches,
+                )
+            )
+            assert [o.token for o in outs] == expected, (prompt, k)
+            assert 0 < outs[-1].stats.accepted < outs[-1].stats.drafted
+            assert all(isinstance(c, QuantizedKVCache) for c in caches.trunk)
+
+
+def test_plain_path_with_rotating_window(loaded):
+    """k = 0 with a rotating KV window equals mlx-lm's plain decoding with
+    ``max_kv_size``, past the point where the window wraps."""
+    model, tokenizer = loaded("mimo", predictable=True)
+    ids = tokenizer.encode(PROMPTS[0])
+    steps = generate_step(mx.array(ids), model.trunk, max_tokens=48, max_kv_size=16)
+    expected = [int(t) for t, _ in steps]
+    outs = mtp_generate_step(
+        ids, model, num_draft_tokens=0, max_tokens=48, max_kv_size=16
+    )
+    assert [o.token for o in outs] == expected
