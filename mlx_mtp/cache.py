@@ -72,7 +72,7 @@ class TrimRollback:
 
 class RecurrentCache(ArraysCache):
     """An `ArraysCache` whose layer records its contents after every position of a pass
-    when ``capture`` is set (see `mlx_mtp.models.gated_delta`). The layer clears
+    when ``capture`` is set (see `mlx_mtp.models.capture`). The layer clears
     ``capture`` when it has recorded."""
 
     def __init__(self, size: int):

@@ -28,7 +28,7 @@ def build(args):
     import mlx.core as mx
     from mlx_lm.models import qwen3_5
 
-    from mlx_mtp.models.gated_delta import install_capture
+    from mlx_mtp.models.capture import install_capture
 
     text = dict(
         model_type="qwen3_5_text",

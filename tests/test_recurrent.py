@@ -153,3 +153,64 @@ def test_raw_heads_are_shifted_once(family, checkpoint):
     ]
     for loaded_weight, name in pairs:
         np.testing.assert_allclose(np.array(loaded_weight), np.array(raw[name] + 1.0))
+
+
+# --- the same mechanism on a Mamba-2 hybrid (mlx-lm's nemotron_h trunk) ----------------
+
+
+@pytest.fixture(scope="module")
+def nemotron_h():
+    """A tiny random Nemotron-H trunk (Mamba-2, attention, MLP blocks), float32."""
+    from mlx_lm.models import nemotron_h as lm
+
+    from mlx_mtp.models.capture import install_capture
+
+    mx.random.seed(3)
+    args = lm.ModelArgs(
+        model_type="nemotron_h",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=False,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        mamba_proj_bias=False,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_groups=2,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+        hybrid_override_pattern="M*M-M",
+        time_step_limit=(0.0, float("inf")),
+    )
+    model = lm.Model(args)
+    model.set_dtype(mx.float32)
+    install_capture(model.layers)
+    return model
+
+
+@pytest.mark.parametrize("n", (0, 1, 3))
+def test_mamba2_rollback_on_nemotron_h(nemotron_h, n):
+    from mlx_mtp.cache import with_recurrent_caches
+
+    def caches_after(tokens, extra=None, drop=0):
+        caches = with_recurrent_caches(nemotron_h.make_cache())
+        nemotron_h(mx.array(tokens)[None], caches)
+        if extra:
+            mx.eval([c.state for c in caches])
+            marks = begin_verify(caches)
+            nemotron_h(mx.array(extra)[None], caches)
+            rewind(caches, marks, drop)
+        return caches
+
+    prompt, extra = [5, 17, 99, 3, 64, 8, 21], [40, 2, 77, 120]
+    ours = caches_after(prompt, extra, n)
+    fresh = caches_after(prompt + extra[: len(extra) - n])
+    assert any(isinstance(c, RecurrentCache) for c in ours)
+    for a, b in zip(ours, fresh):
+        assert_same_cache(a, b)

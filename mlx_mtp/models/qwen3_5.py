@@ -7,7 +7,7 @@ described in `qwen3_next`. The MTP block is the family's full-attention decoder 
 
 from mlx_lm.models import qwen3_5 as lm
 
-from .gated_delta import install_capture
+from .capture import install_capture
 from .mtp import MTPLayer
 from .qwen3_next import (  # noqa: F401  (the family interface)
     MTP_CONFIG_KEYS,

@@ -17,7 +17,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models import qwen3_next as lm
 
-from .gated_delta import install_capture
+from .capture import install_capture
 from .mtp import MTPLayer
 
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")

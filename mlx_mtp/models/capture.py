@@ -1,43 +1,54 @@
-"""Gated-DeltaNet mixers that can record their state after every position of a pass.
+"""Recurrent mixers that can record their state after every position of a pass.
 
 A verify pass feeds k+1 tokens through the trunk; if only a of the k drafts are accepted,
 each recurrent layer must continue from its state after position a, which mlx-lm's
 mixers do not expose (they return the final state only). `install_capture` gives the
 trunk's mixers a subclass that, when its cache asks for it (`RecurrentCache.capture`),
 runs the projections and the convolution over all positions at once, as usual, and the
-recurrence one position at a time, recording ``[conv_state, ssm_state]`` after each.
-No projection weight is read twice; the extra cost is k more calls of the small
-recurrence kernel. Without a capture request the mixer is mlx-lm's, unchanged.
+recurrence one position at a time, recording the cache slots ``[conv_state, state]``
+after each. No weight is read twice; the extra cost is k more calls of the small
+recurrence. Without a capture request the mixer is mlx-lm's, unchanged.
 
 The recurrence runs the same per-position update as plain one-token decoding, so the
-recorded states, and the states kept after rollback, equal those of plain decoding.
+recorded states, and the states kept after rollback, are those of plain decoding.
+
+Covered mlx-lm mixers: the Gated-DeltaNet of ``qwen3_5`` / ``qwen3_5_moe`` and
+``qwen3_next``, and the Mamba-2 mixer of ``nemotron_h``. Another mixer joins with a
+subclass that records per-position slots and an entry in `CAPTURING`.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models import nemotron_h, qwen3_5, qwen3_next
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+
+def _take_capture(cache):
+    """The pending capture request of ``cache`` (cleared: it is one-shot), or None."""
+    capture = getattr(cache, "capture", None)
+    if capture is not None:
+        cache.capture = None
+        if cache.lengths is not None:
+            raise ValueError("state capture supports unpadded single sequences only")
+    return capture
 
 
 class CaptureDeltaNet:
     """Mixin over an mlx-lm Gated-DeltaNet class; subclasses provide `_project`."""
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        capture = getattr(cache, "capture", None)
+        capture = _take_capture(cache)
         if capture is None:
             return super().__call__(inputs, mask, cache)
-        cache.capture = None
-        return self._capture_call(inputs, mask, cache, capture)
+        if mask is not None or getattr(self, "sharding_group", None) is not None:
+            raise ValueError("state capture supports unmasked, unsharded mixers only")
+        return self._capture_call(inputs, cache, capture)
 
     def _project(self, inputs: mx.array):
         """``(qkv (B, S, conv_dim), z (B, S, Hv, Dv), b (B, S, Hv), a (B, S, Hv))``."""
         raise NotImplementedError
 
-    def _capture_call(self, inputs: mx.array, mask, cache, capture) -> mx.array:
-        if mask is not None or cache.lengths is not None:
-            raise ValueError("state capture supports unpadded single sequences only")
-        if getattr(self, "sharding_group", None) is not None:
-            raise ValueError("state capture does not support sharded mixers")
+    def _capture_call(self, inputs: mx.array, cache, capture) -> mx.array:
         B, S, _ = inputs.shape
         qkv, z, b, a = self._project(inputs)
         n_keep = self.conv_kernel_size - 1
@@ -104,19 +115,66 @@ class Qwen3NextDeltaNet(CaptureDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet):
         return qkv, z, b, a
 
 
+class NemotronHMamba(nemotron_h.NemotronHMamba2Mixer):
+    """Mamba-2 mixer: mlx-lm's forward, with the SSM step run once per position while
+    capturing (its ``_conv`` and ``_ssm`` are the hooks)."""
+
+    _capture = None
+
+    def __call__(self, hidden_states: mx.array, mask, cache=None) -> mx.array:
+        capture = _take_capture(cache)
+        if capture is None:
+            return super().__call__(hidden_states, mask, cache)
+        if mask is not None:
+            raise ValueError("state capture supports unmasked passes only")
+        self._capture, self._steps = capture, []
+        try:
+            out = super().__call__(hidden_states, mask, cache)
+        finally:
+            self._capture = None
+        capture.record(self._steps)
+        return out
+
+    def _conv(self, conv_input, cache, mask):
+        if self._capture is not None:
+            state = cache[0]
+            if state is None:
+                shape = (conv_input.shape[0], self.conv_kernel_size - 1, self.conv_dim)
+                state = mx.zeros(shape, dtype=conv_input.dtype)
+            self._padded = mx.concatenate([state, conv_input], axis=1)
+        return super()._conv(conv_input, cache, mask)
+
+    def _ssm(self, hidden_states, B, C, dt, cache, mask):
+        if self._capture is None:
+            return super()._ssm(hidden_states, B, C, dt, cache, mask)
+        n_keep, ys = self.conv_kernel_size - 1, []
+        for t in range(hidden_states.shape[1]):
+            at = slice(t, t + 1)
+            ys.append(
+                super()._ssm(
+                    hidden_states[:, at], B[:, at], C[:, at], dt[:, at], cache, None
+                )
+            )
+            self._steps.append([self._padded[:, t + 1 : t + 1 + n_keep], cache[1]])
+        return mx.concatenate(ys, axis=1)
+
+
 CAPTURING = {
     qwen3_5.GatedDeltaNet: Qwen3_5DeltaNet,
     qwen3_next.Qwen3NextGatedDeltaNet: Qwen3NextDeltaNet,
+    nemotron_h.NemotronHMamba2Mixer: NemotronHMamba,
 }
+MIXER_ATTRIBUTES = ("linear_attn", "mixer")
 
 
 def install_capture(layers) -> None:
-    """Switch every Gated-DeltaNet mixer in ``layers`` to its capturing subclass.
+    """Switch every covered recurrent mixer in ``layers`` to its capturing subclass.
 
     Only the class changes (parameters and state are untouched); the subclass behaves
     exactly as mlx-lm's unless its cache requests a capture.
     """
     for layer in layers:
-        mixer = getattr(layer, "linear_attn", None)
-        if mixer is not None and type(mixer) in CAPTURING:
-            mixer.__class__ = CAPTURING[type(mixer)]
+        for name in MIXER_ATTRIBUTES:
+            mixer = getattr(layer, name, None)
+            if type(mixer) in CAPTURING:
+                mixer.__class__ = CAPTURING[type(mixer)]
