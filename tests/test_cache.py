@@ -105,3 +105,41 @@ def test_loop_refuses_before_decoding(loaded):
     with pytest.raises(RollbackError):
         next(steps)
     assert all(c.offset == 0 for c in caches.mtp)
+
+
+def test_quantized_kv_equals_fresh_prefill_after_rejections(checkpoint):
+    """Quantized KV caches (``kv_bits``) trimmed after rejections hold exactly the
+    entries of a fresh prefill quantized the same way."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlx_mtp.cache import KVQuantization
+    from mlx_mtp.loading import load
+
+    model, tokenizer = load(str(checkpoint("mimo", True, num_attention_heads=2)))
+    prompt = tokenizer.encode("The quick brown fox")
+    caches = make_caches(model)
+    kv = KVQuantization(bits=4, group_size=32, start=0)
+    steps = mtp_generate_step(
+        prompt, model, num_draft_tokens=3, max_tokens=64, caches=caches, kv=kv
+    )
+    seen = [o for _, o in zip(range(30), steps)]
+    steps.close()
+    assert 0 < seen[-1].stats.accepted < seen[-1].stats.drafted
+    tokens = prompt + [o.token for o in seen]
+    fresh = fresh_caches(model, tokens[:-1])
+    for ours, ref in zip(caches.trunk, fresh.trunk):
+        assert isinstance(ours, QuantizedKVCache)
+        ref = ref.to_quantized(group_size=32, bits=4)
+        assert ours.offset == ref.offset == len(tokens) - 1
+        for a, b in ((ours.keys, ref.keys), (ours.values, ref.values)):
+            got, _ = dequantized(a, ref.offset)
+            want, scales = dequantized(b, ref.offset)
+            # float noise may move a value across one 4-bit bin, never more
+            step = float(mx.abs(scales).max())
+            assert float(mx.abs(got - want).max()) <= 1.01 * step
+
+
+def dequantized(packed, upto: int):
+    """(values, scales) of a quantized cache tensor's first ``upto`` positions."""
+    w, scales, biases = (t[..., :upto, :] for t in packed)
+    return mx.dequantize(w, scales, biases, group_size=32, bits=4), scales
