@@ -16,12 +16,15 @@ A cache with no adapter (a sliding-window `RotatingKVCache`, or an `ArraysCache`
 mixer cannot record states) makes `check_rollback` fail before decoding starts.
 """
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from .errors import RollbackError
+
+log = logging.getLogger("mlx_mtp")
 
 
 @dataclass
@@ -35,10 +38,16 @@ class Caches:
 def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
     """Fresh caches; ``max_kv_size`` gives attention layers a rotating window, as in
     mlx-lm (models that make their own caches ignore it there too)."""
-    return Caches(
+    caches = Caches(
         trunk=model.make_trunk_cache(max_kv_size=max_kv_size),
         mtp=model.make_mtp_cache(),
     )
+    if max_kv_size and not any(isinstance(c, RotatingKVCache) for c in caches.trunk):
+        log.warning(
+            "max_kv_size has no effect: %s makes its own caches (as in mlx-lm)",
+            model.model_type,
+        )
+    return caches
 
 
 @dataclass(frozen=True)
