@@ -13,9 +13,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .errors import MissingHeadsError, MTPError
+from .heads import has_heads_file, load_heads, load_strict, quantize_like
 from .models import get_family
 from .models.base import Model
 from .models.mtp import MTPStack
@@ -75,6 +75,28 @@ def family_is_raw(family, weights: dict, config: dict) -> bool:
     return getattr(family, "is_raw", lambda w, c: True)(weights, config)
 
 
+def config_fixes(config: dict) -> dict:
+    """Config keys mlx-lm's ModelArgs need that a transformers-5 config only has inside
+    ``rope_parameters`` (flat ``rope_theta``, ``partial_rotary_factor``, and
+    ``rope_scaling`` for non-default RoPE such as DeepSeek's YaRN). Nested text configs
+    (Qwen3.5) are read from ``rope_parameters`` by mlx-lm itself."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "text_config" in config:
+        return {}
+    fixes = {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope and key not in config:
+            fixes[key] = rope[key]
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default" and not config.get("rope_scaling"):
+        fixes["rope_scaling"] = {
+            k: v
+            for k, v in rope.items()
+            if k not in ("rope_theta", "partial_rotary_factor")
+        }
+    return fixes
+
+
 def _load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, dict]:
     """Build the trunk with mlx-lm; returns ``(trunk, config, captured)`` where
     ``captured`` holds the MTP tensors (``"mtp"``) and the raw flag (``"raw"``)."""
@@ -85,6 +107,7 @@ def _load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, 
         trunk, config = load_model(
             model_path,
             lazy=True,
+            model_config=config_fixes(read_config(model_path)),
             get_model_classes=_splitting_classes(family, captured),
         )
         if not lazy:
@@ -107,26 +130,6 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0]
 
 
-def _quantize_like(module: nn.Module, weights: dict, config: dict) -> None:
-    """Quantize the layers whose tensors come quantized (``.scales`` present)."""
-    quantization = config.get("quantization")
-    if not quantization:
-        return
-
-    def predicate(path, m):
-        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        return quantization.get(path, True)
-
-    nn.quantize(
-        module,
-        group_size=quantization["group_size"],
-        bits=quantization["bits"],
-        mode=quantization.get("mode", "affine"),
-        class_predicate=predicate,
-    )
-
-
 def build_mtp(
     trunk: nn.Module, family, tensors: dict, config: dict, raw: bool = True
 ) -> MTPStack:
@@ -138,30 +141,8 @@ def build_mtp(
     weights = family.sanitize(tensors, config, trunk, raw=raw)
     n = 1 + max(int(k.split(".")[1]) for k in weights)
     stack = MTPStack([family.make_layer(trunk, j) for j in range(n)])
-    _quantize_like(stack, weights, config.get("mtp_quantization", config))
-    expected = dict(tree_flatten(stack.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {_names(missing)}")
-        if extra:
-            parts.append(f"unexpected {_names(extra)}")
-        raise MissingHeadsError("MTP weights do not match: " + "; ".join(parts))
-    for name, value in weights.items():
-        if value.shape != expected[name].shape:
-            raise MissingHeadsError(
-                f"MTP tensor {name} has shape {tuple(value.shape)}, expected "
-                f"{tuple(expected[name].shape)}"
-            )
-    stack.load_weights(list(weights.items()))
-    return stack
-
-
-def _names(keys, limit: int = 3) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+    quantize_like(stack, weights, config.get("quantization"))
+    return load_strict(stack, weights)
 
 
 def _check_declared(family, config: dict, raw: dict, allow_missing_heads: bool) -> bool:
@@ -202,7 +183,11 @@ def load_model(
     family = get_family(config)
     trunk, config, captured = _load_trunk(model_path, family, lazy)
     stack = MTPStack([])
-    if _check_declared(family, config, captured["mtp"], allow_missing_heads):
+    if has_heads_file(config):  # an mlx-mtp conversion
+        stack = load_heads(model_path, config, family, trunk)
+        if not lazy:
+            mx.eval(stack.parameters())
+    elif _check_declared(family, config, captured["mtp"], allow_missing_heads):
         stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
         if not lazy:
             mx.eval(stack.parameters())

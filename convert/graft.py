@@ -1,0 +1,179 @@
+"""``mlx-mtp convert --graft-heads-from SRC --mlx-path EXISTING``: add MTP heads from a
+Hugging Face checkpoint to an MLX conversion that lacks them (e.g. an mlx-community
+4-bit model), downloading only the shards that hold the MTP tensors."""
+
+import logging
+import re
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_mtp import __version__
+from mlx_mtp.errors import MTPError
+from mlx_mtp.heads import (
+    HEADS_FILE,
+    has_heads_file,
+    heads_section,
+    index_digest,
+    quantize_heads,
+)
+from mlx_mtp.loading import _load_trunk, build_mtp, read_config
+from mlx_mtp.models import get_family
+
+from .hf import _cast, _save_config
+from .output import replace_file
+from .source import check_safetensors, read_index, resolve_source, snapshot_revision
+
+log = logging.getLogger("mlx_mtp")
+
+# Config keys that must agree between the trunk and the heads' source.
+SHAPE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "vocab_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_experts",
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+)
+
+
+def graft_heads(
+    hf_path: str,
+    mlx_path: str,
+    *,
+    revision: Optional[str] = None,
+    head_bits: int = 8,
+    overwrite: bool = False,
+) -> Path:
+    """Attach the MTP heads of ``hf_path`` to the MLX conversion at ``mlx_path``."""
+    if head_bits not in (4, 8, 16):
+        raise MTPError("head_bits must be 4, 8 or 16")
+    dst = Path(mlx_path)
+    if not (dst / "config.json").is_file():
+        raise MTPError(f"{dst} is not a model folder (no config.json)")
+    dst_config = read_config(dst)
+    family = get_family(dst_config)
+    if has_heads_file(dst_config) and not overwrite:
+        raise MTPError(f"{dst} already has MTP heads (use --overwrite to replace them)")
+    src = resolve_source(hf_path, revision, patterns=["*.json"])
+    src_config = read_config(src)
+    _check_match(dst, dst_config, src_config, hf_path, src)
+
+    files = _mtp_files(hf_path, src, src_config, family, revision)
+    tensors = {}
+    for f in files:
+        check_safetensors(f)
+        for k, v in mx.load(str(f)).items():
+            if family.mtp_layer_of(k, src_config) is not None:
+                tensors[k] = v
+    if not tensors:
+        raise MTPError(f"{hf_path} has no MTP tensors")
+    trunk, config, _ = _load_trunk(dst, family, lazy=True)
+    _, mtp = family.split_weights(tensors, src_config)
+    stack = build_mtp(trunk, family, mtp, src_config, raw=True)
+    _cast(stack, _float_dtype(trunk), None)
+    quantization = quantize_heads(stack, head_bits)
+    mx.eval(stack.parameters())
+
+    provenance = {
+        "source": (
+            str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
+        ),
+        "source_revision": revision or snapshot_revision(src),
+        "source_index_sha256": index_digest(src),
+        "mlx_mtp_version": __version__,
+        "head_bits": head_bits,
+        "grafted": True,
+    }
+    weights = dict(tree_flatten(stack.parameters()))
+    replace_file(
+        dst / HEADS_FILE,
+        lambda p: mx.save_safetensors(str(p), weights, metadata={"format": "mlx"}),
+    )
+    dst_config["mtp"] = heads_section(stack, quantization, provenance)
+    replace_file(
+        dst / "config.json", lambda p: _save_config(dst_config, p.parent, p.name)
+    )
+    return dst
+
+
+def _text(config: dict) -> dict:
+    return {**config, **config.get("text_config", {})}
+
+
+def _check_match(
+    dst: Path, dst_config: dict, src_config: dict, hf_path: str, src: Path
+):
+    """Refuse heads whose source does not match the trunk (shapes, or provenance)."""
+    a, b = _text(dst_config), _text(src_config)
+    if dst_config.get("model_type") != src_config.get("model_type"):
+        raise MTPError(
+            f"model_type differs: the trunk is {dst_config.get('model_type')!r}, the "
+            f"heads' source {src_config.get('model_type')!r}"
+        )
+    differ = [k for k in SHAPE_KEYS if k in a and k in b and a[k] != b[k]]
+    if differ:
+        k = differ[0]
+        raise MTPError(
+            f"the trunk does not match the heads' source: {k} is {a[k]} in {dst} but "
+            f"{b[k]} in {hf_path}"
+        )
+    origin = dst_config.get("mlx_mtp", {})
+    if origin.get("source_index_sha256") and index_digest(src):
+        if origin["source_index_sha256"] != index_digest(src):
+            raise MTPError(
+                f"{dst} was converted from {origin.get('source')}, not from {hf_path} "
+                "(their safetensors indexes differ)"
+            )
+    base = _base_model(dst)
+    if base and not Path(hf_path).expanduser().exists() and base != hf_path:
+        raise MTPError(f"{dst} was converted from {base}, not from {hf_path}")
+
+
+def _base_model(folder: Path) -> Optional[str]:
+    """``base_model`` of an mlx-lm model card (README.md front matter), if any."""
+    card = folder / "README.md"
+    if not card.is_file():
+        return None
+    m = re.search(r"^base_model:\s*(\S+)\s*$", card.read_text(errors="ignore"), re.M)
+    return m[1].strip("'\"") if m else None
+
+
+def _mtp_files(hf_path, src: Path, config: dict, family, revision):
+    """The safetensors files that hold MTP tensors, fetching only those."""
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_index(src)
+        shards = sorted(
+            {
+                f
+                for k, f in weight_map.items()
+                if family.mtp_layer_of(k, config) is not None
+            }
+        )
+        if not shards:
+            raise MTPError(f"{hf_path} has no MTP tensors (per its safetensors index)")
+    else:
+        shards = ["model.safetensors"]
+    missing = [s for s in shards if not (src / s).is_file()]
+    if missing:
+        if Path(hf_path).expanduser().exists():
+            raise MTPError(
+                f"shard {missing[0]} named in the index is missing from {src}"
+            )
+        src = resolve_source(hf_path, revision, patterns=shards + ["*.json"])
+    return [src / s for s in shards]
+
+
+def _float_dtype(trunk):
+    """The trunk's float dtype (that of its final norm), so the heads match it."""
+    return trunk.model.norm.weight.dtype

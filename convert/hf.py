@@ -1,0 +1,158 @@
+"""``mlx-mtp convert``: a Hugging Face checkpoint with MTP heads -> an MLX folder.
+
+The trunk goes through the runtime's own loader (mlx-lm's class and sanitize, with the
+MTP tensors set aside), mlx-lm's quantization and dtype casting, and is written as
+mlx-lm writes it. The heads go through the family's sanitize (the same code that loads
+a raw checkpoint) and are written, quantized at ``head_bits``, to ``mtp.safetensors``.
+Weights are loaded lazily and written one shard at a time.
+"""
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_map_with_path
+
+from mlx_mtp import __version__
+from mlx_mtp.errors import MissingHeadsError, MTPError
+from mlx_mtp.heads import heads_section, index_digest, quantize_heads, save_heads
+from mlx_mtp.loading import _check_declared, _load_trunk, build_mtp, read_config
+from mlx_mtp.models import get_family
+
+from .output import save_trunk, staged_folder
+from .source import check_source, copy_side_files, resolve_source, snapshot_revision
+
+log = logging.getLogger("mlx_mtp")
+
+DTYPES = ("float16", "bfloat16", "float32")
+Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+
+
+def convert(
+    hf_path: str,
+    mlx_path: str,
+    *,
+    quantize: bool = False,
+    q_bits: Optional[int] = None,
+    q_group_size: Optional[int] = None,
+    q_mode: str = "affine",
+    head_bits: Optional[int] = None,
+    dtype: Optional[str] = None,
+    revision: Optional[str] = None,
+    overwrite: bool = False,
+    require_heads: bool = False,
+    upload_repo: Optional[str] = None,
+    shard_gb: float = 5.0,
+    progress: bool = True,
+) -> Path:
+    """Convert ``hf_path`` (folder or hub repo) into the MLX folder ``mlx_path``.
+
+    Args:
+        quantize, q_bits, q_group_size, q_mode: Trunk quantization, as mlx-lm's convert.
+        head_bits: 4 or 8 to quantize the heads (affine, group 64), 16 to keep them in
+            the float dtype. Default: 8 when the trunk is quantized, else 16.
+        dtype: Float dtype of the unquantized parameters (default: the checkpoint's).
+        require_heads: Refuse a checkpoint without MTP tensors (default: warn).
+        upload_repo: Upload the result to this hub repo.
+        shard_gb: Largest output shard.
+
+    Returns:
+        The output folder.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise MTPError(f"dtype must be one of {', '.join(DTYPES)}")
+    if q_mode not in Q_MODES:
+        raise MTPError(f"q_mode must be one of {', '.join(Q_MODES)}")
+    head_bits = head_bits or (8 if quantize else 16)
+    if head_bits not in (4, 8, 16):
+        raise MTPError("head_bits must be 4, 8 or 16")
+    dst = Path(mlx_path)
+    if dst.exists() and not overwrite:
+        raise MTPError(f"{dst} already exists (use --overwrite to replace it)")
+    src = resolve_source(hf_path, revision)
+    if dst.resolve() == src.resolve():
+        raise MTPError("the output folder must differ from the source")
+    check_source(src)
+    family = get_family(read_config(src))
+
+    trunk, config, captured = _load_trunk(src, family, lazy=True)
+    stack = None
+    if not captured["mtp"]:
+        msg = f"{hf_path} has no MTP tensors"
+        if require_heads:
+            raise MissingHeadsError(msg)
+        log.warning("%s; converting the trunk only", msg)
+    elif _check_declared(family, config, captured["mtp"], allow_missing_heads=False):
+        stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
+
+    dtype = (
+        dtype or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
+    )
+    if dtype in DTYPES:
+        _cast(trunk, getattr(mx, dtype), getattr(trunk, "cast_predicate", None))
+        if stack is not None:
+            _cast(stack, getattr(mx, dtype), None)
+    trunk_quant = None
+    if quantize:
+        from mlx_lm.utils import quantize_model
+
+        trunk, config = quantize_model(trunk, config, q_group_size, q_bits, mode=q_mode)
+        trunk_quant = {
+            k: config["quantization"][k] for k in ("group_size", "bits", "mode")
+        }
+    heads_quant = quantize_heads(stack, head_bits) if stack is not None else None
+
+    provenance = {
+        "source": (
+            str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
+        ),
+        "source_revision": revision or snapshot_revision(src),
+        "source_index_sha256": index_digest(src),
+        "mlx_mtp_version": __version__,
+        "trunk_quantization": trunk_quant,
+        "head_bits": head_bits if stack is not None else None,
+        "dtype": dtype,
+    }
+    config["mlx_mtp"] = provenance
+    with staged_folder(dst, overwrite) as tmp:
+        if stack is not None:
+            save_heads(tmp, stack)
+            config["mtp"] = heads_section(stack, heads_quant, provenance)
+        save_trunk(tmp, trunk, shard_gb, progress)
+        _save_config(config, tmp)
+        copy_side_files(src, tmp)
+    if upload_repo:
+        _upload(dst, upload_repo, hf_path)
+    return dst
+
+
+def _cast(module, dtype, predicate) -> None:
+    """Cast floating parameters to ``dtype`` (those ``predicate(path)`` allows)."""
+
+    def cast(path, v):
+        if mx.issubdtype(v.dtype, mx.floating) and (
+            predicate is None or predicate(path)
+        ):
+            return v.astype(dtype)
+        return v
+
+    module.update(tree_map_with_path(cast, module.parameters()))
+
+
+def _save_config(config: dict, folder: Path, name: str = "config.json") -> None:
+    from mlx_lm.utils import save_config
+
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    save_config(config, folder / name)
+
+
+def _upload(folder: Path, repo: str, source: str) -> None:
+    from mlx_lm.utils import create_model_card, upload_to_hub
+
+    hub_source = None if Path(source).expanduser().exists() else source
+    try:
+        create_model_card(folder, hub_source)
+        upload_to_hub(str(folder), repo)
+    except Exception as e:  # hub errors have many types
+        raise MTPError(f"upload to {repo} failed: {str(e).splitlines()[0]}") from None

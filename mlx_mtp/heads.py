@@ -1,0 +1,156 @@
+"""The MTP heads of an MLX conversion: ``mtp.safetensors`` plus a ``"mtp"`` config section.
+
+A conversion keeps the trunk exactly as mlx-lm writes it (``model*.safetensors``, which is
+all mlx-lm reads, so plain mlx-lm loads the folder and ignores the heads) and the heads
+in their own file, already in mlx-mtp's schema ``layers.{j}.{enorm,hnorm,eh_proj,norm,
+block.*}`` and already fixed up (experts stacked, norms shifted, copies dropped): loading
+translates nothing, so nothing can be shifted twice. The config section records what
+loading needs to rebuild the same layers, and where the heads came from:
+
+    "mtp": {"format": "mlx-mtp/1", "file": "mtp.safetensors", "num_layers": 1,
+            "quantization": {"group_size": 64, "bits": 8, "mode": "affine"} | null,
+            "provenance": {"source": ..., "source_revision": ..., "source_index_sha256":
+                           ..., "mlx_mtp_version": ..., "trunk_bits": ..., "head_bits":
+                           ..., "dtype": ...}}
+"""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .errors import MissingHeadsError, MTPError
+from .models.mtp import MTPStack
+
+FORMAT = "mlx-mtp/1"
+HEADS_FILE = "mtp.safetensors"
+
+
+def has_heads_file(config: dict) -> bool:
+    return isinstance(config.get("mtp"), dict)
+
+
+def quantize_heads(stack: MTPStack, bits: int, group_size: int = 64) -> Optional[dict]:
+    """Quantize every linear layer of the heads whose input width allows it (affine).
+
+    Returns the quantization record for the config, or None when ``bits`` is 16 (the
+    heads keep the float dtype).
+    """
+    if bits >= 16:
+        return None
+
+    def predicate(path, m):
+        return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+
+    nn.quantize(stack, group_size=group_size, bits=bits, class_predicate=predicate)
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def quantize_like(
+    module: nn.Module, weights: dict, quantization: Optional[dict]
+) -> None:
+    """Quantize the layers of ``module`` whose tensors come quantized (``.scales``)."""
+    if not quantization:
+        return
+
+    def predicate(path, m):
+        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return quantization.get(path, True)
+
+    nn.quantize(
+        module,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def load_strict(stack: MTPStack, weights: dict) -> MTPStack:
+    """Load ``weights`` into ``stack``; a missing, extra or misshapen tensor is an error."""
+    expected = dict(tree_flatten(stack.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {_names(missing)}")
+        if extra:
+            parts.append(f"unexpected {_names(extra)}")
+        raise MissingHeadsError("MTP weights do not match: " + "; ".join(parts))
+    for name, value in weights.items():
+        if value.shape != expected[name].shape:
+            raise MissingHeadsError(
+                f"MTP tensor {name} has shape {tuple(value.shape)}, expected "
+                f"{tuple(expected[name].shape)}"
+            )
+    stack.load_weights(list(weights.items()))
+    return stack
+
+
+def _names(keys, limit: int = 3) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def save_heads(folder: Path, stack: MTPStack) -> None:
+    """Write the heads' tensors (evaluated one layer at a time) to ``mtp.safetensors``."""
+    weights = dict(tree_flatten(stack.parameters()))
+    mx.save_safetensors(str(folder / HEADS_FILE), weights, metadata={"format": "mlx"})
+
+
+def heads_section(stack: MTPStack, quantization, provenance: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "file": HEADS_FILE,
+        "num_layers": len(stack.layers),
+        "quantization": quantization,
+        "provenance": provenance,
+    }
+
+
+def load_heads(model_path: Path, config: dict, family, trunk) -> MTPStack:
+    """Rebuild the heads of a conversion exactly as they were written."""
+    section = config["mtp"]
+    if section.get("format") != FORMAT:
+        raise MTPError(
+            f"{model_path}: MTP heads in format {section.get('format')!r}; this "
+            f"mlx-mtp reads {FORMAT!r} (upgrade mlx-mtp or convert again)"
+        )
+    path = model_path / section.get("file", HEADS_FILE)
+    if not path.is_file():
+        raise MissingHeadsError(f"{path} is missing (the config names MTP heads)")
+    try:
+        weights = mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise MTPError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    stack = MTPStack(
+        [family.make_layer(trunk, j) for j in range(section["num_layers"])]
+    )
+    quantize_like(stack, weights, section.get("quantization"))
+    return load_strict(stack, weights)
+
+
+def index_digest(folder: Path) -> Optional[str]:
+    """sha256 of a checkpoint's safetensors index (or of its single file's header)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return hashlib.sha256(index.read_bytes()).hexdigest()
+    single = folder / "model.safetensors"
+    if single.is_file():
+        with open(single, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            return hashlib.sha256(f.read(n)).hexdigest()
+    return None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MTPError(f"cannot read {path}: {e}") from None
