@@ -16,8 +16,8 @@ from mlx_mtp.heads import (
     HEADS_FILE,
     has_heads_file,
     heads_section,
-    index_digest,
     quantize_heads,
+    source_fingerprint,
 )
 from mlx_mtp.loading import _load_trunk, build_mtp, read_config
 from mlx_mtp.models import get_family
@@ -89,7 +89,7 @@ def graft_heads(
             str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
         ),
         "source_revision": revision or snapshot_revision(src),
-        "source_index_sha256": index_digest(src),
+        "source_fingerprint": source_fingerprint(src),
         "mlx_mtp_version": __version__,
         "head_bits": head_bits,
         "grafted": True,
@@ -128,15 +128,25 @@ def _check_match(
             f"{b[k]} in {hf_path}"
         )
     origin = dst_config.get("mlx_mtp", {})
-    if origin.get("source_index_sha256") and index_digest(src):
-        if origin["source_index_sha256"] != index_digest(src):
+    theirs = source_fingerprint(src)  # None unless every weight file is here
+    if origin.get("source_fingerprint") and theirs:
+        if origin["source_fingerprint"] != theirs:
             raise MTPError(
                 f"{dst} was converted from {origin.get('source')}, not from {hf_path} "
-                "(their safetensors indexes differ)"
+                "(their weights differ)"
+            )
+    elif _is_repo(origin.get("source")) and _is_repo(hf_path):
+        if origin["source"] != hf_path:
+            raise MTPError(
+                f"{dst} was converted from {origin['source']}, not {hf_path}"
             )
     base = _base_model(dst)
-    if base and not Path(hf_path).expanduser().exists() and base != hf_path:
+    if base and _is_repo(hf_path) and base != hf_path:
         raise MTPError(f"{dst} was converted from {base}, not from {hf_path}")
+
+
+def _is_repo(name: Optional[str]) -> bool:
+    return bool(name) and not Path(name).expanduser().exists() and name.count("/") == 1
 
 
 def _base_model(folder: Path) -> Optional[str]:

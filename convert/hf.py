@@ -16,7 +16,7 @@ from mlx.utils import tree_map_with_path
 
 from mlx_mtp import __version__
 from mlx_mtp.errors import MissingHeadsError, MTPError
-from mlx_mtp.heads import heads_section, index_digest, quantize_heads, save_heads
+from mlx_mtp.heads import heads_section, quantize_heads, save_heads, source_fingerprint
 from mlx_mtp.loading import _check_declared, _load_trunk, build_mtp, read_config
 from mlx_mtp.models import get_family
 
@@ -108,7 +108,7 @@ def convert(
             str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
         ),
         "source_revision": revision or snapshot_revision(src),
-        "source_index_sha256": index_digest(src),
+        "source_fingerprint": source_fingerprint(src),
         "mlx_mtp_version": __version__,
         "trunk_quantization": trunk_quant,
         "head_bits": head_bits if stack is not None else None,

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterable, List, Optional
 
 from mlx_mtp.errors import MTPError
+from mlx_mtp.loading import resolve
 
 # What a conversion copies besides the weights (tokenizer, chat template, generation).
 SIDE_FILES = (
@@ -56,27 +57,7 @@ def resolve_source(
     patterns: Optional[List[str]] = None,
 ) -> Path:
     """A local folder as is, or a hub repo downloaded (only ``patterns``) into the HF cache."""
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise MTPError(f"{path} has no config.json: not a model folder")
-        return path
-    if path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1:
-        raise MTPError(f"source {path_or_repo!r} does not exist")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(
-            snapshot_download(
-                path_or_repo,
-                revision=revision,
-                allow_patterns=patterns or SOURCE_PATTERNS,
-            )
-        )
-    except Exception as e:  # hub errors have many types; all mean "cannot get it"
-        raise MTPError(
-            f"cannot fetch {path_or_repo!r}: {str(e).splitlines()[0]}"
-        ) from None
+    return resolve(path_or_repo, revision, patterns or SOURCE_PATTERNS)
 
 
 def weight_files(folder: Path) -> List[Path]:

@@ -184,3 +184,138 @@ def generate(
             click.echo()
             if verbose:
                 click.echo(format_stats(response), err=True)
+
+
+@main.command()
+@click.option("--hf-path", help="Hugging Face checkpoint to convert (folder or repo).")
+@click.option(
+    "--mlx-path",
+    help="Output folder (or, with --graft-heads-from, the "
+    "existing MLX conversion to add heads to).",
+)
+@click.option("-q", "--quantize", is_flag=True, help="Quantize the trunk.")
+@click.option(
+    "--q-bits", type=click.IntRange(2, 8), default=None, help="Trunk bits (default 4)."
+)
+@click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default=None)
+@click.option(
+    "--q-mode",
+    type=click.Choice(["affine", "mxfp4", "nvfp4", "mxfp8"]),
+    default="affine",
+    show_default=True,
+)
+@click.option(
+    "--head-bits",
+    type=click.Choice(["4", "8", "16"]),
+    default=None,
+    help="MTP head precision; 16 keeps the float dtype. [default: 8 with -q, "
+    "else 16]",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float16", "bfloat16", "float32"]),
+    default=None,
+    help="Dtype of unquantized parameters (default: the checkpoint's).",
+)
+@click.option("--revision", default=None, help="Hub revision of the source.")
+@click.option("--upload-repo", default=None, help="Upload the result to this hub repo.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@click.option(
+    "--require-heads",
+    is_flag=True,
+    help="Refuse a checkpoint without MTP tensors instead of warning.",
+)
+@click.option(
+    "--graft-heads-from",
+    "graft_from",
+    default=None,
+    help="Add MTP heads from this HF checkpoint to the conversion at --mlx-path.",
+)
+@click.option(
+    "--check",
+    "check_path",
+    default=None,
+    help="Report on a conversion and test its heads against the source.",
+)
+@click.option(
+    "--min-agreement",
+    type=click.FloatRange(0, 1),
+    default=0.9,
+    show_default=True,
+    help="--check: least top-1 agreement of each head with the source's.",
+)
+@friendly_errors
+def convert(
+    hf_path,
+    mlx_path,
+    quantize,
+    q_bits,
+    q_group_size,
+    q_mode,
+    head_bits,
+    dtype,
+    revision,
+    upload_repo,
+    overwrite,
+    require_heads,
+    graft_from,
+    check_path,
+    min_agreement,
+):
+    """Convert a Hugging Face checkpoint to MLX, keeping its MTP heads.
+
+    \b
+    mlx-mtp convert --hf-path Qwen/Qwen3.6-27B --mlx-path q36-4bit -q
+    mlx-mtp convert --graft-heads-from Qwen/Qwen3.6-27B --mlx-path EXISTING_MLX_FOLDER
+    mlx-mtp convert --check q36-4bit
+    """
+    _quiet_transformers()
+    modes = [bool(hf_path), bool(graft_from), bool(check_path)]
+    if sum(modes) != 1:
+        raise click.UsageError(
+            "give exactly one of --hf-path, --graft-heads-from or --check"
+        )
+    if check_path:
+        return _check(check_path, hf_path, min_agreement)
+    if not mlx_path:
+        raise click.UsageError("--mlx-path is required")
+    bits = int(head_bits) if head_bits else None
+    if graft_from:
+        from convert import graft_heads
+
+        out = graft_heads(
+            graft_from,
+            mlx_path,
+            revision=revision,
+            head_bits=bits or 8,
+            overwrite=overwrite,
+        )
+        click.echo(f"grafted MTP heads from {graft_from} onto {out}")
+        return
+    from convert import convert as run_convert
+
+    out = run_convert(
+        hf_path,
+        mlx_path,
+        quantize=quantize,
+        q_bits=q_bits,
+        q_group_size=int(q_group_size) if q_group_size else None,
+        q_mode=q_mode,
+        head_bits=bits,
+        dtype=dtype,
+        revision=revision,
+        overwrite=overwrite,
+        require_heads=require_heads,
+        upload_repo=upload_repo,
+    )
+    click.echo(f"wrote {out}")
+
+
+def _check(path, source, min_agreement):
+    from convert import check
+
+    report = check(path, source=source, threshold=min_agreement)
+    for line in report.lines():
+        click.echo(line)
+    if report.source is not None and not report.passed:
+        _fail("MTP heads disagree with the source (see above)")

@@ -9,9 +9,11 @@ loading needs to rebuild the same layers, and where the heads came from:
 
     "mtp": {"format": "mlx-mtp/1", "file": "mtp.safetensors", "num_layers": 1,
             "quantization": {"group_size": 64, "bits": 8, "mode": "affine"} | null,
-            "provenance": {"source": ..., "source_revision": ..., "source_index_sha256":
-                           ..., "mlx_mtp_version": ..., "trunk_bits": ..., "head_bits":
-                           ..., "dtype": ...}}
+            "provenance": {"source", "source_revision", "source_fingerprint",
+                           "mlx_mtp_version", "trunk_quantization", "head_bits",
+                           "dtype"}}
+
+The trunk's own provenance is the config's ``"mlx_mtp"`` section (same keys).
 """
 
 import hashlib
@@ -136,17 +138,49 @@ def load_heads(model_path: Path, config: dict, family, trunk) -> MTPStack:
     return load_strict(stack, weights)
 
 
-def index_digest(folder: Path) -> Optional[str]:
-    """sha256 of a checkpoint's safetensors index (or of its single file's header)."""
+def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
+    """sha256 of a checkpoint's token embedding (name, dtype, shape, first ``sample``
+    bytes): cheap, independent of how the files are sharded or whether they hold MTP
+    tensors, and different for checkpoints that share a layout but not their weights.
+    None when the file holding the embedding is absent (e.g. a partial download)."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return hashlib.sha256(index.read_bytes()).hexdigest()
-    single = folder / "model.safetensors"
-    if single.is_file():
-        with open(single, "rb") as f:
+    try:
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            weight_map = {
+                k: "model.safetensors" for k in _header(folder / "model.safetensors")
+            }
+    except (OSError, json.JSONDecodeError, KeyError, ValueError):
+        return None
+    names = sorted(
+        (k for k in weight_map if k.endswith("embed_tokens.weight")), key=len
+    )
+    if not names or not (folder / weight_map[names[0]]).is_file():
+        return None
+    name, path = names[0], folder / weight_map[names[0]]
+    try:
+        header = _header(path)
+        info = header[name]
+        with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            return hashlib.sha256(f.read(n)).hexdigest()
-    return None
+            f.seek(8 + n + info["data_offsets"][0])
+            data = f.read(
+                min(sample, info["data_offsets"][1] - info["data_offsets"][0])
+            )
+    except (OSError, KeyError, ValueError):
+        return None
+    digest = hashlib.sha256(json.dumps([name, info["dtype"], info["shape"]]).encode())
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
 
 
 def read_json(path: Path) -> dict:

@@ -9,7 +9,7 @@ the family module and loaded strictly into an `MTPStack`.
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,8 +23,13 @@ from .models.mtp import MTPStack
 log = logging.getLogger("mlx_mtp")
 
 
-def resolve(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
-    """A local folder, or a Hugging Face repo downloaded exactly as mlx-lm does."""
+def resolve(
+    path_or_hf_repo: str,
+    revision: Optional[str] = None,
+    allow_patterns: Optional[List[str]] = None,
+) -> Path:
+    """A local folder, or a Hugging Face repo downloaded exactly as mlx-lm does (only
+    the files matching ``allow_patterns``, default mlx-lm's)."""
     from mlx_lm.utils import _download
 
     path = Path(path_or_hf_repo).expanduser()
@@ -35,9 +40,13 @@ def resolve(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
     if path_or_hf_repo.startswith((".", "/", "~")) or path_or_hf_repo.count("/") != 1:
         raise MTPError(f"model path {path_or_hf_repo!r} does not exist")
     try:
-        return _download(path_or_hf_repo, revision=revision)
+        return _download(path_or_hf_repo, revision, allow_patterns)
     except Exception as e:  # hub errors have many types; all mean "cannot get it"
-        raise MTPError(f"cannot fetch {path_or_hf_repo!r}: {e}") from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise MTPError(
+            f"no folder {path_or_hf_repo!r} here, and cannot fetch it from the "
+            f"Hugging Face hub: {reason}"
+        ) from None
 
 
 def read_config(model_path: Path) -> dict:

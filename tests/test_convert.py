@@ -1,0 +1,313 @@
+"""``mlx-mtp convert``: round trips, plain mlx-lm compatibility, graft, check, safety."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm import generate as lm_generate
+from mlx_lm import load as lm_load
+from mlx_lm.utils import quantize_model
+
+from convert import check, convert, graft_heads
+from mlx_mtp.cli import main
+from mlx_mtp.errors import MissingHeadsError, MTPError
+from mlx_mtp.fixtures import FAMILIES
+from mlx_mtp.heads import quantize_heads
+from mlx_mtp.loading import load, load_model
+from mlx_mtp.speculative import mtp_generate_step
+
+PROMPT = [5, 77, 301, 12, 9, 140, 88, 2]
+N = 32
+PRECISIONS = {
+    "float": {},
+    "q8": dict(quantize=True, q_bits=8),
+    "q4": dict(quantize=True, q_bits=4),  # heads stay 8-bit
+}
+
+
+def greedy(model, k):
+    return [
+        o.token
+        for o in mtp_generate_step(PROMPT, model, num_draft_tokens=k, max_tokens=N)
+    ]
+
+
+def in_memory(src, precision):
+    """The source loaded and quantized in memory as the conversion should have been."""
+    model, config, _ = load_model(str(src))
+    options = PRECISIONS[precision]
+    if options:
+        quantize_model(model.trunk, config, None, options["q_bits"])
+        quantize_heads(model.mtp, 8)
+    return model
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_greedy_identity(family, precision, checkpoint, tmp_path):
+    src = checkpoint(family, predictable=True)
+    out = convert(str(src), tmp_path / "mlx", progress=False, **PRECISIONS[precision])
+    config = json.loads((out / "config.json").read_text())
+    assert config["mtp"]["quantization"] == (
+        None
+        if precision == "float"
+        else {"group_size": 64, "bits": 8, "mode": "affine"}
+    )
+    assert config["mlx_mtp"]["source"] == str(src.resolve())
+    assert config["mlx_mtp"]["source_fingerprint"]
+    converted = load_model(str(out))[0]
+    reference = in_memory(src, precision)
+    expected = greedy(reference, 0)
+    assert greedy(converted, 0) == expected  # the conversion is faithful
+    stats = list(mtp_generate_step(PROMPT, converted, num_draft_tokens=2, max_tokens=N))
+    assert [o.token for o in stats] == expected  # and MTP decoding on it is exact
+    assert stats[-1].stats.accepted > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
+    out = convert(
+        str(checkpoint(family)), tmp_path / "mlx", quantize=True, progress=False
+    )
+    model, tokenizer = lm_load(str(out))  # heads ignored: mtp.safetensors is not read
+    text = lm_generate(model, tokenizer, "def f(x):", max_tokens=8)
+    assert isinstance(text, str) and text
+    assert (out / "tokenizer.json").is_file() and (out / "mtp.safetensors").is_file()
+
+
+def strip_heads(src, dst, prefix):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, dst / f.name)
+    weights = mx.load(str(src / "model.safetensors"))
+    weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, {"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(
+    "family,prefix", [("qwen3_5", "mtp."), ("deepseek_v3", "model.layers.3.")]
+)
+def test_graft_onto_conversion_without_heads(
+    family, prefix, checkpoint, tmp_path, caplog
+):
+    src = checkpoint(family, predictable=True, num_shards=2)
+    plain_src = tmp_path / "plain-src"
+    plain_src.mkdir()
+    for f in src.iterdir():  # the same checkpoint without its MTP tensors
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, plain_src / f.name)
+    weights = {}
+    for f in src.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+    mx.save_safetensors(str(plain_src / "model.safetensors"), weights, {"format": "pt"})
+    bare = convert(
+        str(plain_src), tmp_path / "bare", quantize=True, q_bits=4, progress=False
+    )
+    assert "no MTP tensors" in caplog.text
+    assert load_model(str(bare), allow_missing_heads=True)[0].num_mtp_layers == 0
+    grafted = graft_heads(str(src), str(bare), head_bits=8)
+    full = convert(str(src), tmp_path / "full", quantize=True, q_bits=4, progress=False)
+    a, b = load_model(str(grafted))[0], load_model(str(full))[0]
+    assert a.num_mtp_layers == 1
+    seq = mx.array(PROMPT)[None]
+    ha = a.hidden(seq)
+    np.testing.assert_allclose(
+        np.array(a.logits(a.mtp_forward(0, ha, seq))),
+        np.array(b.logits(b.mtp_forward(0, b.hidden(seq), seq))),
+        atol=1e-5,
+    )
+    assert greedy(a, 2) == greedy(a, 0)
+    with pytest.raises(MTPError, match="already has MTP heads"):
+        graft_heads(str(src), str(grafted))
+
+
+def test_graft_refuses_a_different_trunk(checkpoint, tmp_path):
+    out = convert(str(checkpoint("glm4_moe")), tmp_path / "glm", progress=False)
+    with pytest.raises(MTPError, match="model_type differs"):
+        graft_heads(str(checkpoint("mimo")), str(out), overwrite=True)
+    other_vocab = checkpoint("glm4_moe", vocab_size=320)
+    with pytest.raises(MTPError, match="vocab_size is 512 .* but 320"):
+        graft_heads(str(other_vocab), str(out), overwrite=True)
+    other_weights = checkpoint("glm4_moe", seed=5)
+    with pytest.raises(MTPError, match="not from .*weights differ"):
+        graft_heads(str(other_weights), str(out), overwrite=True)
+
+
+def test_check_reports_and_catches_broken_heads(checkpoint, tmp_path):
+    src = checkpoint("qwen3_next", predictable=True)
+    out = convert(str(src), tmp_path / "q8", quantize=True, q_bits=8, progress=False)
+    report = check(str(out))
+    assert report.passed and report.head_agreement[0] > 0.95
+    assert (
+        report.head_quantization["bits"] == 8 and report.trunk_quantization["bits"] == 8
+    )
+    result = run_cli("convert", "--check", out)
+    assert (
+        result.exit_code == 0 and "head 0:" in result.output and "ok" in result.output
+    )
+    clean = mx.load(str(out / "mtp.safetensors"))
+
+    def broken_check(edit):
+        mx.save_safetensors(str(out / "mtp.safetensors"), edit(dict(clean)))
+        return check(str(out))
+
+    # the norms shifted a second time
+    report = broken_check(
+        lambda w: {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in w.items()}
+    )
+    assert not report.passed
+    result = run_cli("convert", "--check", out)
+    assert result.exit_code == 1 and "FAIL" in result.output
+    # the concatenation order swapped ([hidden, embedding] instead of [embedding, hidden])
+    proj = "layers.0.eh_proj.weight"
+    w = mx.dequantize(
+        clean[proj], clean[proj[:-6] + "scales"], clean[proj[:-6] + "biases"], bits=8
+    )
+    swapped = mx.concatenate([w[:, 64:], w[:, :64]], axis=1)
+    q, scales, biases = mx.quantize(swapped, group_size=64, bits=8)
+    report = broken_check(
+        lambda w: {
+            **w,
+            proj: q,
+            proj[:-6] + "scales": scales,
+            proj[:-6] + "biases": biases,
+        }
+    )
+    assert report.head_agreement[0] < 0.3 and not report.passed
+
+
+def test_cli_convert_and_bad_inputs(checkpoint, tmp_path):
+    src = checkpoint("mimo", predictable=True)
+    out = tmp_path / "cli"
+    result = run_cli(
+        "convert", "--hf-path", src, "--mlx-path", out, "-q", "--head-bits", "16"
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["mtp"]["quantization"] is None
+    again = run_cli("convert", "--hf-path", src, "--mlx-path", out)
+    assert again.exit_code == 1 and "already exists" in again.output
+    assert (
+        run_cli("convert", "--hf-path", src, "--mlx-path", out, "--overwrite").exit_code
+        == 0
+    )
+    assert run_cli("convert", "--mlx-path", out).exit_code == 2  # no mode
+    assert run_cli("convert", "--hf-path", src).exit_code == 2  # no output
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_sources(checkpoint, tmp_path):
+    def fails(src, *needles, extra=()):
+        before = sorted(p.name for p in src.iterdir())
+        result = run_cli(
+            "convert", "--hf-path", src, "--mlx-path", tmp_path / "out", *extra
+        )
+        assert result.exit_code == 1, result.output
+        line = result.output.strip().splitlines()[-1]
+        assert line.startswith("mlx-mtp: error:") and all(
+            n in line for n in needles
+        ), line
+        assert not (tmp_path / "out").exists()
+        assert sorted(p.name for p in src.iterdir()) == before  # source untouched
+        assert not list(tmp_path.glob(".out*"))
+
+    truncated = _copy(checkpoint("glm4_moe"), tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    fails(truncated, "truncated")
+    sharded = _copy(checkpoint("deepseek_v3", num_shards=3), tmp_path / "sharded")
+    (sharded / "model-00002-of-00003.safetensors").unlink()
+    fails(sharded, "model-00002-of-00003.safetensors", "missing")
+    garbage = _copy(checkpoint("mimo"), tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"\xff" * 64)
+    fails(garbage, "not a valid safetensors")
+    unknown = _copy(checkpoint("mimo"), tmp_path / "unknown")
+    config = json.loads((unknown / "config.json").read_text())
+    config["model_type"] = "llama4"
+    (unknown / "config.json").write_text(json.dumps(config))
+    fails(unknown, "unsupported model_type 'llama4'")
+    headless = strip_heads(checkpoint("qwen3_5"), tmp_path / "headless", "mtp.")
+    fails(headless, "no MTP tensors", extra=["--require-heads"])
+
+
+def test_interrupted_conversion_leaves_nothing(checkpoint, tmp_path, monkeypatch):
+    import convert.output as output
+
+    src = checkpoint("deepseek_v3", num_shards=2)
+    calls = []
+
+    def interrupted(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return save(path, *args, **kwargs)
+
+    save = mx.save_safetensors
+    monkeypatch.setattr(output.mx, "save_safetensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(str(src), tmp_path / "out", progress=False, shard_gb=1e-4)
+    assert len(calls) == 2
+    assert list(tmp_path.iterdir()) == []  # no destination, no partial folder
+
+
+def test_killed_conversion_leaves_no_destination(checkpoint, tmp_path):
+    src = checkpoint("qwen3_next", num_shards=2)
+    dst = tmp_path / "out"
+    code = (
+        "import time, mlx.core as mx, convert.output as o\n"
+        "save = mx.save_safetensors\n"
+        "def slow(*a, **k):\n"
+        "    save(*a, **k); time.sleep(60)\n"
+        "o.mx.save_safetensors = slow\n"
+        f"from convert import convert\nconvert({str(src)!r}, {str(dst)!r}, progress=False, shard_gb=1e-4)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(
+        tmp_path.glob(".out.*.partial/*.safetensors")
+    ):
+        time.sleep(0.2)
+    assert list(
+        tmp_path.glob(".out.*.partial/*.safetensors")
+    ), "conversion never started writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists()
+
+
+def test_transformers5_rope_parameters_are_flattened(checkpoint, tmp_path):
+    src = _copy(checkpoint("qwen3_next", predictable=True), tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": config.pop("rope_theta"),
+        "partial_rotary_factor": config.pop("partial_rotary_factor"),
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    out = convert(str(src), tmp_path / "out", progress=False)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["rope_theta"] == 10000000.0 and saved["partial_rotary_factor"] == 0.25
+    model = load_model(str(out))[0]
+    assert greedy(model, 2) == greedy(
+        load_model(str(checkpoint("qwen3_next", True)))[0], 0
+    )
