@@ -115,6 +115,8 @@ def convert(
         "dtype": dtype,
     }
     config["mlx_mtp"] = provenance
+    if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
+        del config["quantization_config"]  # dequantized on the way
     with staged_folder(dst, overwrite) as tmp:
         if stack is not None:
             save_heads(tmp, stack)

@@ -66,6 +66,7 @@ def _splitting_classes(family, captured: dict):
 
         class Trunk(model_class):
             def sanitize(self, weights):
+                weights = dequantize_fp8(weights, fp8_block(config))
                 captured["raw"] = family_is_raw(family, weights, config)
                 weights, captured["mtp"] = family.split_weights(weights, config)
                 if hasattr(model_class, "sanitize"):
@@ -76,6 +77,36 @@ def _splitting_classes(family, captured: dict):
         return Trunk, args_class
 
     return get_classes
+
+
+def fp8_block(config: dict) -> Tuple[int, int]:
+    """Block size of a Hugging Face FP8 checkpoint's ``weight_scale_inv`` (default 128)."""
+    q = config.get("quantization_config") or {}
+    return tuple(q.get("weight_block_size") or (128, 128))
+
+
+def dequantize_fp8(weights: dict, block: Tuple[int, int] = (128, 128)) -> dict:
+    """Dequantize block-scaled FP8 weights (DeepSeek / GLM releases) to bfloat16.
+
+    A ``W.weight`` stored as float8 e4m3 (read as uint8) with ``W.weight_scale_inv`` of
+    shape ``(ceil(out / bm), ceil(in / bn))`` becomes ``from_fp8(weight) * scale`` per
+    block; other tensors pass through. Lazy, like the rest of loading.
+    """
+    if not any(k.endswith(".weight_scale_inv") for k in weights):
+        return weights
+    bm, bn = block
+    out = {}
+    for key, value in weights.items():
+        if key.endswith(".weight_scale_inv"):
+            continue
+        scale = weights.get(key + "_scale_inv") if key.endswith(".weight") else None
+        if scale is not None:
+            m, n = value.shape
+            w = mx.from_fp8(value, dtype=mx.float32)
+            s = mx.repeat(mx.repeat(scale.astype(mx.float32), bm, 0), bn, 1)[:m, :n]
+            value = (w * s).astype(mx.bfloat16)
+        out[key] = value
+    return out
 
 
 def family_is_raw(family, weights: dict, config: dict) -> bool:

@@ -311,3 +311,70 @@ def test_transformers5_rope_parameters_are_flattened(checkpoint, tmp_path):
     assert greedy(model, 2) == greedy(
         load_model(str(checkpoint("qwen3_next", True)))[0], 0
     )
+
+
+def to_fp8_checkpoint(src, dst, block=16):
+    """A copy of ``src`` with every 2-D projection stored as block-scaled FP8
+    (``F8_E4M3`` + ``weight_scale_inv``), as DeepSeek / GLM release them, and the
+    same model with those weights dequantized, in float32, as a reference."""
+    import struct
+
+    weights = mx.load(str(src / "model.safetensors"))
+    fp8, ref = {}, {}
+    for k, v in weights.items():
+        if k.endswith("proj.weight") and v.ndim == 2:
+            m, n = v.shape  # not always multiples of the block: pad, as releases do
+            a = mx.pad(mx.abs(v), ((0, -m % block), (0, -n % block)))
+            s = a.reshape(-(-m // block), block, -(-n // block), block).max(axis=(1, 3))
+            s = mx.maximum(s, 1e-12) / 448.0
+            full = mx.repeat(mx.repeat(s, block, 0), block, 1)[:m, :n]
+            q = mx.to_fp8(v / full)
+            fp8[k], fp8[k + "_scale_inv"] = q, s
+            ref[k] = (mx.from_fp8(q, dtype=mx.float32) * full).astype(mx.bfloat16)
+        else:
+            fp8[k] = ref[k] = v
+    for folder, tensors in ((dst / "fp8", fp8), (dst / "ref", ref)):
+        shutil.copytree(src, folder)
+        mx.save_safetensors(str(folder / "model.safetensors"), tensors)
+    # relabel the uint8 tensors as F8_E4M3, as torch writes them
+    path = dst / "fp8" / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    for k, info in header.items():
+        if k != "__metadata__" and info["dtype"] == "U8":
+            info["dtype"] = "F8_E4M3"
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n :])
+    config = json.loads((dst / "fp8" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (dst / "fp8" / "config.json").write_text(json.dumps(config))
+    return dst / "fp8", dst / "ref"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_fp8_checkpoints_are_dequantized(family, checkpoint, tmp_path):
+    fp8, ref = to_fp8_checkpoint(checkpoint(family, predictable=True), tmp_path)
+    seq = mx.array(PROMPT)[None]
+
+    def outputs(model):
+        h = model.hidden(seq)
+        return np.array(model.logits(h)), np.array(
+            model.logits(model.mtp_forward(0, h, seq))
+        )
+
+    expected = outputs(load_model(str(ref))[0])
+    for got in (outputs(load_model(str(fp8))[0]),):
+        for a, b in zip(got, expected):
+            np.testing.assert_allclose(a, b, atol=1e-3)
+    out = convert(str(fp8), tmp_path / "mlx", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    for a, b in zip(outputs(load_model(str(out))[0]), expected):
+        np.testing.assert_allclose(a, b, atol=1e-3)
