@@ -21,8 +21,10 @@ from convert import convert
 tic = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], quantize=True, q_bits=4, progress=False,
         shard_gb=float(sys.argv[3]))
+import mlx.core as mx
 print(json.dumps({"seconds": time.perf_counter() - tic,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "mlx_peak_bytes": mx.get_peak_memory()}))
 """
 BASELINE = """
 import json, resource
