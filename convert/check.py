@@ -16,7 +16,6 @@ from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load, read_config

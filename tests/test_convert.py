@@ -1,7 +1,6 @@
 """``mlx-mtp convert``: round trips, plain mlx-lm compatibility, graft, check, safety."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,10 +17,10 @@ from mlx_lm.utils import quantize_model
 
 from convert import check, convert, graft_heads
 from mlx_mtp.cli import main
-from mlx_mtp.errors import MissingHeadsError, MTPError
+from mlx_mtp.errors import MTPError
 from mlx_mtp.fixtures import FAMILIES
 from mlx_mtp.heads import quantize_heads
-from mlx_mtp.loading import load, load_model
+from mlx_mtp.loading import load_model
 from mlx_mtp.speculative import mtp_generate_step
 
 PROMPT = [5, 77, 301, 12, 9, 140, 88, 2]
@@ -89,17 +88,6 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
     assert (out / "tokenizer.json").is_file() and (out / "mtp.safetensors").is_file()
 
 
-def strip_heads(src, dst, prefix):
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix == ".json":
-            shutil.copy(f, dst / f.name)
-    weights = mx.load(str(src / "model.safetensors"))
-    weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
-    mx.save_safetensors(str(dst / "model.safetensors"), weights, {"format": "pt"})
-    return dst
-
-
 @pytest.mark.parametrize(
     "family,prefix", [("qwen3_5", "mtp."), ("deepseek_v3", "model.layers.3.")]
 )
@@ -107,16 +95,7 @@ def test_graft_onto_conversion_without_heads(
     family, prefix, checkpoint, tmp_path, caplog
 ):
     src = checkpoint(family, predictable=True, num_shards=2)
-    plain_src = tmp_path / "plain-src"
-    plain_src.mkdir()
-    for f in src.iterdir():  # the same checkpoint without its MTP tensors
-        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
-            shutil.copy(f, plain_src / f.name)
-    weights = {}
-    for f in src.glob("*.safetensors"):
-        weights.update(mx.load(str(f)))
-    weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
-    mx.save_safetensors(str(plain_src / "model.safetensors"), weights, {"format": "pt"})
+    plain_src = strip_heads(src, tmp_path / "plain-src", prefix)
     bare = convert(
         str(plain_src), tmp_path / "bare", quantize=True, q_bits=4, progress=False
     )
@@ -209,6 +188,20 @@ def test_cli_convert_and_bad_inputs(checkpoint, tmp_path):
     )
     assert run_cli("convert", "--mlx-path", out).exit_code == 2  # no mode
     assert run_cli("convert", "--hf-path", src).exit_code == 2  # no output
+
+
+def strip_heads(src, dst, prefix):
+    """A copy of checkpoint ``src`` without its MTP tensors (names under ``prefix``)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    weights = {}
+    for f in src.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, {"format": "pt"})
+    return dst
 
 
 def _copy(src, dst):
@@ -378,3 +371,34 @@ def test_fp8_checkpoints_are_dequantized(family, checkpoint, tmp_path):
     assert "quantization_config" not in config
     for a, b in zip(outputs(load_model(str(out))[0]), expected):
         np.testing.assert_allclose(a, b, atol=1e-3)
+
+
+def test_graft_from_the_hub_fetches_only_mtp_shards(checkpoint, tmp_path, monkeypatch):
+    """Graft from a hub repo: the index is read first, then only the shards holding
+    MTP tensors are requested (huggingface-hub ``allow_patterns``)."""
+    import fnmatch
+
+    import mlx_lm.utils
+
+    src = checkpoint("deepseek_v3", predictable=True, num_shards=3)
+    requests = []
+
+    def fake_download(repo, revision=None, allow_patterns=None):
+        assert repo == "org/tiny-deepseek"
+        requests.append(list(allow_patterns))
+        cache = tmp_path / "hub-cache"
+        cache.mkdir(exist_ok=True)
+        for f in src.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, cache / f.name)
+        return cache
+
+    monkeypatch.setattr(mlx_lm.utils, "_download", fake_download)
+    stripped = strip_heads(src, tmp_path / "plain", "model.layers.3.")
+    bare = convert(str(stripped), tmp_path / "bare", progress=False)
+    graft_heads("org/tiny-deepseek", str(bare))
+    fetched = sorted(p.name for p in (tmp_path / "hub-cache").glob("*.safetensors"))
+    assert fetched == ["model-00003-of-00003.safetensors"]  # the MTP shard only
+    assert requests[0] == ["*.json"]
+    model = load_model(str(bare))[0]
+    assert model.num_mtp_layers == 1 and greedy(model, 2) == greedy(model, 0)

@@ -1,7 +1,6 @@
 """Exact rollback of recurrent (Gated-DeltaNet) state on hybrid trunks, and the Qwen
 norm-shift guard."""
 
-import json
 import shutil
 
 import mlx.core as mx
