@@ -195,7 +195,10 @@ def generate(
 )
 @click.option("-q", "--quantize", is_flag=True, help="Quantize the trunk.")
 @click.option(
-    "--q-bits", type=click.IntRange(2, 8), default=None, help="Trunk bits (default 4)."
+    "--q-bits",
+    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+    default=None,
+    help="Trunk bits (default 4).",
 )
 @click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default=None)
 @click.option(
@@ -298,7 +301,7 @@ def convert(
         hf_path,
         mlx_path,
         quantize=quantize,
-        q_bits=q_bits,
+        q_bits=int(q_bits) if q_bits else None,
         q_group_size=int(q_group_size) if q_group_size else None,
         q_mode=q_mode,
         head_bits=bits,
