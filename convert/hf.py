@@ -1,4 +1,5 @@
-"""``mlx-mtp convert``: a Hugging Face checkpoint with MTP heads -> an MLX folder.
+"""``mlx-mtp convert``: a Hugging Face checkpoint (or llama-family GGUF file) with MTP
+heads -> an MLX folder.
 
 The trunk goes through the runtime's own loader (mlx-lm's class and sanitize, with the
 MTP tensors set aside), mlx-lm's quantization and dtype casting, and is written as
@@ -8,6 +9,8 @@ Weights are loaded lazily and written one shard at a time.
 """
 
 import logging
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +23,7 @@ from mlx_mtp.heads import heads_section, quantize_heads, save_heads, source_fing
 from mlx_mtp.loading import _check_declared, _load_trunk, build_mtp, read_config
 from mlx_mtp.models import get_family
 
+from .gguf import gguf_to_hf, is_gguf
 from .output import save_trunk, staged_folder
 from .source import check_source, copy_side_files, resolve_source, snapshot_revision
 
@@ -27,6 +31,22 @@ log = logging.getLogger("mlx_mtp")
 
 DTYPES = ("float16", "bfloat16", "float32")
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to write (see `convert`)."""
+
+    quantize: bool = False
+    q_bits: Optional[int] = None
+    q_group_size: Optional[int] = None
+    q_mode: str = "affine"
+    head_bits: int = 16
+    dtype: Optional[str] = None
+    overwrite: bool = False
+    require_heads: bool = False
+    shard_gb: float = 5.0
+    progress: bool = True
 
 
 def convert(
@@ -46,13 +66,15 @@ def convert(
     shard_gb: float = 5.0,
     progress: bool = True,
 ) -> Path:
-    """Convert ``hf_path`` (folder or hub repo) into the MLX folder ``mlx_path``.
+    """Convert ``hf_path`` (folder, hub repo, or llama-family ``.gguf`` file) into the
+    MLX folder ``mlx_path``.
 
     Args:
         quantize, q_bits, q_group_size, q_mode: Trunk quantization, as mlx-lm's convert.
         head_bits: 4 or 8 to quantize the heads (affine, group 64), 16 to keep them in
             the float dtype. Default: 8 when the trunk is quantized, else 16.
-        dtype: Float dtype of the unquantized parameters (default: the checkpoint's).
+        dtype: Float dtype of the unquantized parameters (default: the checkpoint's;
+            float32 for GGUF, whose quantized weights are dequantized).
         require_heads: Refuse a checkpoint without MTP tensors (default: warn).
         upload_repo: Upload the result to this hub repo.
         shard_gb: Largest output shard.
@@ -67,66 +89,91 @@ def convert(
     head_bits = head_bits or (8 if quantize else 16)
     if head_bits not in (4, 8, 16):
         raise MTPError("head_bits must be 4, 8 or 16")
+    options = Options(
+        quantize,
+        q_bits,
+        q_group_size,
+        q_mode,
+        head_bits,
+        dtype,
+        overwrite,
+        require_heads,
+        shard_gb,
+        progress,
+    )
     dst = Path(mlx_path)
     if dst.exists() and not overwrite:
         raise MTPError(f"{dst} already exists (use --overwrite to replace it)")
-    src = resolve_source(hf_path, revision)
-    if dst.resolve() == src.resolve():
-        raise MTPError("the output folder must differ from the source")
+    if is_gguf(hf_path):
+        gguf = Path(hf_path).expanduser().resolve()
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(
+            prefix=f".{dst.name}.gguf-", dir=dst.parent
+        ) as tmp:
+            src = gguf_to_hf(gguf, Path(tmp), dtype or "float32")
+            _convert_folder(src, str(gguf), None, dst, options)
+    else:
+        src = resolve_source(hf_path, revision)
+        if dst.resolve() == src.resolve():
+            raise MTPError("the output folder must differ from the source")
+        source = str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
+        _convert_folder(src, source, revision or snapshot_revision(src), dst, options)
+    if upload_repo:
+        _upload(dst, upload_repo, hf_path)
+    return dst
+
+
+def _convert_folder(src: Path, source: str, revision, dst: Path, o: Options) -> None:
+    """Convert the checkpoint folder ``src`` (named ``source`` in the provenance)."""
     check_source(src)
     family = get_family(read_config(src))
-
     trunk, config, captured = _load_trunk(src, family, lazy=True)
     stack = None
     if not captured["mtp"]:
-        msg = f"{hf_path} has no MTP tensors"
-        if require_heads:
+        msg = f"{source} has no MTP tensors"
+        if o.require_heads:
             raise MissingHeadsError(msg)
         log.warning("%s; converting the trunk only", msg)
     elif _check_declared(family, config, captured["mtp"], allow_missing_heads=False):
         stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
 
-    dtype = (
-        dtype or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
-    )
+    dtype = o.dtype or config.get("torch_dtype")
+    dtype = dtype or config.get("text_config", {}).get("dtype")
     if dtype in DTYPES:
         _cast(trunk, getattr(mx, dtype), getattr(trunk, "cast_predicate", None))
         if stack is not None:
             _cast(stack, getattr(mx, dtype), None)
     trunk_quant = None
-    if quantize:
+    if o.quantize:
         from mlx_lm.utils import quantize_model
 
-        trunk, config = quantize_model(trunk, config, q_group_size, q_bits, mode=q_mode)
+        trunk, config = quantize_model(
+            trunk, config, o.q_group_size, o.q_bits, mode=o.q_mode
+        )
         trunk_quant = {
             k: config["quantization"][k] for k in ("group_size", "bits", "mode")
         }
-    heads_quant = quantize_heads(stack, head_bits) if stack is not None else None
+    heads_quant = quantize_heads(stack, o.head_bits) if stack is not None else None
 
     provenance = {
-        "source": (
-            str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
-        ),
-        "source_revision": revision or snapshot_revision(src),
+        "source": source,
+        "source_revision": revision,
         "source_fingerprint": source_fingerprint(src),
         "mlx_mtp_version": __version__,
         "trunk_quantization": trunk_quant,
-        "head_bits": head_bits if stack is not None else None,
+        "head_bits": o.head_bits if stack is not None else None,
         "dtype": dtype,
     }
     config["mlx_mtp"] = provenance
     if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
         del config["quantization_config"]  # dequantized on the way
-    with staged_folder(dst, overwrite) as tmp:
+    with staged_folder(dst, o.overwrite) as tmp:
         if stack is not None:
             save_heads(tmp, stack)
             config["mtp"] = heads_section(stack, heads_quant, provenance)
-        save_trunk(tmp, trunk, shard_gb, progress)
+        save_trunk(tmp, trunk, o.shard_gb, o.progress)
         _save_config(config, tmp)
         copy_side_files(src, tmp)
-    if upload_repo:
-        _upload(dst, upload_repo, hf_path)
-    return dst
 
 
 def _cast(module, dtype, predicate) -> None:

@@ -13,7 +13,15 @@ from types import ModuleType
 
 from ..errors import UnsupportedModelError
 
-FAMILIES = ("deepseek_v3", "glm4_moe", "mimo", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+FAMILIES = (
+    "deepseek_v3",
+    "glm4_moe",
+    "llama",
+    "mimo",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+)
 
 
 def get_family(config: dict) -> ModuleType:

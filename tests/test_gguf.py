@@ -1,0 +1,210 @@
+"""GGUF input: a tiny llama checkpoint written as llama.cpp would, converted back."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from convert import convert
+from mlx_mtp.fixtures import write_tokenizer
+from mlx_mtp.loading import load
+from mlx_mtp.speculative import mtp_generate_step
+
+from .gguf_writer import permute, write_gguf
+
+CONFIG = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+NEXTN = {
+    "enorm": "enorm",
+    "hnorm": "hnorm",
+    "eh_proj": "eh_proj",
+    "shared_head.norm": "shared_head_norm",
+}
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def llama_hf(tmp_path_factory):
+    """A tiny llama checkpoint (HF layout, tied embeddings) with one retrofitted
+    DeepSeek-style MTP layer at ``model.layers.2``, and its tokenizer."""
+    out = tmp_path_factory.mktemp("llama-hf")
+    write_tokenizer(out, 512)
+    vocab = vocab_size(json.loads((out / "tokenizer.json").read_text()))
+    config = dict(CONFIG, vocab_size=vocab, num_nextn_predict_layers=1)
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = {
+        k: v * 4 if "embed" in k else v for k, v in tree_flatten(model.parameters())
+    }
+    rng = np.random.default_rng(0)
+    mtp = llama.TransformerBlock(llama.ModelArgs.from_dict(config))
+    for k, v in tree_flatten(mtp.parameters()):
+        weights[f"model.layers.2.{k}"] = v
+    weights["model.layers.2.enorm.weight"] = mx.ones((64,))
+    weights["model.layers.2.hnorm.weight"] = mx.ones((64,))
+    weights["model.layers.2.shared_head.norm.weight"] = mx.ones((64,))
+    weights["model.layers.2.eh_proj.weight"] = mx.array(
+        0.1 * rng.standard_normal((64, 128)), dtype=mx.float32
+    )
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
+    (out / "config.json").write_text(
+        json.dumps(dict(config, architectures=["LlamaForCausalLM"]))
+    )
+    return out
+
+
+def vocab_size(tok: dict) -> int:
+    ids = list(tok["model"]["vocab"].values()) + [a["id"] for a in tok["added_tokens"]]
+    return 1 + max(ids)
+
+
+def to_gguf(hf, path, quantize=False):
+    """Write ``hf`` as llama.cpp does: GGUF names, permuted q/k, tokenizer metadata."""
+    config = json.loads((hf / "config.json").read_text())
+    tok = json.loads((hf / "tokenizer.json").read_text())
+    tok_config = json.loads((hf / "tokenizer_config.json").read_text())
+    weights = {
+        k: np.array(v) for k, v in mx.load(str(hf / "model.safetensors")).items()
+    }
+    tensors = {}
+    for name, w in weights.items():
+        if name == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = w
+        elif name == "model.norm.weight":
+            tensors["output_norm.weight"] = w
+        else:
+            _, _, i, rest = name.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            if module in NEXTN:
+                tensors[f"blk.{i}.nextn.{NEXTN[module]}.{leaf}"] = w
+                continue
+            if module == "self_attn.q_proj":
+                w = permute(w, config["num_attention_heads"])
+            elif module == "self_attn.k_proj":
+                w = permute(w, config["num_key_value_heads"])
+            tensors[f"blk.{i}.{GGUF_NAMES[module]}.{leaf}"] = w
+    tokens = [None] * vocab_size(tok)
+    for t, i in tok["model"]["vocab"].items():
+        tokens[i] = t
+    specials = {a["id"] for a in tok["added_tokens"]}
+    for a in tok["added_tokens"]:
+        tokens[a["id"]] = a["content"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    eos = tokens.index(tok_config["eos_token"])
+    meta = {
+        "general.architecture": "llama",
+        "llama.block_count": config["num_hidden_layers"] + 1,
+        "llama.nextn_predict_layers": 1,
+        "llama.context_length": config["max_position_embeddings"],
+        "llama.embedding_length": config["hidden_size"],
+        "llama.feed_forward_length": config["intermediate_size"],
+        "llama.attention.head_count": config["num_attention_heads"],
+        "llama.attention.head_count_kv": config["num_key_value_heads"],
+        "llama.attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
+        "llama.rope.freq_base": config["rope_theta"],
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [
+            3 if i in specials else 1 for i in range(len(tokens))
+        ],
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": eos,
+        "tokenizer.ggml.eos_token_id": eos,
+        "tokenizer.chat_template": tok_config["chat_template"],
+    }
+    big = {k for k, v in tensors.items() if v.ndim == 2 and v.shape[1] % 32 == 0}
+    write_gguf(path, meta, tensors, quantize=big if quantize else ())
+    return path
+
+
+def greedy(model, ids, k, n=40):
+    return [
+        o.token for o in mtp_generate_step(ids, model, num_draft_tokens=k, max_tokens=n)
+    ]
+
+
+def test_gguf_f32_converts_to_the_same_model(llama_hf, tmp_path):
+    gguf = to_gguf(llama_hf, tmp_path / "tiny.gguf")
+    out = convert(str(gguf), tmp_path / "mlx", progress=False)
+    ref, ref_tok = load(str(llama_hf))
+    model, tok = load(str(out))
+    for text in ("Hello world!", "def add(a, b):\n    return a + b\n", "héllo 42"):
+        assert tok.encode(text) == ref_tok.encode(text)
+    assert tok.chat_template == ref_tok.chat_template
+    config = json.loads((out / "config.json").read_text())
+    assert config["mlx_mtp"]["source"] == str(gguf.resolve())
+    assert config["num_hidden_layers"] == 2 and config["tie_word_embeddings"] is True
+    ids = ref_tok.encode(PROMPT)
+    seq = mx.array(ids)[None]
+    np.testing.assert_allclose(
+        np.array(model(seq)), np.array(ref(seq)), atol=1e-5
+    )  # q/k rows were un-permuted
+    assert model.num_mtp_layers == 1  # blk.2.nextn.* became the MTP head
+    expected = greedy(ref, ids, 0)
+    assert greedy(model, ids, 0) == expected == greedy(model, ids, 2)
+
+
+def test_gguf_q8_0_is_dequantized(llama_hf, tmp_path):
+    gguf = to_gguf(llama_hf, tmp_path / "tiny-q8.gguf", quantize=True)
+    out = convert(str(gguf), tmp_path / "mlx", progress=False)
+    ref = load(str(llama_hf))[0]
+    model = load(str(out))[0]
+    q_ref = np.array(ref.trunk.model.layers[0].self_attn.q_proj.weight)
+    q = np.array(model.trunk.model.layers[0].self_attn.q_proj.weight)
+    step = np.abs(q_ref).max() / 127
+    assert np.abs(q - q_ref).max() <= step  # un-permuted on the quantized path too
+    assert model.trunk.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+
+
+def test_gguf_errors(tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_mtp.cli import main
+
+    bad = tmp_path / "bad.gguf"
+    write_gguf(
+        bad, {"general.architecture": "gpt2"}, {"token_embd.weight": np.zeros((4, 32))}
+    )
+    result = CliRunner().invoke(
+        main, ["convert", "--hf-path", str(bad), "--mlx-path", str(tmp_path / "o")]
+    )
+    assert (
+        result.exit_code == 1
+        and "architecture 'gpt2' is not supported" in result.output
+    )
+    assert not (tmp_path / "o").exists() and [p.name for p in tmp_path.iterdir()] == [
+        "bad.gguf"
+    ]
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(b"GGUF" + b"\0" * 10)
+    result = CliRunner().invoke(
+        main,
+        ["convert", "--hf-path", str(truncated), "--mlx-path", str(tmp_path / "o")],
+    )
+    assert result.exit_code == 1 and "cannot read" in result.output
