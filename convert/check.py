@@ -60,6 +60,7 @@ class CheckReport:
     trunk_agreement: Optional[float] = None
     head_agreement: List[float] = field(default_factory=list)  # on the source trunk
     end_to_end: List[float] = field(default_factory=list)  # through the converted trunk
+    self_agreement: List[float] = field(default_factory=list)  # vs its own trunk
 
     @property
     def passed(self) -> bool:
@@ -75,8 +76,15 @@ class CheckReport:
             f"  trunk: {_bits(self.trunk_quantization)}, "
             f"{self.trunk_parameters / 1e6:.2f}M parameters",
         ]
+        proxy = " ".join(f"{a:.3f}" for a in self.self_agreement)
+        out.append(
+            f"  heads vs their own trunk's greedy tokens (acceptance proxy, "
+            f"{self.tokens} tokens): {proxy}"
+        )
         if self.source is None:
-            return out + ["  no source recorded: agreement not checked"]
+            return out + [
+                "  no source heads recorded: agreement with a source not checked"
+            ]
         out.append(
             f"  top-1 agreement with {self.source} over {self.tokens} tokens "
             f"(teacher-forced): trunk {self.trunk_agreement:.3f}"
@@ -137,6 +145,13 @@ def check(
         head_parameters=_parameters(model.mtp),
         threshold=threshold,
     )
+    tokens = tokenizer.encode(text)[:MAX_TOKENS]
+    ours = predictions(model, tokens)
+    report.tokens = len(tokens)
+    report.self_agreement = [
+        float((p == ours[0][j : j + len(p)]).mean())  # head j row i: token i+j+1
+        for j, p in enumerate(ours[1:], start=1)
+    ]
     source = source or section.get("provenance", {}).get("source")
     if not source:
         return report
@@ -146,16 +161,14 @@ def check(
             f"{path} has {model.num_mtp_layers} MTP layers, {source} "
             f"{reference.num_mtp_layers}"
         )
-    tokens = tokenizer.encode(text)[:MAX_TOKENS]
     theirs = predictions(reference, tokens)
-    ours = predictions(model, tokens)
     on_source = Model(reference.trunk, model.mtp, reference._family)
     isolated = predictions(on_source, tokens)
 
     def agree(xs):
         return [float((a == b).mean()) for a, b in zip(xs, theirs)]
 
-    report.source, report.tokens = source, len(tokens)
+    report.source = source
     report.trunk_agreement = agree(ours)[0]
     report.head_agreement, report.end_to_end = agree(isolated)[1:], agree(ours)[1:]
     return report

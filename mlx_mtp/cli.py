@@ -322,3 +322,98 @@ def _check(path, source, min_agreement):
         click.echo(line)
     if report.source is not None and not report.passed:
         _fail("MTP heads disagree with the source (see above)")
+
+
+@main.command("train-heads")
+@click.option(
+    "--model", required=True, help="Model folder or repo (trunk to keep frozen)."
+)
+@click.option(
+    "--data",
+    required=True,
+    multiple=True,
+    help="Text files or folders (.py .rst .txt .md); repeatable.",
+)
+@click.option("--mlx-path", required=True, help="Output model folder (trunk + heads).")
+@click.option(
+    "--depth",
+    type=click.IntRange(1, 8),
+    default=2,
+    show_default=True,
+    help="Draft depths trained (one chained layer).",
+)
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Training tokens to compute features for (default: all the data).",
+)
+@click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option(
+    "--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True
+)
+@click.option(
+    "--draft-vocab",
+    type=click.IntRange(min=2),
+    default=8192,
+    show_default=True,
+    help="Draft from the most frequent trunk tokens only.",
+)
+@click.option(
+    "--eval-every", type=click.IntRange(min=1), default=100, show_default=True
+)
+@click.option(
+    "--save-every", type=click.IntRange(min=1), default=100, show_default=True
+)
+@click.option("--work-dir", default=None, help="Features and checkpoints [OUT.train].")
+@click.option("--resume", is_flag=True, help="Continue the run in the work folder.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@friendly_errors
+def train_heads(
+    model,
+    data,
+    mlx_path,
+    depth,
+    steps,
+    tokens,
+    seq_len,
+    batch_size,
+    lr,
+    draft_vocab,
+    eval_every,
+    save_every,
+    work_dir,
+    resume,
+    overwrite,
+    seed,
+):
+    """Train MTP heads for a model that has none (frozen trunk, self-distillation)."""
+    from convert.train_heads import TrainConfig
+    from convert.train_heads import train_heads as run
+
+    _quiet_transformers()
+    cfg = TrainConfig(
+        depth=depth,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        steps=steps,
+        tokens=tokens,
+        lr=lr,
+        draft_vocab=draft_vocab,
+        eval_every=eval_every,
+        save_every=save_every,
+        seed=seed,
+    )
+    out = run(
+        model,
+        list(data),
+        mlx_path,
+        cfg,
+        work_dir=work_dir,
+        resume=resume,
+        overwrite=overwrite,
+    )
+    click.echo(f"wrote {out}")

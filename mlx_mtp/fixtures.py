@@ -1033,3 +1033,50 @@ def _special_tokens_map() -> dict:
         "eos_token": EOS_TOKEN,
         "pad_token": EOS_TOKEN,
     }
+
+
+def write_llama(out_dir, *, seed: int = 0, heads: bool = False) -> pathlib.Path:
+    """A tiny llama checkpoint (tied embeddings, hidden 64, 2 layers) with the fixture
+    tokenizer; ``heads=True`` adds one DeepSeek-style MTP layer at ``model.layers.2``
+    (as llama.cpp GGUF ``nextn`` tensors or `mlx-mtp train-heads` name them)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, 512)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    ids = list(tok["model"]["vocab"].values()) + [a["id"] for a in tok["added_tokens"]]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "vocab_size": 1 + max(ids),
+        "torch_dtype": "float32",
+        **_token_id_config(_special_token_ids(512)),
+    }
+    mx.random.seed(seed)
+    args = llama.ModelArgs.from_dict(config)
+    weights = dict(tree_flatten(llama.Model(args).parameters()))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 4
+    if heads:
+        config["num_nextn_predict_layers"] = 1
+        block = dict(tree_flatten(llama.TransformerBlock(args).parameters()))
+        weights.update({f"model.layers.2.{k}": v for k, v in block.items()})
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            weights[f"model.layers.2.{norm}.weight"] = mx.ones((HIDDEN,))
+        weights["model.layers.2.eh_proj.weight"] = 0.1 * mx.random.normal(
+            (HIDDEN, 2 * HIDDEN)
+        )
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
+    _write_json(out / "config.json", config)
+    return out

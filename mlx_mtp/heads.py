@@ -107,13 +107,16 @@ def save_heads(folder: Path, stack: MTPStack) -> None:
 
 
 def heads_section(stack: MTPStack, quantization, provenance: dict) -> dict:
-    return {
+    section = {
         "format": FORMAT,
         "file": HEADS_FILE,
         "num_layers": len(stack.layers),
         "quantization": quantization,
         "provenance": provenance,
     }
+    if "draft_vocab" in stack:
+        section["draft_vocab_size"] = int(stack.draft_vocab.shape[0])
+    return section
 
 
 def load_heads(model_path: Path, config: dict, family, trunk) -> MTPStack:
@@ -131,9 +134,8 @@ def load_heads(model_path: Path, config: dict, family, trunk) -> MTPStack:
         weights = mx.load(str(path))
     except (RuntimeError, ValueError, OSError) as e:
         raise MTPError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
-    stack = MTPStack(
-        [family.make_layer(trunk, j) for j in range(section["num_layers"])]
-    )
+    layers = [family.make_layer(trunk, j) for j in range(section["num_layers"])]
+    stack = MTPStack(layers, section.get("draft_vocab_size", 0))
     quantize_like(stack, weights, section.get("quantization"))
     return load_strict(stack, weights)
 

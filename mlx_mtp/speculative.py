@@ -165,7 +165,7 @@ def draft(model, mtp_caches, state: DecodeState, k: int, params, key) -> Draft:
         else:
             layer, h, ids = state.depth - 1, h[:, -1:], tokens[-1][None]
         h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (1, R, H)
-        token, lp = _pick(model.logits(h[:, -1]), params, keys[j])
+        token, lp = _pick(model.draft_logits(h[:, -1]), params, keys[j])
         tokens.append(token)
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)

@@ -5,29 +5,14 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 
 from convert import convert
-from mlx_mtp.fixtures import write_tokenizer
+from mlx_mtp.fixtures import write_llama
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import mtp_generate_step
 
 from .gguf_writer import permute, write_gguf
 
-CONFIG = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -50,32 +35,8 @@ PROMPT = "def add(a, b):"
 
 @pytest.fixture(scope="module")
 def llama_hf(tmp_path_factory):
-    """A tiny llama checkpoint (HF layout, tied embeddings) with one retrofitted
-    DeepSeek-style MTP layer at ``model.layers.2``, and its tokenizer."""
-    out = tmp_path_factory.mktemp("llama-hf")
-    write_tokenizer(out, 512)
-    vocab = vocab_size(json.loads((out / "tokenizer.json").read_text()))
-    config = dict(CONFIG, vocab_size=vocab, num_nextn_predict_layers=1)
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    weights = {
-        k: v * 4 if "embed" in k else v for k, v in tree_flatten(model.parameters())
-    }
-    rng = np.random.default_rng(0)
-    mtp = llama.TransformerBlock(llama.ModelArgs.from_dict(config))
-    for k, v in tree_flatten(mtp.parameters()):
-        weights[f"model.layers.2.{k}"] = v
-    weights["model.layers.2.enorm.weight"] = mx.ones((64,))
-    weights["model.layers.2.hnorm.weight"] = mx.ones((64,))
-    weights["model.layers.2.shared_head.norm.weight"] = mx.ones((64,))
-    weights["model.layers.2.eh_proj.weight"] = mx.array(
-        0.1 * rng.standard_normal((64, 128)), dtype=mx.float32
-    )
-    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
-    (out / "config.json").write_text(
-        json.dumps(dict(config, architectures=["LlamaForCausalLM"]))
-    )
-    return out
+    """A tiny llama checkpoint with one DeepSeek-style MTP layer at model.layers.2."""
+    return write_llama(tmp_path_factory.mktemp("llama-hf"), heads=True)
 
 
 def vocab_size(tok: dict) -> int:

@@ -80,6 +80,11 @@ class Model(nn.Module):
     def logits(self, h: mx.array) -> mx.array:
         return getattr(self._family, "logits", trunk_logits)(self.trunk, h)
 
+    def draft_logits(self, h: mx.array) -> mx.array:
+        """Logits an MTP output drafts from: the shared head, restricted to the heads'
+        draft vocabulary when they have one."""
+        return self.mtp.restrict(self.logits(h))
+
     def embed(self, ids: mx.array) -> mx.array:
         return getattr(self._family, "embed", trunk_embed)(self.trunk, ids)
 

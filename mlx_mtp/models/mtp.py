@@ -58,11 +58,29 @@ class MTPLayer(nn.Module):
 
 
 class MTPStack(nn.Module):
-    """The MTP layers of a checkpoint, in order."""
+    """The MTP layers of a checkpoint, in order.
 
-    def __init__(self, layers: List[MTPLayer]):
+    Retrofitted heads may draft from a shortlist of the vocabulary (``draft_vocab``,
+    sorted token ids, FR-Spec style): their drafts are restricted to it. The target
+    model's distribution is never restricted, so exactness is unaffected.
+    """
+
+    def __init__(self, layers: List[MTPLayer], draft_vocab_size: int = 0):
         super().__init__()
         self.layers = layers
+        if draft_vocab_size:
+            self.draft_vocab = mx.zeros((draft_vocab_size,), dtype=mx.int32)
+
+    def restrict(self, logits: mx.array) -> mx.array:
+        """``(..., V)`` draft logits, -inf outside the draft vocabulary (if any)."""
+        if "draft_vocab" not in self:
+            return logits
+        mask = getattr(self, "_mask", None)
+        if mask is None or mask.shape[0] != logits.shape[-1]:
+            mask = mx.zeros((logits.shape[-1],), dtype=mx.bool_)
+            mask[self.draft_vocab] = True
+            self._mask = mask
+        return mx.where(mask, logits, -mx.inf)
 
 
 BlockFactory = Callable[[Any, int], nn.Module]

@@ -1,0 +1,421 @@
+"""``mlx-mtp train-heads``: retrofit MTP heads to a model that has none.
+
+Self-distillation with a frozen trunk. A DeepSeek-style MTP layer (``eh_proj`` over
+``[enorm(embedding), hnorm(hidden)]``, one decoder block of the trunk's family,
+``norm``, the trunk's own head) is fed the trunk's post-final-norm hidden state, exactly
+as the runtime feeds it, and learns to predict the token the *trunk* emits next (a draft
+is accepted when it equals that token). The same layer is chained for depths 2..D as
+the runtime chains it, so later drafts are trained too.
+
+Efficiency on a CPU: trunk features (hidden states, greedy tokens) are computed once and
+stored (float16, memory-mapped) and reused across epochs; the head's softmax runs over
+a draft vocabulary (the ``--draft-vocab`` most frequent greedy tokens, FR-Spec style),
+which the runtime then drafts from. The block starts as a copy of the trunk's last
+layer. Training checkpoints every ``--save-every`` steps and ``--resume`` continues with
+identical state; the output is a normal mlx-mtp model folder (trunk files + heads).
+"""
+
+import json
+import logging
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from mlx_mtp import __version__
+from mlx_mtp.errors import MTPError
+from mlx_mtp.heads import heads_section, save_heads
+from mlx_mtp.loading import load, read_config
+from mlx_mtp.models.mtp import MTPLayer, MTPStack
+
+from .output import staged_folder
+
+log = logging.getLogger("mlx_mtp")
+
+TEXT_SUFFIXES = (".py", ".rst", ".txt", ".md")
+FEATURES = "features"
+STATE = "state.safetensors"
+PROGRESS = "progress.json"
+
+
+@dataclass
+class TrainConfig:
+    depth: int = 2
+    seq_len: int = 256
+    batch_size: int = 4
+    steps: int = 1000
+    tokens: Optional[int] = None  # feature tokens to compute (default: all the data)
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    draft_vocab: int = 8192
+    held_out: float = 0.05
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+
+
+# --- data and features ------------------------------------------------------------------
+
+
+def text_files(paths: List[str]) -> List[Path]:
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(
+                f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES and f.is_file()
+            )
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise MTPError(f"no such data file or folder: {p}")
+    if not files:
+        raise MTPError("no training text found (.py, .rst, .txt, .md)")
+    return files
+
+
+def split_files(files: List[Path], held_out: float, seed: int):
+    """Deterministic split by file: (train, held-out)."""
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    n = max(1, int(round(len(order) * held_out))) if held_out > 0 else 0
+    return order[n:], order[:n]
+
+
+def pack(tokenizer, files: List[Path], length: int, limit: Optional[int]) -> np.ndarray:
+    """Token sequences of ``length`` (files joined by EOS), at most ``limit`` tokens."""
+    eos = tokenizer.eos_token_id
+    buf, rows = [], []
+    for f in files:
+        buf += tokenizer.encode(f.read_text(errors="ignore")) + [eos]
+        while len(buf) >= length:
+            rows.append(buf[:length])
+            buf = buf[length:]
+            if limit and len(rows) * length >= limit:
+                return np.array(rows, dtype=np.int32)
+    if not rows:
+        raise MTPError(f"not enough text for one sequence of {length} tokens")
+    return np.array(rows, dtype=np.int32)
+
+
+def compute_features(
+    model, tokens: np.ndarray, folder: Path, name: str, progress
+) -> dict:
+    """Trunk hidden states (float16) and greedy next tokens for every sequence, written
+    to memory-mapped files and resumable (sequences already done are kept)."""
+    from tqdm import tqdm
+
+    n, length = tokens.shape
+    hidden_size = model.args.hidden_size
+    paths = {
+        k: folder / f"{name}.{k}.npy" for k in ("tokens", "hidden", "greedy", "done")
+    }
+    if not paths["tokens"].exists() or not np.array_equal(
+        np.load(paths["tokens"]), tokens
+    ):
+        np.save(paths["tokens"], tokens)
+        np.lib.format.open_memmap(
+            paths["hidden"], "w+", np.float16, (n, length, hidden_size)
+        )
+        np.lib.format.open_memmap(paths["greedy"], "w+", np.int32, (n, length))
+        np.save(paths["done"], np.array(0))
+    hidden = np.load(paths["hidden"], mmap_mode="r+")
+    greedy = np.load(paths["greedy"], mmap_mode="r+")
+    done = int(np.load(paths["done"]))
+    bar = tqdm(
+        total=n,
+        initial=done,
+        desc=f"features ({name})",
+        unit="seq",
+        disable=not progress,
+    )
+    for i in range(done, n):
+        h = model.hidden(mx.array(tokens[i : i + 1]))  # (1, L, H)
+        g = mx.argmax(model.logits(h), axis=-1)
+        hidden[i] = np.array(h[0].astype(mx.float16))
+        greedy[i] = np.array(g[0])
+        if (i + 1) % 16 == 0 or i + 1 == n:
+            hidden.flush(), greedy.flush()
+            np.save(paths["done"], np.array(i + 1))
+        bar.update()
+    bar.close()
+    return {
+        "tokens": tokens,
+        "hidden": np.load(paths["hidden"], mmap_mode="r"),
+        "greedy": np.load(paths["greedy"], mmap_mode="r"),
+    }
+
+
+# --- the head ---------------------------------------------------------------------------
+
+
+def init_head(model, family, draft_vocab: np.ndarray) -> MTPStack:
+    """One MTP layer: block = copy of the trunk's last layer, ``eh_proj`` passing the
+    hidden state through, norms from the trunk."""
+    layer: MTPLayer = family.make_layer(model.trunk, 0)
+    last = model.trunk.layers[-1]
+    layer.block.update(tree_map(lambda x: x, last.parameters()))
+    H = model.args.hidden_size
+    layer.eh_proj.weight = mx.concatenate(
+        [0.01 * mx.random.normal((H, H)), mx.eye(H)], axis=1
+    )
+    layer.norm.weight = mx.array(model.trunk.model.norm.weight)
+    stack = MTPStack([layer], len(draft_vocab))
+    stack.draft_vocab = mx.array(draft_vocab, dtype=mx.int32)
+    return stack
+
+
+def draft_weight(model, vocab: mx.array) -> mx.array:
+    """Rows of the trunk's output projection for the draft vocabulary, (V', H)."""
+    trunk = model.trunk
+    head = getattr(trunk, "lm_head", None)
+    if head is not None:
+        w = (
+            head.weight
+            if not hasattr(head, "scales")
+            else mx.dequantize(
+                head.weight, head.scales, head.biases, head.group_size, head.bits
+            )
+        )
+    else:
+        emb = trunk.model.embed_tokens
+        w = (
+            emb.weight
+            if not hasattr(emb, "scales")
+            else mx.dequantize(
+                emb.weight, emb.scales, emb.biases, emb.group_size, emb.bits
+            )
+        )
+    return w[vocab].astype(mx.float32)
+
+
+def losses(stack, model, W, remap, batch, depth: int):
+    """Per-depth mean cross-entropy and accuracy on a batch of feature rows."""
+    h, x, g = batch  # (B, L, H), (B, L), (B, L)
+    L = x.shape[1]
+    rows = L - depth
+    z = h[:, :rows]
+    out = []
+    for j in range(1, depth + 1):
+        e = model.embed(x[:, j : rows + j])  # (B, rows, H)
+        z = stack.layers[0](e, z, "causal")
+        logits = z @ W.T  # (B, rows, V')
+        target = remap[g[:, j : rows + j]]  # -1 outside the draft vocabulary
+        valid = target >= 0
+        ce = nn.losses.cross_entropy(logits, mx.maximum(target, 0), reduction="none")
+        n = mx.maximum(valid.sum(), 1)
+        correct = (mx.argmax(logits, axis=-1) == target) & valid
+        out.append(((ce * valid).sum() / n, correct.sum() / (target.size)))
+    return out
+
+
+# --- training -----------------------------------------------------------------------------
+
+
+def train_heads(
+    model_path: str,
+    data: List[str],
+    mlx_path: str,
+    cfg: TrainConfig = TrainConfig(),
+    *,
+    work_dir: Optional[str] = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    on_eval: Optional[Callable[[int, List[float]], None]] = None,
+) -> Path:
+    """Train MTP heads for ``model_path`` on text ``data``; write the model to ``mlx_path``."""
+    from tqdm import tqdm
+
+    out = Path(mlx_path)
+    if out.exists() and not overwrite:
+        raise MTPError(f"{out} already exists (use --overwrite to replace it)")
+    work = Path(work_dir) if work_dir else out.parent / f"{out.name}.train"
+    if work.exists() and not resume and (work / PROGRESS).exists():
+        raise MTPError(f"{work} holds a training run: pass --resume, or remove it")
+    work.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load(model_path, allow_missing_heads=True)
+    family, model_dir = model._family, _model_dir(model_path)
+    if not hasattr(family, "make_layer") or model.model_type not in ("llama",):
+        log.warning(
+            "training heads for %s: using its family's MTP layer", model.model_type
+        )
+    mx.random.seed(cfg.seed)
+
+    train_files, eval_files = split_files(text_files(data), cfg.held_out, cfg.seed)
+    train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)
+    feats = compute_features(model, train_tok, work, "train", progress)
+    evals = None
+    if eval_files:
+        eval_tok = pack(tokenizer, eval_files, cfg.seq_len, 16 * cfg.seq_len)
+        evals = compute_features(model, eval_tok, work, "eval", progress)
+
+    counts = np.bincount(
+        np.asarray(feats["greedy"]).ravel(), minlength=model.args.vocab_size
+    )
+    vocab = np.sort(np.argsort(-counts, kind="stable")[: cfg.draft_vocab]).astype(
+        np.int32
+    )
+    remap_np = np.full(counts.shape[0], -1, dtype=np.int32)
+    remap_np[vocab] = np.arange(len(vocab), dtype=np.int32)
+    remap, W = mx.array(remap_np), draft_weight(model, mx.array(vocab))
+    coverage = counts[vocab].sum() / max(counts.sum(), 1)
+
+    stack = init_head(model, family, vocab)
+    stack.freeze(keys=["draft_vocab"], recurse=False)
+    model.trunk.freeze()
+    schedule = optim.join_schedules(
+        [
+            optim.linear_schedule(cfg.lr / 100, cfg.lr, cfg.warmup),
+            optim.cosine_decay(cfg.lr, max(1, cfg.steps - cfg.warmup), cfg.lr / 20),
+        ],
+        [cfg.warmup],
+    )
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
+    step, history = 0, []
+    if resume and (work / STATE).exists():
+        step, history = _restore(work, stack, opt)
+    weights = mx.array([0.5**j for j in range(cfg.depth)])
+
+    def loss_fn(stack, batch):
+        parts = losses(stack, model, W, remap, batch, cfg.depth)
+        return sum(w * l for w, (l, _) in zip(weights, parts)) / weights.sum()
+
+    grad_fn = nn.value_and_grad(stack, loss_fn)
+    n = feats["tokens"].shape[0]
+    bar = tqdm(
+        total=cfg.steps, initial=step, desc="train", unit="step", disable=not progress
+    )
+    while step < cfg.steps:
+        idx = _batch_indices(n, cfg.batch_size, step, cfg.seed)
+        loss, grads = grad_fn(stack, _batch(feats, idx))
+        opt.update(stack, grads)
+        mx.eval(stack.parameters(), opt.state, loss)
+        step += 1
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.update()
+        if evals is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            agree = evaluate(stack, model, W, remap, evals, cfg.depth)
+            history.append(
+                {
+                    "step": step,
+                    "tokens": step * cfg.batch_size * cfg.seq_len,
+                    "loss": loss.item(),
+                    "agreement": agree,
+                }
+            )
+            bar.write(
+                f"step {step}: held-out agreement per depth "
+                + " ".join(f"{a:.3f}" for a in agree)
+            )
+            if on_eval:
+                on_eval(step, agree)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            _save_state(work, stack, opt, step, history, cfg, coverage)
+    bar.close()
+    return _write_model(model_dir, out, stack, cfg, history, coverage, overwrite)
+
+
+def evaluate(stack, model, W, remap, feats, depth: int) -> List[float]:
+    """Held-out top-1 agreement with the trunk's greedy token, per draft depth."""
+    n = feats["tokens"].shape[0]
+    totals = np.zeros(depth)
+    for start in range(0, n, 4):
+        parts = losses(
+            stack,
+            model,
+            W,
+            remap,
+            _batch(feats, np.arange(start, min(n, start + 4))),
+            depth,
+        )
+        mx.eval(parts)
+        totals += [acc.item() * min(4, n - start) for _, acc in parts]
+    return [float(t / n) for t in totals]
+
+
+def _batch(feats: dict, idx: np.ndarray):
+    idx = np.sort(idx)
+    return (
+        mx.array(np.asarray(feats["hidden"][idx], dtype=np.float32)),
+        mx.array(feats["tokens"][idx]),
+        mx.array(np.asarray(feats["greedy"][idx])),
+    )
+
+
+def _batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
+    """Epoch-wise permutations, a pure function of (seed, step): resumable exactly."""
+    per_epoch = max(1, n // batch)
+    epoch, i = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return order[i * batch : (i + 1) * batch] if n >= batch else order
+
+
+def _save_state(work: Path, stack, opt, step, history, cfg, coverage) -> None:
+    state = dict(tree_flatten(stack.parameters()))
+    state.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
+    tmp = work / f".{STATE}"
+    mx.save_safetensors(str(tmp), state)
+    tmp.replace(work / STATE)
+    info = {
+        "step": step,
+        "history": history,
+        "config": asdict(cfg),
+        "coverage": coverage,
+    }
+    (work / PROGRESS).write_text(json.dumps(info, indent=2))
+
+
+def _restore(work: Path, stack, opt):
+    state = mx.load(str(work / STATE))
+    stack.load_weights([(k, v) for k, v in state.items() if not k.startswith("opt.")])
+    opt.state = tree_unflatten(
+        [(k[4:], v) for k, v in state.items() if k.startswith("opt.")]
+    )
+    info = json.loads((work / PROGRESS).read_text())
+    return info["step"], info["history"]
+
+
+def _model_dir(model_path: str) -> Path:
+    from mlx_mtp.loading import resolve
+
+    return resolve(model_path)
+
+
+def _write_model(
+    src: Path, out: Path, stack, cfg, history, coverage, overwrite
+) -> Path:
+    """The trunk's files plus the heads: a folder mlx-mtp loads with its MTP layer."""
+    config = read_config(src)
+    provenance = {
+        "source": None,
+        "trained_from": str(src),
+        "mlx_mtp_version": __version__,
+        "head_bits": 16,
+        "training": {
+            "config": asdict(cfg),
+            "history": history[-1:] if history else [],
+            "draft_vocab_coverage": coverage,
+        },
+    }
+    config.pop("mtp", None)
+    config["num_nextn_predict_layers"] = len(stack.layers)
+    with staged_folder(out, overwrite) as tmp:
+        for f in src.iterdir():
+            if f.is_file() and f.name not in (
+                "config.json",
+                "mtp.safetensors",
+                "README.md",
+            ):
+                shutil.copy2(f, tmp / f.name)
+        save_heads(tmp, stack)
+        config["mtp"] = heads_section(stack, None, provenance)
+        (tmp / "config.json").write_text(json.dumps(config, indent=4))
+    return out

@@ -1,0 +1,131 @@
+"""``mlx-mtp train-heads``: a few steps on a tiny llama, resume, and the output folder."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from convert import check
+from convert.train_heads import TrainConfig, train_heads
+from mlx_mtp.cli import main
+from mlx_mtp.fixtures import write_llama
+from mlx_mtp.loading import load
+from mlx_mtp.speculative import mtp_generate_step
+
+STDLIB = Path(json.__file__).parent.parent  # CPython's own sources: offline text
+DATA = [
+    str(STDLIB / n) for n in ("textwrap.py", "shlex.py", "fractions.py", "difflib.py")
+]
+CFG = TrainConfig(
+    depth=2,
+    seq_len=32,
+    batch_size=4,
+    steps=12,
+    tokens=6000,
+    draft_vocab=96,
+    eval_every=6,
+    save_every=4,
+    warmup=2,
+)
+
+
+@pytest.fixture(scope="module")
+def trunk(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("llama"))
+
+
+def test_loss_goes_down_and_output_loads(trunk, tmp_path):
+    seen = []
+    out = train_heads(
+        str(trunk),
+        DATA,
+        str(tmp_path / "out"),
+        CFG,
+        progress=False,
+        on_eval=lambda step, agree: seen.append(agree),
+    )
+    progress = json.loads((tmp_path / "out.train" / "progress.json").read_text())
+    history = progress["history"]
+    assert [h["step"] for h in history] == [6, 12]
+    assert history[-1]["agreement"][0] > history[0]["agreement"][0] > 0
+    model, tokenizer = load(str(out))
+    assert model.num_mtp_layers == 1 and model.mtp.draft_vocab.shape == (96,)
+    ids = tokenizer.encode("def wrap(text, width):")
+    outs = list(mtp_generate_step(ids, model, num_draft_tokens=2, max_tokens=32))
+    plain = list(mtp_generate_step(ids, model, num_draft_tokens=0, max_tokens=32))
+    assert [o.token for o in outs] == [o.token for o in plain]  # exact, whatever heads
+    vocab = np.array(model.mtp.draft_vocab)
+    logits = np.array(model.draft_logits(model.hidden(mx.array(ids)[None])))[0, -1]
+    assert np.isfinite(logits[vocab]).all()
+    assert np.isinf(np.delete(logits, vocab)).all()  # drafts come from the shortlist
+    report = check(str(out))
+    assert report.num_heads == 1 and report.source is None and report.self_agreement
+
+
+def test_loss_decreases(trunk, tmp_path):
+    losses = []
+    cfg = TrainConfig(
+        **{**CFG.__dict__, "steps": 16, "eval_every": 1, "held_out": 0.25}
+    )
+    train_heads(str(trunk), DATA, str(tmp_path / "o"), cfg, progress=False)
+    history = json.loads((tmp_path / "o.train" / "progress.json").read_text())[
+        "history"
+    ]
+    losses = [h["loss"] for h in history]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4])
+
+
+def test_resume_continues_with_identical_state(trunk, tmp_path):
+    straight = train_heads(str(trunk), DATA, str(tmp_path / "a"), CFG, progress=False)
+
+    class Interrupt(Exception):
+        pass
+
+    def stop(step, agree):
+        raise Interrupt
+
+    cut = TrainConfig(**{**CFG.__dict__, "eval_every": 8})
+    with pytest.raises(Interrupt):  # dies at step 8, after the checkpoint of step 8
+        train_heads(
+            str(trunk), DATA, str(tmp_path / "b"), cut, progress=False, on_eval=stop
+        )
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(Exception, match="--resume"):
+        train_heads(str(trunk), DATA, str(tmp_path / "b"), CFG, progress=False)
+    resumed = train_heads(
+        str(trunk), DATA, str(tmp_path / "b"), CFG, resume=True, progress=False
+    )
+    a, b = mx.load(str(straight / "mtp.safetensors")), mx.load(
+        str(resumed / "mtp.safetensors")
+    )
+    assert set(a) == set(b)
+    for k in a:
+        assert mx.array_equal(a[k], b[k]).item(), k
+
+
+def test_cli(trunk, tmp_path):
+    args = [
+        "train-heads",
+        "--model",
+        str(trunk),
+        "--mlx-path",
+        str(tmp_path / "cli"),
+        "--steps",
+        "2",
+        "--seq-len",
+        "32",
+        "--tokens",
+        "2000",
+        "--draft-vocab",
+        "64",
+    ]
+    result = CliRunner().invoke(
+        main, args + [a for d in DATA[:2] for a in ("--data", d)]
+    )
+    assert result.exit_code == 0, result.output
+    other = [a if a != str(tmp_path / "cli") else str(tmp_path / "other") for a in args]
+    missing = CliRunner().invoke(main, other + ["--data", str(tmp_path / "nope")])
+    assert missing.exit_code == 1 and "no such data" in missing.output
