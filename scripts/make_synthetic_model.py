@@ -1,0 +1,176 @@
+"""A float32 llama-layout checkpoint whose MTP head is accepted at a chosen rate.
+
+Speed claims need models whose drafts are accepted at a known rate, so that the
+runtime's own efficiency (measured speedup / the speedup the acceptance allows) can be
+read off independently of head quality. The construction (after ../shared/docs/peers.md):
+
+- trunk: random llama weights at a real size (--params), embedding scaled so the
+  residual stream is dominated by the current token, attention / MLP outputs damped;
+  the untied ``lm_head`` maps token x's direction to pi(x), pi one long random cycle,
+  so the trunk's greedy next token is pi(x_t) and never loops early;
+- head (DeepSeek-style, ``model.layers.{L}``): ``eh_proj = [I | gamma * R]`` passes the
+  next token's embedding through (predicting pi(x_{t+1}) = x_{t+2}) plus noise driven by
+  the trunk's hidden state; gamma is set by bisection so that teacher-forced agreement
+  on greedy continuations equals --acceptance.
+
+    python scripts/make_synthetic_model.py OUT --acceptance 0.7 [--params 300e6]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_blas import ensure_fast_blas  # noqa: E402
+
+EMBED_SCALE = 8.0
+DAMPING = 0.2
+
+
+def llama_config(params: float, vocab: int) -> dict:
+    hidden, heads, kv, hd, inter = 1024, 16, 4, 64, 2816
+    per_layer = hidden * hd * (2 * heads + 2 * kv) + 3 * hidden * inter
+    layers = max(2, round((params - 2 * vocab * hidden) / per_layer))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+        "torch_dtype": "float32",
+    }
+
+
+def build_weights(config: dict, seed: int) -> dict:
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    args = llama.ModelArgs.from_dict(config)
+    model = llama.Model(args)
+    w = {k: v for k, v in tree_flatten(model.parameters())}
+    V, H, L = config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]
+    embed = mx.random.normal((V, H)) * (EMBED_SCALE / np.sqrt(H))
+    w["model.embed_tokens.weight"] = embed
+    for k in list(w):
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            w[k] = w[k] * DAMPING
+    order = rng.permutation(V)
+    inverse = np.empty(V, dtype=np.int64)  # lm_head row pi(x) = direction of x
+    inverse[order] = np.roll(order, 1)  # pi(order[i]) = order[i + 1]
+    unit = embed / mx.linalg.norm(embed, axis=-1, keepdims=True)
+    w["lm_head.weight"] = unit[mx.array(inverse)] * 4.0
+    block = dict(tree_flatten(llama.TransformerBlock(args).parameters()))
+    for k, v in block.items():
+        scale = DAMPING if k.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+        w[f"model.layers.{L}.{k}"] = v * scale
+    for name in ("enorm", "hnorm"):
+        w[f"model.layers.{L}.{name}.weight"] = mx.ones((H,))
+    w[f"model.layers.{L}.shared_head.norm.weight"] = mx.array(w["model.norm.weight"])
+    w["_noise"] = mx.random.normal((H, H)) / np.sqrt(H)
+    return w
+
+
+def set_gamma(w: dict, L: int, gamma: float) -> None:
+    H = w["_noise"].shape[0]
+    w[f"model.layers.{L}.eh_proj.weight"] = mx.concatenate(
+        [mx.eye(H), gamma * w["_noise"]], axis=1
+    )
+
+
+def agreement(model, features) -> float:
+    """Teacher-forced depth-1 agreement of the head with the trunk's greedy tokens."""
+    hits = total = 0
+    for seq, h, greedy in features:
+        z = model.mtp_forward(0, h[:, :-1], seq[:, 1:])
+        pred = mx.argmax(model.logits(z), axis=-1)[0]  # row i predicts token i + 2
+        hits += (pred == greedy[1:]).sum().item()
+        total += pred.shape[0]
+    return hits / total
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--acceptance", type=float, default=0.7)
+    p.add_argument("--params", type=float, default=300e6)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    blas = ensure_fast_blas()
+    from mlx_lm.generate import generate_step
+
+    from mlx_mtp.fixtures import write_tokenizer
+    from mlx_mtp.loading import load_model
+
+    config = llama_config(args.params, args.vocab)
+    L = config["num_hidden_layers"]
+    w = build_weights(config, args.seed)
+    noise = w.pop("_noise")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(args.out, 512)
+    (args.out / "config.json").write_text(json.dumps(config, indent=2))
+
+    def write(gamma):
+        w["_noise"] = noise
+        set_gamma(w, L, gamma)
+        w.pop("_noise")
+        mx.save_safetensors(str(args.out / "model.safetensors"), w, {"format": "pt"})
+        return load_model(str(args.out))[0]
+
+    model = write(0.0)
+    rng = np.random.default_rng(args.seed + 1)
+    features = []
+    for _ in range(4):  # greedy continuations of random prompts, trunk states fixed
+        prompt = rng.integers(0, args.vocab, 8).tolist()
+        steps = generate_step(mx.array(prompt), model.trunk, max_tokens=120)
+        seq = mx.array(prompt + [int(t) for t, _ in steps])[None]
+        h = model.hidden(seq)
+        features.append((seq, h, mx.argmax(model.logits(h), axis=-1)[0]))
+    layer = model.mtp.layers[0]
+    lo, hi = 0.0, 64.0
+    for _ in range(14):  # bisection on gamma: agreement falls as gamma grows
+        gamma = (lo + hi) / 2
+        layer.eh_proj.weight = mx.concatenate(
+            [mx.eye(noise.shape[0]), gamma * noise], axis=1
+        )
+        if agreement(model, features) > args.acceptance:
+            lo = gamma
+        else:
+            hi = gamma
+    gamma = (lo + hi) / 2
+    layer.eh_proj.weight = mx.concatenate(
+        [mx.eye(noise.shape[0]), gamma * noise], axis=1
+    )
+    measured = agreement(model, features)
+    write(gamma)
+    trunk_params = sum(
+        v.size for k, v in w.items() if not k.startswith(f"model.layers.{L}.")
+    )
+    info = {
+        "target_acceptance": args.acceptance,
+        "measured_agreement": measured,
+        "gamma": gamma,
+        "trunk_parameters": trunk_params,
+        "blas": blas,
+    }
+    (args.out / "synthetic.json").write_text(json.dumps(info, indent=2))
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()
