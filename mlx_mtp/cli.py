@@ -417,3 +417,60 @@ def train_heads(
         overwrite=overwrite,
     )
     click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.option("--model", required=True, help="Model folder or Hugging Face repo.")
+@click.option("--tokens", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option(
+    "-k",
+    "--num-draft-tokens",
+    "ks",
+    type=click.IntRange(0, 8),
+    multiple=True,
+    default=(0, 1, 2, 3, 4),
+    show_default=True,
+)
+@click.option(
+    "--temp",
+    "temps",
+    type=click.FloatRange(min=0),
+    multiple=True,
+    default=(0.0, 0.7),
+    show_default=True,
+)
+@click.option(
+    "--workload",
+    "workloads",
+    multiple=True,
+    type=click.Choice(["code", "chat", "prose", "adversarial"]),
+)
+@click.option("--json", "json_path", default=None, help="Also write the results here.")
+@friendly_errors
+def bench(model, tokens, reps, ks, temps, workloads, json_path):
+    """Speed against mlx-lm plain decoding, interleaved in one process (see
+    scripts/bench.py for CPU timing with a fast BLAS)."""
+    import json
+
+    import mlx.core as mx
+
+    from .bench import bench as run
+    from .loading import load
+
+    _quiet_transformers()
+    click.echo(f"device {mx.default_device()}; model {model}")
+    mdl, tokenizer = load(model, allow_missing_heads=True)
+    result = run(
+        mdl,
+        tokenizer,
+        ks=ks,
+        temps=temps,
+        tokens=tokens,
+        reps=reps,
+        workloads=workloads or None,
+        log=click.echo,
+    )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)

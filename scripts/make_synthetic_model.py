@@ -31,8 +31,11 @@ EMBED_SCALE = 8.0
 DAMPING = 0.2
 
 
-def llama_config(params: float, vocab: int) -> dict:
-    hidden, heads, kv, hd, inter = 1024, 16, 4, 64, 2816
+def llama_config(params: float, vocab: int, hidden: int = 1024) -> dict:
+    hd = 64
+    heads = max(1, hidden // hd)
+    kv = max(1, heads // 4)
+    inter = 64 * round(2.75 * hidden / 64)
     per_layer = hidden * hd * (2 * heads + 2 * kv) + 3 * hidden * inter
     layers = max(2, round((params - 2 * vocab * hidden) / per_layer))
     return {
@@ -109,6 +112,7 @@ def main():
     p.add_argument("--acceptance", type=float, default=0.7)
     p.add_argument("--params", type=float, default=300e6)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     blas = ensure_fast_blas()
@@ -117,7 +121,7 @@ def main():
     from mlx_mtp.fixtures import write_tokenizer
     from mlx_mtp.loading import load_model
 
-    config = llama_config(args.params, args.vocab)
+    config = llama_config(args.params, args.vocab, args.hidden)
     L = config["num_hidden_layers"]
     w = build_weights(config, args.seed)
     noise = w.pop("_noise")

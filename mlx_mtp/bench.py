@@ -1,0 +1,190 @@
+"""An honest speed benchmark: mlx-lm plain decoding against mlx-mtp at k = 0..K, in one
+process, interleaved, medians of several runs.
+
+For every workload (code, chat, prose, and an adversarial prompt of random tokens) and
+temperature it reports decode tokens/s (the first token, i.e. the prompt, excluded),
+the ratio to mlx-lm, acceptance per draft position, tokens per round, peak memory, and
+the **ideal** speedup the measured acceptance allows given the measured costs:
+
+    ideal(k) = tokens_per_round(k) * t(1) / (t_verify(k + 1) + k * t_draft)
+
+with t(1) one plain decode step, t_verify(n) one trunk pass over n new tokens and
+t_draft one MTP step, all timed here; measured / ideal is the runtime's own efficiency.
+"""
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import make_caches
+from .sampling import SamplingParams
+from .speculative import mtp_generate_step
+
+WORKLOADS = {
+    "code": 'def merge_intervals(intervals):\n    """Merge overlapping intervals."""\n',
+    "chat": "Explain in a few sentences how a hash table handles collisions.",
+    "prose": "The history of the printing press begins in the fifteenth century, when",
+}
+
+
+@dataclass
+class Row:
+    workload: str
+    temp: float
+    k: Optional[int]  # None: mlx-lm plain decoding
+    tok_s: float
+    ratio: float = 1.0
+    acceptance: List[float] = field(default_factory=list)
+    tokens_per_round: float = 1.0
+    ideal: Optional[float] = None
+    efficiency: Optional[float] = None
+    peak_gb: float = 0.0
+
+
+def prompts(tokenizer, model, seed: int) -> Dict[str, List[int]]:
+    out = {}
+    for name, text in WORKLOADS.items():
+        if name == "chat" and tokenizer.has_chat_template:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        out[name] = tokenizer.encode(text)
+    vocab = min(model.args.vocab_size, len(tokenizer._tokenizer))
+    out["adversarial"] = np.random.default_rng(seed).integers(0, vocab, 64).tolist()
+    return out
+
+
+def _decode_time(steps, n: int) -> float:
+    """Seconds from the first yielded token to the n-th."""
+    tic = None
+    for i, _ in zip(range(n), steps):
+        if i == 0:
+            tic = time.perf_counter()
+    return time.perf_counter() - tic
+
+
+def run_plain(model, prompt, n: int, temp: float, seed: int) -> float:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    steps = generate_step(
+        mx.array(prompt), model.trunk, max_tokens=n, sampler=make_sampler(temp)
+    )
+    return (n - 1) / _decode_time(steps, n)
+
+
+def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int):
+    steps = mtp_generate_step(
+        prompt,
+        model,
+        num_draft_tokens=k,
+        params=SamplingParams(temp=temp),
+        max_tokens=n,
+        seed=seed,
+    )
+    tic, last = None, None
+    for i, out in enumerate(steps):
+        if i == 0:
+            tic = time.perf_counter()
+        last = out
+    return (n - 1) / (time.perf_counter() - tic), last.stats
+
+
+def costs(model, prompt, ks: Sequence[int], reps: int) -> Dict[str, float]:
+    """Medians of t_verify(n) for n = 1..max(k)+1 and of one draft step, in seconds."""
+    caches = make_caches(model)
+    mx.eval(model.hidden(mx.array(prompt)[None], caches.trunk))
+    out = {}
+    for n in range(1, max(ks) + 2):
+        ids = mx.array(prompt[:n])[None]
+        times = []
+        for _ in range(reps + 1):
+            tic = time.perf_counter()
+            h = model.hidden(ids, caches.trunk)
+            mx.eval(model.logits(h))
+            times.append(time.perf_counter() - tic)
+            for c in caches.trunk:
+                c.trim(n)
+        out[f"verify_{n}"] = statistics.median(times[1:])
+    if model.num_mtp_layers:
+        h = model.hidden(mx.array(prompt)[None])
+        times = []
+        for _ in range(reps + 1):
+            tic = time.perf_counter()
+            z = model.mtp_forward(0, h[:, -1:], mx.array(prompt[-1:])[None])
+            mx.eval(mx.argmax(model.draft_logits(z), axis=-1))
+            times.append(time.perf_counter() - tic)
+        out["draft"] = statistics.median(times[1:])
+    return out
+
+
+def bench(
+    model,
+    tokenizer,
+    *,
+    ks=(0, 1, 2, 3, 4),
+    temps=(0.0, 0.7),
+    tokens: int = 128,
+    reps: int = 5,
+    workloads: Optional[Sequence[str]] = None,
+    seed: int = 0,
+    log=print,
+) -> dict:
+    """Run the benchmark; returns {"rows": [...], "costs": {...}} (see module docstring)."""
+    ks = [k for k in ks if k == 0 or model.num_mtp_layers]
+    all_prompts = prompts(tokenizer, model, seed)
+    names = list(workloads or all_prompts)
+    c = costs(model, all_prompts["code"], ks, reps)
+    rows = []
+    for name in names:
+        prompt = all_prompts[name]
+        for temp in temps:
+            samples = {None: []} | {k: [] for k in ks}
+            stats = {}
+            for rep in range(reps + 1):  # the first round warms up
+                for k in samples:
+                    mx.reset_peak_memory()
+                    if k is None:
+                        rate = run_plain(model, prompt, tokens, temp, seed + rep)
+                    else:
+                        rate, stats[k] = run_mtp(
+                            model, prompt, tokens, temp, k, seed + rep
+                        )
+                    if rep:
+                        samples[k].append((rate, mx.get_peak_memory() / 1e9))
+            base = statistics.median(r for r, _ in samples[None])
+            for k, runs in samples.items():
+                rate = statistics.median(r for r, _ in runs)
+                row = Row(
+                    name, temp, k, rate, rate / base, peak_gb=max(p for _, p in runs)
+                )
+                if k is not None:
+                    s = stats[k]
+                    row.acceptance = s.acceptance_per_position
+                    row.tokens_per_round = s.tokens_per_round
+                    t1 = 1 / base
+                    round_cost = c[f"verify_{k + 1}"] + k * c.get("draft", 0.0)
+                    row.ideal = s.tokens_per_round * t1 / round_cost if k else 1.0
+                    row.efficiency = row.ratio / row.ideal
+                rows.append(row)
+                log(format_row(row))
+    return {"rows": [asdict(r) for r in rows], "costs": c}
+
+
+def format_row(r: Row) -> str:
+    who = "mlx-lm" if r.k is None else f"mtp k={r.k}"
+    acc = " ".join(f"{a:.2f}" for a in r.acceptance)
+    ideal = f"{r.ideal:5.2f}x" if r.ideal is not None else "     -"
+    eff = f"{r.efficiency:5.2f}" if r.efficiency is not None else "    -"
+    return (
+        f"{r.workload:11} T={r.temp:<3} {who:9} {r.tok_s:8.1f} tok/s {r.ratio:5.2f}x "
+        f"ideal {ideal} eff {eff} tok/round {r.tokens_per_round:4.2f} "
+        f"peak {r.peak_gb:5.2f} GB  accept [{acc}]"
+    )

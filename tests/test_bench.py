@@ -1,0 +1,86 @@
+"""The benchmark runs end to end (no timing is asserted), and the synthetic-model
+builder lands near the acceptance it is asked for."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+
+from mlx_mtp.cli import main
+from mlx_mtp.loading import load_model
+from mlx_mtp.speculative import mtp_generate_step
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def test_bench_cli(checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    args = [
+        "bench",
+        "--model",
+        str(checkpoint("mimo", predictable=True)),
+        "--tokens",
+        "6",
+        "--reps",
+        "1",
+        "-k",
+        "0",
+        "-k",
+        "2",
+        "--temp",
+        "0",
+        "--workload",
+        "code",
+        "--workload",
+        "adversarial",
+        "--json",
+        str(out),
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["k"]) for r in rows] == [
+        ("code", None),
+        ("code", 0),
+        ("code", 2),
+        ("adversarial", None),
+        ("adversarial", 0),
+        ("adversarial", 2),
+    ]
+    k2 = rows[2]
+    assert len(k2["acceptance"]) == 2 and k2["ideal"] > 0 and k2["efficiency"] > 0
+    assert "mtp k=2" in result.output
+
+
+def test_synthetic_model_lands_near_its_acceptance(tmp_path):
+    out = tmp_path / "syn"
+    args = [
+        "--acceptance",
+        "0.6",
+        "--params",
+        "1e6",
+        "--vocab",
+        "1024",
+        "--hidden",
+        "128",
+    ]
+    subprocess.run(
+        [sys.executable, str(SCRIPTS / "make_synthetic_model.py"), str(out), *args],
+        check=True,
+        env={**os.environ, "MLX_MTP_FAST_BLAS": "0"},  # a tiny model needs no OpenBLAS
+        capture_output=True,
+    )
+    info = json.loads((out / "synthetic.json").read_text())
+    assert abs(info["measured_agreement"] - 0.6) < 0.05
+    model = load_model(str(out))[0]
+    rng = np.random.default_rng(7)
+    accepted = []
+    for _ in range(3):
+        prompt = rng.integers(0, 1024, 16).tolist()
+        outs = list(mtp_generate_step(prompt, model, num_draft_tokens=1, max_tokens=96))
+        accepted.append(outs[-1].stats.acceptance_rate)
+    assert abs(np.mean(accepted) - 0.6) < 0.12
