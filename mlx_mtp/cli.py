@@ -70,7 +70,11 @@ def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bo
 
 
 @main.command()
-@click.option("--model", required=True, help="Model folder or Hugging Face repo.")
+@click.option(
+    "--model",
+    default=None,
+    help="Model folder or Hugging Face repo [default: the built-in demo model].",
+)
 @click.option(
     "--prompt",
     "-p",
@@ -158,6 +162,10 @@ def generate(
     _quiet_transformers()
     if prompt == "-":
         prompt = sys.stdin.read()
+    if model is None:
+        from .demo import demo_model
+
+        model = str(demo_model())
     mdl, tokenizer = load(model, allow_missing_heads=allow_missing_heads)
     ids = build_prompt(tokenizer, prompt, system_prompt, ignore_chat_template)
     response = None

