@@ -6,10 +6,11 @@ temperature it reports decode tokens/s (the first token, i.e. the prompt, exclud
 the ratio to mlx-lm, acceptance per draft position, tokens per round, peak memory, and
 the **ideal** speedup the measured acceptance allows given the measured costs:
 
-    ideal(k) = tokens_per_round(k) * t(1) / (t_verify(k + 1) + k * t_draft)
+    ideal(k) = tokens_per_round(k) / (t(k + 1) / t(1) + k * t_draft / t(1))
 
-with t(1) one plain decode step, t_verify(n) one trunk pass over n new tokens and
-t_draft one MTP step, all timed here; measured / ideal is the runtime's own efficiency.
+with t(n) one trunk pass over n new tokens (logits included) and t_draft one MTP step,
+all timed here the same way (one call, evaluated); measured / ideal is the runtime's own
+efficiency: its bookkeeping, host syncs and Python overhead.
 """
 
 import statistics
@@ -169,9 +170,10 @@ def bench(
                     s = stats[k]
                     row.acceptance = s.acceptance_per_position
                     row.tokens_per_round = s.tokens_per_round
-                    t1 = 1 / base
                     round_cost = c[f"verify_{k + 1}"] + k * c.get("draft", 0.0)
-                    row.ideal = s.tokens_per_round * t1 / round_cost if k else 1.0
+                    row.ideal = (
+                        s.tokens_per_round * c["verify_1"] / round_cost if k else 1.0
+                    )
                     row.efficiency = row.ratio / row.ideal
                 rows.append(row)
                 log(format_row(row))
