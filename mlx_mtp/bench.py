@@ -102,6 +102,7 @@ def costs(model, prompt, ks: Sequence[int], reps: int) -> Dict[str, float]:
     """Medians of t_verify(n) for n = 1..max(k)+1 and of one draft step, in seconds."""
     caches = make_caches(model)
     mx.eval(model.hidden(mx.array(prompt)[None], caches.trunk))
+    reps = max(7, 2 * reps)  # small, noisy timings: take more
     out = {}
     for n in range(1, max(ks) + 2):
         ids = mx.array(prompt[:n])[None]
