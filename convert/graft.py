@@ -19,7 +19,7 @@ from mlx_mtp.heads import (
     quantize_heads,
     source_fingerprint,
 )
-from mlx_mtp.loading import _load_trunk, build_mtp, read_config
+from mlx_mtp.loading import build_mtp, load_trunk, read_config
 from mlx_mtp.models import get_family
 
 from .hf import _cast, _save_config
@@ -77,7 +77,7 @@ def graft_heads(
                 tensors[k] = v
     if not tensors:
         raise MTPError(f"{hf_path} has no MTP tensors")
-    trunk, config, _ = _load_trunk(dst, family, lazy=True)
+    trunk, config, _ = load_trunk(dst, family, lazy=True)
     _, mtp = family.split_weights(tensors, src_config)
     stack = build_mtp(trunk, family, mtp, src_config, raw=True)
     _cast(stack, _float_dtype(trunk), None)

@@ -20,7 +20,7 @@ from mlx.utils import tree_map_with_path
 from mlx_mtp import __version__
 from mlx_mtp.errors import MissingHeadsError, MTPError
 from mlx_mtp.heads import heads_section, quantize_heads, save_heads, source_fingerprint
-from mlx_mtp.loading import _check_declared, _load_trunk, build_mtp, read_config
+from mlx_mtp.loading import build_mtp, check_declared, load_trunk, read_config
 from mlx_mtp.models import get_family
 
 from .gguf import gguf_to_hf, is_gguf
@@ -127,14 +127,14 @@ def _convert_folder(src: Path, source: str, revision, dst: Path, o: Options) -> 
     """Convert the checkpoint folder ``src`` (named ``source`` in the provenance)."""
     check_source(src)
     family = get_family(read_config(src))
-    trunk, config, captured = _load_trunk(src, family, lazy=True)
+    trunk, config, captured = load_trunk(src, family, lazy=True)
     stack = None
     if not captured["mtp"]:
         msg = f"{source} has no MTP tensors"
         if o.require_heads:
             raise MissingHeadsError(msg)
         log.warning("%s; converting the trunk only", msg)
-    elif _check_declared(family, config, captured["mtp"], allow_missing_heads=False):
+    elif check_declared(family, config, captured["mtp"], allow_missing_heads=False):
         stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
 
     dtype = o.dtype or config.get("torch_dtype")

@@ -131,11 +131,7 @@ def copy_side_files(src: Path, dst: Path, patterns: Iterable[str] = SIDE_FILES) 
 
     for pattern in patterns:
         for f in src.glob(pattern):
-            if (
-                f.is_file()
-                and f.name not in ("config.json",)
-                and not f.name.endswith(".safetensors")
-            ):
+            if f.is_file() and f.name != "config.json" and f.suffix != ".safetensors":
                 shutil.copy2(f, dst / f.name)
 
 

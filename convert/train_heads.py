@@ -16,7 +16,6 @@ identical state; the output is a normal mlx-mtp model folder (trunk files + head
 """
 
 import json
-import logging
 import random
 import shutil
 from dataclasses import asdict, dataclass
@@ -36,8 +35,6 @@ from mlx_mtp.loading import load, read_config
 from mlx_mtp.models.mtp import MTPLayer, MTPStack
 
 from .output import staged_folder
-
-log = logging.getLogger("mlx_mtp")
 
 TEXT_SUFFIXES = (".py", ".rst", ".txt", ".md")
 FEATURES = "features"
@@ -243,10 +240,6 @@ def train_heads(
     work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load(model_path, allow_missing_heads=True)
     family, model_dir = model._family, _model_dir(model_path)
-    if not hasattr(family, "make_layer") or model.model_type not in ("llama",):
-        log.warning(
-            "training heads for %s: using its family's MTP layer", model.model_type
-        )
     mx.random.seed(cfg.seed)
 
     train_files, eval_files = split_files(text_files(data), cfg.held_out, cfg.seed)

@@ -61,6 +61,8 @@ class KVQuantization:
     def apply(self, caches: List[Any]) -> None:
         """Quantize the trunk's KV caches that reached ``start`` positions, in place,
         at the same points mlx-lm does (after a model call)."""
+        if self.bits is None:
+            return
         from mlx_lm.generate import maybe_quantize_kv_cache
 
         maybe_quantize_kv_cache(caches, self.start, self.group_size, self.bits)

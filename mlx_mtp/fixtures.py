@@ -581,25 +581,26 @@ def _qwen_tensors(
     """
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     t = {f"{base}embed_tokens.weight": init.normal((vocab, hidden), EMBED_STD)}
-    for i in range(cfg["num_hidden_layers"]):
-        prefix = f"{base}layers.{i}."
-        linear = (i + 1) % cfg["full_attention_interval"] != 0
+
+    def layer(prefix: str, linear: bool, is_mtp: bool) -> None:
         t[f"{prefix}input_layernorm.weight"] = _zero_norm(init, hidden)
         if linear:
             t.update(deltanet(f"{prefix}linear_attn."))
         else:
             t.update(_gated_attention(init, f"{prefix}self_attn.", cfg))
         t[f"{prefix}post_attention_layernorm.weight"] = _zero_norm(init, hidden)
-        t.update(mlp(f"{prefix}mlp.", False))
+        t.update(mlp(f"{prefix}mlp.", is_mtp))
+
+    for i in range(cfg["num_hidden_layers"]):
+        layer(
+            f"{base}layers.{i}.", (i + 1) % cfg["full_attention_interval"] != 0, False
+        )
     t[f"{base}norm.weight"] = _zero_norm(init, hidden)
     t["lm_head.weight"] = init.linear(vocab, hidden)
     t["mtp.pre_fc_norm_embedding.weight"] = _zero_norm(init, hidden)
     t["mtp.pre_fc_norm_hidden.weight"] = _zero_norm(init, hidden)
     t["mtp.fc.weight"] = init.linear(hidden, 2 * hidden)
-    t["mtp.layers.0.input_layernorm.weight"] = _zero_norm(init, hidden)
-    t.update(_gated_attention(init, "mtp.layers.0.self_attn.", cfg))
-    t["mtp.layers.0.post_attention_layernorm.weight"] = _zero_norm(init, hidden)
-    t.update(mlp("mtp.layers.0.mlp.", True))
+    layer("mtp.layers.0.", False, True)
     t["mtp.norm.weight"] = _zero_norm(init, hidden)
     return t
 

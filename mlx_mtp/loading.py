@@ -137,7 +137,7 @@ def config_fixes(config: dict) -> dict:
     return fixes
 
 
-def _load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, dict]:
+def load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, dict]:
     """Build the trunk with mlx-lm; returns ``(trunk, config, captured)`` where
     ``captured`` holds the MTP tensors (``"mtp"``) and the raw flag (``"raw"``)."""
     from mlx_lm.utils import load_model
@@ -185,7 +185,7 @@ def build_mtp(
     return load_strict(stack, weights)
 
 
-def _check_declared(family, config: dict, raw: dict, allow_missing_heads: bool) -> bool:
+def check_declared(family, config: dict, raw: dict, allow_missing_heads: bool) -> bool:
     """Cross-check MTP tensors with the config; True when heads should be built."""
     declared = family.declared_mtp_layers(config)
     found = {family.mtp_layer_of(k, config) for k in raw}
@@ -221,13 +221,13 @@ def load_model(
     model_path = resolve(path_or_hf_repo, revision)
     config = read_config(model_path)
     family = get_family(config)
-    trunk, config, captured = _load_trunk(model_path, family, lazy)
+    trunk, config, captured = load_trunk(model_path, family, lazy)
     stack = MTPStack([])
     if has_heads_file(config):  # an mlx-mtp conversion
         stack = load_heads(model_path, config, family, trunk)
         if not lazy:
             mx.eval(stack.parameters())
-    elif _check_declared(family, config, captured["mtp"], allow_missing_heads):
+    elif check_declared(family, config, captured["mtp"], allow_missing_heads):
         stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
         if not lazy:
             mx.eval(stack.parameters())
