@@ -106,7 +106,8 @@ def compute_features(
     model, tokens: np.ndarray, folder: Path, name: str, progress
 ) -> dict:
     """Trunk hidden states (float16) and greedy next tokens for every sequence, written
-    to memory-mapped files and resumable (sequences already done are kept)."""
+    to memory-mapped files and resumable (sequences already done are kept, also when a
+    rerun asks for fewer of the same sequences)."""
     from tqdm import tqdm
 
     n, length = tokens.shape
@@ -114,18 +115,16 @@ def compute_features(
     paths = {
         k: folder / f"{name}.{k}.npy" for k in ("tokens", "hidden", "greedy", "done")
     }
-    if not paths["tokens"].exists() or not np.array_equal(
-        np.load(paths["tokens"]), tokens
-    ):
+    if not _stored_prefix(paths["tokens"], tokens):
         np.save(paths["tokens"], tokens)
         np.lib.format.open_memmap(
             paths["hidden"], "w+", np.float16, (n, length, hidden_size)
         )
         np.lib.format.open_memmap(paths["greedy"], "w+", np.int32, (n, length))
         np.save(paths["done"], np.array(0))
-    hidden = np.load(paths["hidden"], mmap_mode="r+")
-    greedy = np.load(paths["greedy"], mmap_mode="r+")
-    done = int(np.load(paths["done"]))
+    hidden = np.load(paths["hidden"], mmap_mode="r+")[:n]
+    greedy = np.load(paths["greedy"], mmap_mode="r+")[:n]
+    done = min(n, int(np.load(paths["done"])))
     bar = tqdm(
         total=n,
         initial=done,
@@ -145,9 +144,22 @@ def compute_features(
     bar.close()
     return {
         "tokens": tokens,
-        "hidden": np.load(paths["hidden"], mmap_mode="r"),
-        "greedy": np.load(paths["greedy"], mmap_mode="r"),
+        "hidden": np.load(paths["hidden"], mmap_mode="r")[:n],
+        "greedy": np.load(paths["greedy"], mmap_mode="r")[:n],
     }
+
+
+def _stored_prefix(path: Path, tokens: np.ndarray) -> bool:
+    """Whether the stored feature run starts with ``tokens`` (same sequences, perhaps
+    more of them): a smaller ``--tokens`` then reuses what was computed."""
+    if not path.exists():
+        return False
+    stored = np.load(path, mmap_mode="r")
+    return (
+        stored.shape[1:] == tokens.shape[1:]
+        and stored.shape[0] >= tokens.shape[0]
+        and np.array_equal(stored[: tokens.shape[0]], tokens)
+    )
 
 
 # --- the head ---------------------------------------------------------------------------
@@ -245,10 +257,7 @@ def train_heads(
     train_files, eval_files = split_files(text_files(data), cfg.held_out, cfg.seed)
     train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)
     feats = compute_features(model, train_tok, work, "train", progress)
-    evals = None
-    if eval_files:
-        eval_tok = pack(tokenizer, eval_files, cfg.seq_len, 16 * cfg.seq_len)
-        evals = compute_features(model, eval_tok, work, "eval", progress)
+    evals = held_out_features(model, tokenizer, eval_files, cfg, work, progress)
 
     counts = np.bincount(
         np.asarray(feats["greedy"]).ravel(), minlength=model.args.vocab_size
@@ -294,19 +303,27 @@ def train_heads(
         step += 1
         bar.set_postfix(loss=f"{loss.item():.3f}")
         bar.update()
-        if evals is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-            agree = evaluate(stack, model, W, remap, evals, cfg.depth)
+        if evals and (step % cfg.eval_every == 0 or step == cfg.steps):
+            by_kind = {
+                kind: evaluate(stack, model, W, remap, f, cfg.depth)
+                for kind, f in evals.items()
+            }
+            agree = _pooled(by_kind, evals)
             history.append(
                 {
                     "step": step,
                     "tokens": step * cfg.batch_size * cfg.seq_len,
                     "loss": loss.item(),
                     "agreement": agree,
+                    "by_kind": by_kind,
                 }
             )
             bar.write(
                 f"step {step}: held-out agreement per depth "
-                + " ".join(f"{a:.3f}" for a in agree)
+                + "; ".join(
+                    f"{kind} " + " ".join(f"{a:.3f}" for a in a_k)
+                    for kind, a_k in by_kind.items()
+                )
             )
             if on_eval:
                 on_eval(step, agree)
@@ -314,6 +331,35 @@ def train_heads(
             _save_state(work, stack, opt, step, history, cfg, coverage)
     bar.close()
     return _write_model(model_dir, out, stack, cfg, history, coverage, overwrite)
+
+
+def held_out_features(model, tokenizer, files, cfg, work, progress) -> dict:
+    """Held-out features per kind of text, ``code`` (.py) and ``prose`` (the rest), up
+    to 24 sequences each; a kind with too little text is left out."""
+    kinds = {
+        "code": [f for f in files if f.suffix == ".py"],
+        "prose": [f for f in files if f.suffix != ".py"],
+    }
+    sets = {}
+    for kind, kind_files in kinds.items():
+        if not kind_files:
+            continue
+        try:
+            tokens = pack(tokenizer, kind_files, cfg.seq_len, 24 * cfg.seq_len)
+        except MTPError:
+            continue
+        sets[kind] = compute_features(model, tokens, work, f"eval-{kind}", progress)
+    return sets
+
+
+def _pooled(by_kind: dict, evals: dict) -> List[float]:
+    """Agreement per depth over all held-out sequences."""
+    sizes = {k: f["tokens"].shape[0] for k, f in evals.items()}
+    total = sum(sizes.values())
+    depth = len(next(iter(by_kind.values())))
+    return [
+        sum(by_kind[k][d] * sizes[k] for k in by_kind) / total for d in range(depth)
+    ]
 
 
 def evaluate(stack, model, W, remap, feats, depth: int) -> List[float]:
