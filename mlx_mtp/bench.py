@@ -10,13 +10,14 @@ the **ideal** speedup the measured acceptance allows given the measured costs:
 
 with t(n) one trunk pass over n new tokens (logits included) and t_draft one MTP step,
 all timed here the same way (one call, evaluated); measured / ideal is the runtime's own
-efficiency: its bookkeeping, host syncs and Python overhead.
+efficiency: its bookkeeping, host syncs and Python overhead. With ``k = "auto"`` the
+round cost is averaged over the k actually drafted in each round.
 """
 
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +25,8 @@ import numpy as np
 from .cache import make_caches
 from .sampling import SamplingParams
 from .speculative import mtp_generate_step
+
+AUTO_MAX_K = 4  # mtp_generate_step's default max_draft_tokens
 
 WORKLOADS = {
     "code": 'def merge_intervals(intervals):\n    """Merge overlapping intervals."""\n',
@@ -36,11 +39,12 @@ WORKLOADS = {
 class Row:
     workload: str
     temp: float
-    k: Optional[int]  # None: mlx-lm plain decoding
+    k: Union[int, str, None]  # None: mlx-lm plain decoding; "auto"
     tok_s: float
     ratio: float = 1.0
     acceptance: List[float] = field(default_factory=list)
     tokens_per_round: float = 1.0
+    mean_k: float = 0.0  # drafts per round
     ideal: Optional[float] = None
     efficiency: Optional[float] = None
     peak_gb: float = 0.0
@@ -98,13 +102,13 @@ def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int):
     return (n - 1) / (time.perf_counter() - tic), last.stats
 
 
-def costs(model, prompt, ks: Sequence[int], reps: int) -> Dict[str, float]:
-    """Medians of t_verify(n) for n = 1..max(k)+1 and of one draft step, in seconds."""
+def costs(model, prompt, max_k: int, reps: int) -> Dict[str, float]:
+    """Medians of t_verify(n) for n = 1..max_k+1 and of one draft step, in seconds."""
     caches = make_caches(model)
     mx.eval(model.hidden(mx.array(prompt)[None], caches.trunk))
     reps = max(7, 2 * reps)  # small, noisy timings: take more
     out = {}
-    for n in range(1, max(ks) + 2):
+    for n in range(1, max_k + 2):
         ids = mx.array(prompt[:n])[None]
         times = []
         for _ in range(reps + 1):
@@ -131,7 +135,7 @@ def bench(
     model,
     tokenizer,
     *,
-    ks=(0, 1, 2, 3, 4),
+    ks=(0, 1, 2, 3, 4, "auto"),
     temps=(0.0, 0.7),
     tokens: int = 128,
     reps: int = 5,
@@ -143,7 +147,8 @@ def bench(
     ks = [k for k in ks if k == 0 or model.num_mtp_layers]
     all_prompts = prompts(tokenizer, model, seed)
     names = list(workloads or all_prompts)
-    c = costs(model, all_prompts["code"], ks, reps)
+    max_k = max(AUTO_MAX_K if k == "auto" else k for k in ks)
+    c = costs(model, all_prompts["code"], max_k, reps)
     rows = []
     for name in names:
         prompt = all_prompts[name]
@@ -171,23 +176,32 @@ def bench(
                     s = stats[k]
                     row.acceptance = s.acceptance_per_position
                     row.tokens_per_round = s.tokens_per_round
-                    round_cost = c[f"verify_{k + 1}"] + k * c.get("draft", 0.0)
-                    row.ideal = (
-                        s.tokens_per_round * c["verify_1"] / round_cost if k else 1.0
-                    )
+                    row.mean_k = s.mean_draft_length
+                    row.ideal = ideal_speedup(s, c)
                     row.efficiency = row.ratio / row.ideal
                 rows.append(row)
                 log(format_row(row))
     return {"rows": [asdict(r) for r in rows], "costs": c}
 
 
+def ideal_speedup(stats, c: Dict[str, float]) -> float:
+    """Tokens per round over the mean round cost, in plain decode steps."""
+    cost = sum(
+        n * (c[f"verify_{k + 1}"] + k * c.get("draft", 0.0))
+        for k, n in enumerate(stats.rounds_by_k)
+    )
+    return stats.emitted * c["verify_1"] / cost if cost else 1.0
+
+
 def format_row(r: Row) -> str:
     who = "mlx-lm" if r.k is None else f"mtp k={r.k}"
+    if r.k == "auto":
+        who += f"~{r.mean_k:.1f}"
     acc = " ".join(f"{a:.2f}" for a in r.acceptance)
     ideal = f"{r.ideal:5.2f}x" if r.ideal is not None else "     -"
     eff = f"{r.efficiency:5.2f}" if r.efficiency is not None else "    -"
     return (
-        f"{r.workload:11} T={r.temp:<3} {who:9} {r.tok_s:8.1f} tok/s {r.ratio:5.2f}x "
+        f"{r.workload:11} T={r.temp:<3} {who:14} {r.tok_s:8.1f} tok/s {r.ratio:5.2f}x "
         f"ideal {ideal} eff {eff} tok/round {r.tokens_per_round:4.2f} "
         f"peak {r.peak_gb:5.2f} GB  accept [{acc}]"
     )

@@ -50,6 +50,23 @@ def main():
     """Multi-token-prediction speculative decoding for MLX."""
 
 
+class DraftLength(click.ParamType):
+    """``auto`` or a non-negative integer."""
+
+    name = "auto|K"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            k = int(value)
+        except ValueError:
+            k = -1
+        if k < 0:
+            self.fail(f"{value!r} is not 'auto' or an integer >= 0", param, ctx)
+        return k
+
+
 def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bool):
     """Token ids of the prompt, with the chat template applied as mlx-lm does."""
     from .errors import MTPError
@@ -88,10 +105,17 @@ def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bo
 @click.option(
     "--num-draft-tokens",
     "-k",
-    type=click.IntRange(min=0),
-    default=2,
+    type=DraftLength(),
+    default="auto",
     show_default=True,
-    help="MTP drafts per round (0: plain decoding).",
+    help="MTP drafts per round (0: plain decoding; auto: the fastest k, each round).",
+)
+@click.option(
+    "--max-draft-tokens",
+    type=click.IntRange(0, 16),
+    default=4,
+    show_default=True,
+    help="The largest k that auto picks.",
 )
 @click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option(
@@ -141,6 +165,7 @@ def generate(
     prompt,
     max_tokens,
     num_draft_tokens,
+    max_draft_tokens,
     temp,
     top_p,
     top_k,
@@ -176,6 +201,7 @@ def generate(
             ids,
             max_tokens,
             num_draft_tokens=num_draft_tokens,
+            max_draft_tokens=max_draft_tokens,
             temp=temp,
             top_p=top_p,
             top_k=top_k,
@@ -435,9 +461,9 @@ def train_heads(
     "-k",
     "--num-draft-tokens",
     "ks",
-    type=click.IntRange(0, 8),
+    type=DraftLength(),
     multiple=True,
-    default=(0, 1, 2, 3, 4),
+    default=(0, 1, 2, 3, 4, "auto"),
     show_default=True,
 )
 @click.option(

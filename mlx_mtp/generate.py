@@ -60,7 +60,8 @@ def stream_generate(
     prompt: Union[str, List[int], mx.array],
     max_tokens: int = 256,
     *,
-    num_draft_tokens: int = 2,
+    num_draft_tokens: Union[int, str] = "auto",
+    max_draft_tokens: int = 4,
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -80,7 +81,9 @@ def stream_generate(
         tokenizer: Its tokenizer (a ``TokenizerWrapper`` or a Hugging Face tokenizer).
         prompt: Text, or token ids.
         max_tokens: Tokens to generate (-1: until EOS).
-        num_draft_tokens: MTP drafts per round (0: plain decoding).
+        num_draft_tokens: MTP drafts per round (0: plain decoding), or "auto": the
+            k in 0..max_draft_tokens expected to be fastest, chosen each round.
+        max_draft_tokens: The largest k "auto" may pick.
         temp, top_p, top_k, min_p, min_tokens_to_keep: Sampling, as in mlx-lm.
         seed: Makes a sampled run reproducible.
         prefill_step_size: Prompt chunk size.
@@ -101,6 +104,7 @@ def stream_generate(
         ids,
         model,
         num_draft_tokens=num_draft_tokens,
+        max_draft_tokens=max_draft_tokens,
         params=params,
         max_tokens=max_tokens,
         seed=seed,
@@ -165,6 +169,7 @@ def format_stats(r: GenerationResponse) -> str:
         per_pos = " ".join(f"{x:.2f}" for x in stats.acceptance_per_position)
         line += (
             f" | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.2f}),"
-            f" per position [{per_pos}] | {stats.tokens_per_round:.2f} tok/round"
+            f" per position [{per_pos}] | {stats.tokens_per_round:.2f} tok/round,"
+            f" {stats.mean_draft_length:.2f} drafts/round"
         )
     return line

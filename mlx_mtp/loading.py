@@ -233,6 +233,7 @@ def load_model(
             mx.eval(stack.parameters())
     model = Model(trunk, stack, family)
     model.eval()
+    model.source = model_path
     return model, config, model_path
 
 

@@ -19,7 +19,7 @@ there is one host sync per round.
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Generator, List, Optional
+from typing import Generator, List, Optional, Union
 
 import mlx.core as mx
 
@@ -32,6 +32,7 @@ from .cache import (
     rewind,
     trim_to,
 )
+from .draft_length import AdaptiveLength, FixedLength, model_costs
 from .errors import MTPError
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
 from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
@@ -50,11 +51,13 @@ class MTPStats:
     accepted_per_position: List[int] = field(default_factory=list)
     # rounds that drafted all k tokens, by number accepted (0..k)
     accepted_histogram: List[int] = field(default_factory=list)
+    rounds_by_k: List[int] = field(default_factory=list)  # rounds that drafted k
 
     def __post_init__(self):
         self.drafted_per_position = [0] * self.num_draft_tokens
         self.accepted_per_position = [0] * self.num_draft_tokens
         self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
+        self.rounds_by_k = [0] * (self.num_draft_tokens + 1)
 
     @property
     def acceptance_rate(self) -> float:
@@ -81,12 +84,18 @@ class MTPStats:
             self.accepted_per_position[j] += int(j < a)
         if k == self.num_draft_tokens:
             self.accepted_histogram[a] += 1
+        self.rounds_by_k[k] += 1
+
+    @property
+    def mean_draft_length(self) -> float:
+        return self.drafted / self.rounds if self.rounds else 0.0
 
     def snapshot(self) -> "MTPStats":
         copy = replace(self)  # __post_init__ zeroes the per-position lists
         copy.drafted_per_position = list(self.drafted_per_position)
         copy.accepted_per_position = list(self.accepted_per_position)
         copy.accepted_histogram = list(self.accepted_histogram)
+        copy.rounds_by_k = list(self.rounds_by_k)
         return copy
 
 
@@ -289,7 +298,8 @@ def mtp_generate_step(
     prompt,
     model,
     *,
-    num_draft_tokens: int = 2,
+    num_draft_tokens: Union[int, str] = "auto",
+    max_draft_tokens: int = 4,
     params: SamplingParams = SamplingParams(),
     max_tokens: int = 256,
     seed: Optional[int] = None,
@@ -303,7 +313,11 @@ def mtp_generate_step(
     Args:
         prompt: Prompt token ids (list or 1-D ``mx.array``), not empty.
         model: An `mlx_mtp.models.base.Model`.
-        num_draft_tokens: Drafts per round, k. 0 runs plain decoding (the baseline).
+        num_draft_tokens: Drafts per round, k (0 runs plain decoding, the baseline);
+            "auto" picks k in 0..max_draft_tokens each round from the measured costs
+            and the recent acceptance (`mlx_mtp.draft_length`); or a policy object
+            with ``max_k``, ``next()`` and ``observe(k, accepted)``.
+        max_draft_tokens: The largest k "auto" may pick.
         params: Sampling settings; ``temp == 0`` is greedy.
         max_tokens: Tokens to generate; -1 for no limit.
         seed: Seed of the sampling keys; None draws one at random.
@@ -322,23 +336,22 @@ def mtp_generate_step(
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt:
         raise MTPError("the prompt is empty")
-    if num_draft_tokens < 0:
-        raise MTPError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     if kv.bits is not None and max_kv_size is not None:
         raise MTPError("KV quantization cannot be combined with a rotating KV window")
+    policy = draft_policy(model, num_draft_tokens, max_draft_tokens)
     caches = caches or make_caches(model, max_kv_size)
-    k = num_draft_tokens if model.num_mtp_layers else 0
-    if k:
+    if policy.max_k:
         check_rollback(caches.trunk)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     key = mx.random.key(seed)
-    stats = MTPStats(k)
-    depth = min(k, model.num_mtp_layers)
+    stats = MTPStats(policy.max_k)
+    depth = min(policy.max_k, model.num_mtp_layers)
     state = prefill(model, caches, prompt, depth, prefill_step_size, kv)
     seen, rnd = len(prompt) - 1, None  # positions to keep on exit: yielded - 1
     try:
         key, sub = mx.random.split(key)
-        rnd = launch(model, caches, state, _round_k(k, max_tokens, 0), params, sub)
+        k = _round_k(policy.next(), max_tokens, 0)
+        rnd = launch(model, caches, state, k, params, sub)
         while rnd is not None:
             mx.eval(rnd.result.num_accepted, rnd.result.next_token, rnd.draft.tokens)
             a = rnd.result.num_accepted.item()
@@ -347,11 +360,12 @@ def mtp_generate_step(
             commit(caches, state, rnd, a, new)
             kv.apply(caches.trunk)
             stats.record(rnd.draft.k, a)
+            policy.observe(rnd.draft.k, a)
             rnd = None
             if max_tokens < 0 or stats.emitted < max_tokens:
                 key, sub = mx.random.split(key)
-                k_next = _round_k(k, max_tokens, stats.emitted)
-                rnd = launch(model, caches, state, k_next, params, sub)
+                k = _round_k(policy.next(), max_tokens, stats.emitted)
+                rnd = launch(model, caches, state, k, params, sub)
             for i, token in enumerate(new):
                 seen += 1
                 yield StepOutput(token, logprobs[i], i < a, stats)
@@ -359,6 +373,32 @@ def mtp_generate_step(
                 mx.clear_cache()
     finally:
         _settle(caches, state, rnd, seen)
+
+
+def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):
+    """The draft-length policy for ``num_draft_tokens`` (see `mtp_generate_step`).
+
+    "auto" chooses among 0 and depth..max_k, depth being the model's MTP layers in use:
+    a round drafting fewer tokens than that would leave deeper layers' caches behind.
+    """
+    layers = model.num_mtp_layers
+    if num_draft_tokens == "auto":
+        if max_k < 0:
+            raise MTPError(f"max_draft_tokens must be >= 0, got {max_k}")
+        if not layers or not max_k:
+            return FixedLength(0)
+        depth = min(max_k, layers)
+        allowed = [0, *range(depth, max_k + 1)]
+        return AdaptiveLength(model_costs(model, max_k), allowed)
+    if isinstance(num_draft_tokens, int):
+        if num_draft_tokens < 0:
+            raise MTPError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        return FixedLength(num_draft_tokens if layers else 0)
+    if isinstance(num_draft_tokens, str):
+        raise MTPError(
+            f"num_draft_tokens must be an integer or 'auto', got {num_draft_tokens!r}"
+        )
+    return num_draft_tokens if layers else FixedLength(0)
 
 
 def _round_k(k: int, max_tokens: int, emitted: int) -> int:

@@ -2,7 +2,7 @@
 `mlx_mtp.bench`). On Linux CPUs it first switches MLX's float32 matmuls to OpenBLAS
 (fast_blas.py) and says when it cannot: timing needs float32 weights and a fast BLAS.
 
-    python scripts/bench.py --model PATH [--tokens 128] [--reps 5] [--k 0 1 2 3 4]
+    python scripts/bench.py --model PATH [--tokens 128] [--reps 5] [--k 0 1 2 3 4 auto]
         [--temp 0 0.7] [--workloads code chat prose adversarial] [--json out.json]
 """
 
@@ -15,12 +15,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_blas import ensure_fast_blas  # noqa: E402
 
 
+def _draft_length(value: str):
+    return value if value == "auto" else int(value)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument(
+        "--k", type=_draft_length, nargs="+", default=[0, 1, 2, 3, 4, "auto"]
+    )
     p.add_argument("--temp", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--workloads", nargs="+", default=None)
     p.add_argument("--json", type=Path, default=None)

@@ -2,7 +2,7 @@
 
     python scripts/bench_summary.py bench0.5.json bench0.7.json ...
 
-Recomputes the ideal speedup from the stored costs, so files from any version compare.
+Files written before the ideal speedup was stored get it recomputed from their costs.
 """
 
 import json
@@ -22,8 +22,7 @@ def main():
             k = r["k"]
             ideal = eff = None
             if k is not None:
-                cost = c[f"verify_{k + 1}"] + k * c.get("draft", 0.0)
-                ideal = r["tokens_per_round"] * c["verify_1"] / cost if k else 1.0
+                ideal = r.get("ideal") or _ideal(r, k, c)
                 eff = r["ratio"] / ideal
             who = "mlx-lm" if k is None else f"k={k}"
             acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
@@ -32,6 +31,12 @@ def main():
                 f"{r['ratio']:8.2f}x {ideal or 0:6.2f} {eff or 0:5.2f} "
                 f"{r['tokens_per_round']:9.2f}  [{acc}]"
             )
+
+
+def _ideal(r: dict, k: int, c: dict) -> float:
+    """The ideal speedup of a fixed-k row from a file that did not store it."""
+    cost = c[f"verify_{k + 1}"] + k * c.get("draft", 0.0)
+    return r["tokens_per_round"] * c["verify_1"] / cost if k else 1.0
 
 
 if __name__ == "__main__":

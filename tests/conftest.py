@@ -35,6 +35,15 @@ def loaded(checkpoint):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _home(tmp_path_factory):
+    """Keep mlx-mtp's cache (measured round costs, demo files) out of the user's."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MLX_MTP_HOME", str(tmp_path_factory.mktemp("mlx_mtp_home")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     mx.random.seed(0)

@@ -42,16 +42,32 @@ def exact_distributions(model, params):
     return joint, (joint[..., None] * p3).sum(axis=(0, 1))
 
 
+class Cycle:
+    """Draft-length policy drafting ks[0], ks[1], ... in turn (a fresh one per run)."""
+
+    def __init__(self, *ks):
+        self.ks, self.max_k, self.round = ks, max(ks), 0
+
+    def next(self):
+        self.round += 1
+        return self.ks[(self.round - 1) % len(self.ks)]
+
+    def observe(self, k, accepted):
+        pass
+
+
 def sample_tokens(model, params, k, n):
-    """(n, 3) first three tokens of n seeded MTP runs; the first round drafts k."""
+    """(n, 3) first three tokens of n seeded MTP runs; the first round drafts k (an
+    int, or a tuple of ks drafted in turn)."""
     out = np.zeros((n, 3), dtype=np.int64)
     for seed in range(n):
+        policy = Cycle(*k) if isinstance(k, tuple) else k
         steps = mtp_generate_step(
             PROMPT,
             model,
-            num_draft_tokens=k,
+            num_draft_tokens=policy,
             params=params,
-            max_tokens=k + 2,
+            max_tokens=(max(k) if isinstance(k, tuple) else k) + 2,
             seed=seed,
         )
         out[seed] = [o.token for _, o in zip(range(3), steps)]
@@ -92,6 +108,7 @@ CASES = [
     (2, SamplingParams(temp=1.0)),
     (3, SamplingParams(temp=0.8, top_p=0.9, top_k=8)),
     (2, SamplingParams(temp=0.7, min_p=0.05)),
+    ((0, 2), SamplingParams(temp=1.0)),  # k changes between rounds
 ]
 
 

@@ -1,0 +1,212 @@
+"""How many tokens to draft next round: a fixed k, or the k that maximises expected
+tokens per unit of time on the machine at hand.
+
+A round that drafts k tokens costs ``verify(k + 1) + k * draft`` (in units of one plain
+decode step, measured once per model and machine by `measure_costs`) and emits
+``1 + sum_{i<=k} prod_{j<=i} alpha_j`` tokens on average, with ``alpha_j`` the
+probability that draft j is accepted given that draft j-1 was. `AdaptiveLength`
+estimates the alphas from recent rounds (exponentially forgotten, so a change of
+workload inside one generation is followed) and picks the k with the best ratio. When
+drafting does not pay (k = 0), it still drafts every ``probe_every``-th round so that it
+notices when acceptance comes back.
+
+The choice of k never changes the output: every round is verified exactly.
+"""
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from .cache import make_caches
+
+
+@dataclass
+class RoundCosts:
+    """Round costs relative to one plain decode step t(1).
+
+    ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens; ``draft`` one MTP step.
+    """
+
+    verify: List[float]
+    draft: float
+
+    def round(self, k: int) -> float:
+        return self.verify[k] + k * self.draft
+
+
+def measure_costs(model, max_k: int, reps: int = 5, context: int = 64) -> RoundCosts:
+    """Time a verify pass over n = 1..max_k+1 tokens and one draft step (medians)."""
+    ids = mx.arange(context, dtype=mx.int32) % model.args.vocab_size
+    caches = make_caches(model)
+    mx.eval(model.hidden(ids[None], caches.trunk))
+
+    def median_time(fn) -> float:
+        times = []
+        for _ in range(reps + 1):  # the first call warms up
+            tic = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - tic)
+        return statistics.median(times[1:])
+
+    def verify(n: int):
+        mx.eval(model.logits(model.hidden(ids[None, :n], caches.trunk)))
+        for c in caches.trunk:
+            c.trim(n)
+
+    t = [median_time(lambda: verify(n)) for n in range(1, max_k + 2)]
+    draft = 0.0
+    if model.num_mtp_layers:
+        h = model.hidden(ids[None, -1:])
+        mx.eval(h)
+
+        def step():
+            z = model.mtp_forward(0, h, ids[None, -1:])
+            mx.eval(mx.argmax(model.draft_logits(z), axis=-1))
+
+        draft = median_time(step)
+    return RoundCosts([x / t[0] for x in t], draft / t[0])
+
+
+def model_costs(model, max_k: int) -> RoundCosts:
+    """The model's round costs for k up to ``max_k``: measured once per model files,
+    device and MLX version, and kept in ``$MLX_MTP_HOME/costs.json``, so that a seeded
+    sampled run drafts the same ks, and so gives the same text, every time."""
+    costs = getattr(model, "round_costs", None)
+    if costs is not None and len(costs.verify) > max_k:
+        return costs
+    key = _cost_key(model)
+    stored = _stored_costs().get(key) if key else None
+    if stored and len(stored["verify"]) > max_k:
+        costs = RoundCosts(**stored)
+    else:
+        costs = measure_costs(model, max_k)
+        if key:
+            _store_costs(key, costs)
+    model.round_costs = costs
+    return costs
+
+
+def _costs_file() -> Path:
+    from .demo import cache_dir
+
+    return cache_dir() / "costs.json"
+
+
+def _cost_key(model) -> Optional[str]:
+    """Model folder and its files' sizes and times, device, MLX version."""
+    folder = getattr(model, "source", None)
+    if folder is None:
+        return None
+    files = sorted(Path(folder).glob("*.safetensors")) + [Path(folder, "config.json")]
+    stamp = [
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()
+    ]
+    return json.dumps([str(folder), stamp, str(mx.default_device()), mx.__version__])
+
+
+def _stored_costs() -> dict:
+    try:
+        return json.loads(_costs_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_costs(key: str, costs: RoundCosts) -> None:
+    """Add one entry; a cache that cannot be written is skipped."""
+    path = _costs_file()
+    table = _stored_costs()
+    table[key] = asdict(costs)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(table))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+class FixedLength:
+    """Draft k tokens every round."""
+
+    def __init__(self, k: int):
+        self.max_k = k
+
+    def next(self) -> int:
+        return self.max_k
+
+    def observe(self, k: int, accepted: int) -> None:
+        pass
+
+
+class AdaptiveLength:
+    """Pick k in ``allowed`` maximising expected tokens per unit of cost.
+
+    Args:
+        costs: Round costs for k = 0..max(allowed).
+        allowed: Draft lengths to choose from (0 included).
+        memory: Rounds over which acceptance is averaged (exponential forgetting).
+        prior: Acceptance assumed before any draft at a position is seen.
+        probe_every: With k = 0 chosen, draft the smallest allowed k > 0 this often.
+    """
+
+    def __init__(
+        self,
+        costs: RoundCosts,
+        allowed: Sequence[int],
+        memory: float = 16.0,
+        prior: float = 0.6,
+        probe_every: int = 16,
+    ):
+        self.costs = costs
+        self.allowed = sorted(set(allowed) | {0})
+        self.max_k = self.allowed[-1]
+        self.decay = 1.0 - 1.0 / memory
+        self.prior = prior
+        self.probe_every = probe_every
+        self.reached = [0.0] * self.max_k  # drafts at position j that were judged
+        self.hits = [0.0] * self.max_k  # ... and accepted
+        self.idle = 0  # rounds since the last draft
+
+    def alphas(self) -> List[float]:
+        """Acceptance at each position given the previous one was accepted; positions
+        with little evidence lean on the one before (the prior for the first)."""
+        out, prev = [], self.prior
+        for hits, reached in zip(self.hits, self.reached):
+            prev = (hits + 2.0 * prev) / (reached + 2.0)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.alphas()[:k]:
+            run *= a
+            total += run
+        return total
+
+    def best(self) -> int:
+        return max(
+            self.allowed, key=lambda k: self.expected_tokens(k) / self.costs.round(k)
+        )
+
+    def next(self) -> int:
+        k = self.best()
+        if k == 0 and self.idle + 1 >= self.probe_every and self.max_k:
+            k = self.allowed[1]
+        self.idle = 0 if k else self.idle + 1
+        return k
+
+    def observe(self, k: int, accepted: int) -> None:
+        if k == 0:
+            return
+        for j in range(self.max_k):
+            self.reached[j] *= self.decay
+            self.hits[j] *= self.decay
+        for j in range(min(k, accepted + 1)):
+            self.reached[j] += 1.0
+            self.hits[j] += float(j < accepted)

@@ -1,0 +1,130 @@
+"""Draft-length policies: the adaptive choice of k, and exactness whatever k each round
+drafts (greedy token for token; sampling in test_sampling.py)."""
+
+import random
+
+import pytest
+
+import mlx_mtp.draft_length as draft_length
+from mlx_mtp.draft_length import AdaptiveLength, RoundCosts, model_costs
+from mlx_mtp.errors import MTPError
+from mlx_mtp.loading import load_model
+from mlx_mtp.speculative import draft_policy, mtp_generate_step
+
+from .test_greedy import NUM_TOKENS, PROMPTS, plain_greedy
+
+# verify cost grows 10 % per token, a draft step costs 5 % of a decode step
+CHEAP = RoundCosts([1.0, 1.1, 1.2, 1.3, 1.4], 0.05)
+
+
+def test_expected_tokens_and_choice():
+    policy = AdaptiveLength(CHEAP, range(5), prior=0.5)
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
+    for _ in range(200):
+        policy.observe(4, 4)  # every draft accepted
+    assert policy.alphas()[0] > 0.9 and policy.best() == 4
+    for _ in range(200):
+        policy.observe(4, 0)  # nothing accepted: forgotten, then k = 0
+    assert policy.alphas()[0] < 0.1 and policy.best() == 0
+
+
+def test_costly_verify_means_short_drafts():
+    """A verify that costs as much as plain decoding per token never pays; with a cheap
+    one, k grows with acceptance (E(k) / cost(k) worked out by hand)."""
+    compute_bound = RoundCosts([1.0, 2.0, 3.0, 4.0, 5.0], 0.3)
+    for costs, alpha, expected in (
+        (compute_bound, 0.9, 0),
+        (CHEAP, 0.3, 1),  # 1.3 / 1.15 = 1.13 > 1.39 / 1.3 = 1.07
+        (CHEAP, 0.6, 2),  # 1.96 / 1.3 = 1.51 > 2.18 / 1.45 = 1.50
+        (CHEAP, 0.8, 4),  # 3.36 / 1.6 = 2.10 > 2.95 / 1.45 = 2.03
+    ):
+        assert AdaptiveLength(costs, range(5), prior=alpha).best() == expected
+
+
+def test_probes_when_drafting_does_not_pay():
+    policy = AdaptiveLength(CHEAP, [0, 2, 3], probe_every=8)
+    for _ in range(100):
+        policy.observe(2, 0)
+    ks = [policy.next() for _ in range(32)]
+    assert ks.count(2) == 4 and set(ks) == {0, 2}
+    assert all(k == 0 for k in ks[:7]) and ks[7] == 2
+
+
+def test_policy_for_each_setting(loaded, monkeypatch):
+    model, _ = loaded("mimo", predictable=True)  # two MTP layers
+    auto = draft_policy(model, "auto", 4)
+    assert auto.allowed == [0, 2, 3, 4] and auto.max_k == 4
+    costs = model_costs(model, 4)
+    assert len(costs.verify) == 5 and costs.verify[0] == 1.0 and costs.draft > 0
+    assert model_costs(model, 2) is costs  # measured once per model
+    again = load_model(str(model.source))[0]  # a new process, say
+    monkeypatch.setattr(draft_length, "measure_costs", None)  # must not measure
+    assert model_costs(again, 4) == costs
+    assert draft_policy(model, 3, 4).next() == 3
+    assert draft_policy(model, "auto", 0).max_k == 0
+    for bad in (-1, "fast"):
+        with pytest.raises(MTPError):
+            draft_policy(model, bad, 4)
+
+
+class RandomLength:
+    """Test policy: a random allowed k every round."""
+
+    def __init__(self, allowed, seed):
+        self.allowed, self.max_k = allowed, max(allowed)
+        self.rng = random.Random(seed)
+        self.seen = set()
+
+    def next(self):
+        k = self.rng.choice(self.allowed)
+        self.seen.add(k)
+        return k
+
+    def observe(self, k, accepted):
+        pass
+
+
+@pytest.mark.parametrize("family", ["mimo", "deepseek_v3", "qwen3_5"])
+def test_greedy_identity_when_k_changes_every_round(family, loaded):
+    """Rounds alternate at random between no draft, the model's depth and more: the
+    MTP caches and the trunk's (recurrent ones included) stay exact."""
+    model, tokenizer = loaded(family, predictable=True)
+    depth = model.num_mtp_layers
+    allowed = [0, *range(depth, 5)]
+    for i, prompt in enumerate(PROMPTS):
+        ids = tokenizer.encode(prompt)
+        policy = RandomLength(allowed, seed=i)
+        outs = list(
+            mtp_generate_step(
+                ids, model, num_draft_tokens=policy, max_tokens=NUM_TOKENS
+            )
+        )
+        assert [o.token for o in outs] == plain_greedy(model, ids, NUM_TOKENS)
+        assert policy.seen == set(allowed)
+        stats = outs[-1].stats
+        assert sum(stats.rounds_by_k) == stats.rounds and stats.accepted > 0
+
+
+def test_greedy_identity_auto(loaded):
+    model, tokenizer = loaded("deepseek_v3", predictable=True)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        outs = list(mtp_generate_step(ids, model, max_tokens=NUM_TOKENS))
+        assert [o.token for o in outs] == plain_greedy(model, ids, NUM_TOKENS)
+
+
+def test_cli_draft_length(checkpoint):
+    from click.testing import CliRunner
+
+    from mlx_mtp.cli import main
+
+    path = str(checkpoint("deepseek_v3", predictable=True))
+    args = ["generate", "--model", path, "-p", "def f(x):", "-m", "16"]
+    auto = CliRunner().invoke(main, args)  # -k auto is the default
+    assert auto.exit_code == 0, auto.output
+    assert "drafts/round" in auto.output
+    fixed = CliRunner().invoke(main, args + ["-k", "2"])
+    assert fixed.output.splitlines()[:-1] == auto.output.splitlines()[:-1]
+    bad = CliRunner().invoke(main, args + ["-k", "fast"])
+    assert bad.exit_code == 2 and "'fast' is not 'auto' or an integer" in bad.output
