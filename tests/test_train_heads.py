@@ -61,6 +61,8 @@ def test_loss_goes_down_and_output_loads(trunk, tmp_path):
     logits = np.array(model.draft_logits(model.hidden(mx.array(ids)[None])))[0, -1]
     assert np.isfinite(logits[vocab]).all()
     assert np.isinf(np.delete(logits, vocab)).all()  # drafts come from the shortlist
+    full = np.array(model.logits(model.hidden(mx.array(ids)[None])))[0, -1]
+    assert np.allclose(logits[vocab], full[vocab], atol=1e-4)  # only its rows computed
     report = check(str(out))
     assert report.num_heads == 1 and report.source is None and report.self_agreement
 
@@ -129,3 +131,20 @@ def test_cli(trunk, tmp_path):
     other = [a if a != str(tmp_path / "cli") else str(tmp_path / "other") for a in args]
     missing = CliRunner().invoke(main, other + ["--data", str(tmp_path / "nope")])
     assert missing.exit_code == 1 and "no such data" in missing.output
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_draft_rows_of_quantized_heads(kind):
+    """A draft vocabulary's rows of a quantized head give the head's own logits."""
+    import mlx.nn as nn
+
+    from mlx_mtp.models.base import RowsHead
+
+    if kind == "linear":
+        head = nn.QuantizedLinear(64, 300, bits=4, group_size=32)
+        full_fn = head
+    else:
+        head = nn.QuantizedEmbedding(300, 64, bits=8, group_size=64)
+        full_fn = head.as_linear
+    h, rows = mx.random.normal((2, 3, 64)), mx.array([3, 7, 100, 299])
+    assert mx.allclose(RowsHead(head, rows)(h), full_fn(h)[..., rows]).item()

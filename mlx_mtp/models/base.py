@@ -37,6 +37,38 @@ def trunk_logits(trunk: nn.Module, h: mx.array) -> mx.array:
     return trunk.model.embed_tokens.as_linear(h)
 
 
+def trunk_head(trunk: nn.Module) -> nn.Module:
+    """The module whose ``(V, H)`` weight `trunk_logits` projects with."""
+    return trunk.lm_head if hasattr(trunk, "lm_head") else trunk.model.embed_tokens
+
+
+class RowsHead:
+    """An output projection restricted to some of its rows: ``(..., H) -> (..., V')``.
+
+    The rows (and, for a quantized head, their scales and biases) are gathered once, so
+    a draft step reads V' rows instead of V.
+    """
+
+    def __init__(self, head: nn.Module, rows: mx.array):
+        self.weight = head.weight[rows]
+        self.quantized = None
+        if hasattr(head, "scales"):
+            biases = getattr(head, "biases", None)
+            self.quantized = dict(
+                scales=head.scales[rows],
+                biases=None if biases is None else biases[rows],
+                group_size=head.group_size,
+                bits=head.bits,
+                mode=getattr(head, "mode", "affine"),
+            )
+        mx.eval(self.weight, self.quantized)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        if self.quantized is None:
+            return h @ self.weight.T
+        return mx.quantized_matmul(h, self.weight, transpose=True, **self.quantized)
+
+
 def trunk_embed(trunk: nn.Module, ids: mx.array) -> mx.array:
     """Token embeddings of the trunk, shared with the MTP layers."""
     return trunk.model.embed_tokens(ids)
@@ -81,9 +113,18 @@ class Model(nn.Module):
         return getattr(self._family, "logits", trunk_logits)(self.trunk, h)
 
     def draft_logits(self, h: mx.array) -> mx.array:
-        """Logits an MTP output drafts from: the shared head, restricted to the heads'
-        draft vocabulary when they have one."""
-        return self.mtp.restrict(self.logits(h))
+        """``(..., V)`` logits an MTP output drafts from: the shared head, or, when the
+        heads have a draft vocabulary, only its rows of the head (-inf elsewhere)."""
+        if "draft_vocab" not in self.mtp:
+            return self.logits(h)
+        head = getattr(self._family, "head", None)
+        if head is None and hasattr(self._family, "logits"):
+            return self.mtp.restrict(self.logits(h))  # a head of its own kind
+        if getattr(self, "_draft_head", None) is None:
+            full = (head or trunk_head)(self.trunk)
+            self._draft_head = RowsHead(full, self.mtp.draft_vocab)
+            self._vocab_size = full.weight.shape[0]
+        return self.mtp.expand(self._draft_head(h), self._vocab_size)
 
     def embed(self, ids: mx.array) -> mx.array:
         return getattr(self._family, "embed", trunk_embed)(self.trunk, ids)

@@ -29,6 +29,13 @@ def text_args(trunk):
     return trunk.language_model.args
 
 
+def head(trunk):
+    lm_model = trunk.language_model
+    if lm_model.args.tie_word_embeddings:
+        return lm_model.model.embed_tokens
+    return lm_model.lm_head
+
+
 def logits(trunk, h):
     lm_model = trunk.language_model
     if lm_model.args.tie_word_embeddings:

@@ -13,6 +13,7 @@ from . import qwen3_5
 from .qwen3_5 import (  # noqa: F401  (the family interface)
     MTP_CONFIG_KEYS,
     declared_mtp_layers,
+    head,
     is_raw,
     logits,
     make_layer,
