@@ -7,13 +7,22 @@ read off independently of head quality. The construction (after ../shared/docs/p
 - trunk: random llama weights at a real size (--params), embedding scaled so the
   residual stream is dominated by the current token, attention / MLP outputs damped;
   the untied ``lm_head`` maps token x's direction to pi(x), pi one long random cycle,
-  so the trunk's greedy next token is pi(x_t) and never loops early;
+  so the trunk's greedy next token is pi(x_t) and never loops early. With
+  ``--draft-vocab N`` the cycle runs over N tokens only and the other rows of
+  ``lm_head`` are zero, so the trunk emits those N tokens (a real model's output mass
+  is concentrated likewise) and the heads draft from them alone (FR-Spec style, as
+  ``mlx-mtp train-heads`` writes them): a draft step then reads N rows of the head;
 - head (DeepSeek-style, ``model.layers.{L}``): ``eh_proj = [I | gamma * R]`` passes the
   next token's embedding through (predicting pi(x_{t+1}) = x_{t+2}) plus noise driven by
   the trunk's hidden state; gamma is set by bisection so that teacher-forced agreement
   on greedy continuations equals --acceptance.
 
     python scripts/make_synthetic_model.py OUT --acceptance 0.7 [--params 300e6]
+        [--draft-vocab 4096]
+
+Without ``--draft-vocab`` the heads are in the Hugging Face layout
+(``model.layers.{L}.*``); with it, the folder is an mlx-mtp conversion (trunk in
+``model.safetensors``, heads and their draft vocabulary in ``mtp.safetensors``).
 """
 
 import argparse
@@ -57,7 +66,7 @@ def llama_config(params: float, vocab: int, hidden: int = 1024) -> dict:
     }
 
 
-def build_weights(config: dict, seed: int) -> dict:
+def build_weights(config: dict, seed: int, cycle: int = 0):
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
@@ -72,11 +81,13 @@ def build_weights(config: dict, seed: int) -> dict:
     for k in list(w):
         if k.endswith(("o_proj.weight", "down_proj.weight")):
             w[k] = w[k] * DAMPING
-    order = rng.permutation(V)
-    inverse = np.empty(V, dtype=np.int64)  # lm_head row pi(x) = direction of x
+    order = rng.permutation(V)[: cycle or V]  # the tokens the trunk emits
+    inverse = np.zeros(V, dtype=np.int64)  # lm_head row pi(x) = direction of x
     inverse[order] = np.roll(order, 1)  # pi(order[i]) = order[i + 1]
     unit = embed / mx.linalg.norm(embed, axis=-1, keepdims=True)
-    w["lm_head.weight"] = unit[mx.array(inverse)] * 4.0
+    emitted = np.zeros((V, 1), dtype=np.float32)
+    emitted[order] = 4.0
+    w["lm_head.weight"] = unit[mx.array(inverse)] * mx.array(emitted)
     block = dict(tree_flatten(llama.TransformerBlock(args).parameters()))
     for k, v in block.items():
         scale = DAMPING if k.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
@@ -85,7 +96,24 @@ def build_weights(config: dict, seed: int) -> dict:
         w[f"model.layers.{L}.{name}.weight"] = mx.ones((H,))
     w[f"model.layers.{L}.shared_head.norm.weight"] = mx.array(w["model.norm.weight"])
     w["_noise"] = mx.random.normal((H, H)) / np.sqrt(H)
-    return w
+    return w, np.sort(order)
+
+
+def write_conversion(out: Path, config: dict, w: dict, L: int, vocab, info) -> None:
+    """Rewrite ``out`` as an mlx-mtp conversion whose heads draft from ``vocab``."""
+    from mlx_mtp.heads import heads_section, save_heads
+    from mlx_mtp.loading import load_model
+    from mlx_mtp.models.mtp import MTPStack
+
+    model = load_model(str(out))[0]
+    stack = MTPStack(list(model.mtp.layers), len(vocab))
+    stack.draft_vocab = mx.array(vocab, dtype=mx.int32)
+    trunk = {k: v for k, v in w.items() if not k.startswith(f"model.layers.{L}.")}
+    mx.save_safetensors(str(out / "model.safetensors"), trunk, {"format": "pt"})
+    save_heads(out, stack)
+    config = dict(config)
+    config["mtp"] = heads_section(stack, None, {"source": None, "synthetic": info})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def set_gamma(w: dict, L: int, gamma: float) -> None:
@@ -95,12 +123,18 @@ def set_gamma(w: dict, L: int, gamma: float) -> None:
     )
 
 
-def agreement(model, features) -> float:
-    """Teacher-forced depth-1 agreement of the head with the trunk's greedy tokens."""
+def agreement(model, features, vocab=None) -> float:
+    """Teacher-forced depth-1 agreement of the head with the trunk's greedy tokens
+    (drafting from ``vocab`` only, when given)."""
     hits = total = 0
     for seq, h, greedy in features:
         z = model.mtp_forward(0, h[:, :-1], seq[:, 1:])
-        pred = mx.argmax(model.logits(z), axis=-1)[0]  # row i predicts token i + 2
+        logits = model.logits(z)
+        if vocab is not None:
+            logits = logits[..., vocab]
+        pred = mx.argmax(logits, axis=-1)[0]  # row i predicts token i + 2
+        if vocab is not None:
+            pred = vocab[pred]
         hits += (pred == greedy[1:]).sum().item()
         total += pred.shape[0]
     return hits / total
@@ -114,6 +148,9 @@ def main():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--draft-vocab", type=int, default=0, help="tokens the trunk emits (0: all)"
+    )
     args = p.parse_args()
     blas = ensure_fast_blas()
     from mlx_lm.generate import generate_step
@@ -123,7 +160,8 @@ def main():
 
     config = llama_config(args.params, args.vocab, args.hidden)
     L = config["num_hidden_layers"]
-    w = build_weights(config, args.seed)
+    w, emitted = build_weights(config, args.seed, args.draft_vocab)
+    vocab = mx.array(emitted, dtype=mx.int32) if args.draft_vocab else None
     noise = w.pop("_noise")
     args.out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(args.out, 512)
@@ -152,7 +190,7 @@ def main():
         layer.eh_proj.weight = mx.concatenate(
             [mx.eye(noise.shape[0]), gamma * noise], axis=1
         )
-        if agreement(model, features) > args.acceptance:
+        if agreement(model, features, vocab) > args.acceptance:
             lo = gamma
         else:
             hi = gamma
@@ -160,7 +198,7 @@ def main():
     layer.eh_proj.weight = mx.concatenate(
         [mx.eye(noise.shape[0]), gamma * noise], axis=1
     )
-    measured = agreement(model, features)
+    measured = agreement(model, features, vocab)
     write(gamma)
     trunk_params = sum(
         v.size for k, v in w.items() if not k.startswith(f"model.layers.{L}.")
@@ -170,8 +208,11 @@ def main():
         "measured_agreement": measured,
         "gamma": gamma,
         "trunk_parameters": trunk_params,
+        "draft_vocab": args.draft_vocab,
         "blas": blas,
     }
+    if args.draft_vocab:
+        write_conversion(args.out, config, w, L, emitted, info)
     (args.out / "synthetic.json").write_text(json.dumps(info, indent=2))
     print(json.dumps(info))
 

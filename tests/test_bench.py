@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from mlx_mtp.cli import main
@@ -56,9 +57,12 @@ def test_bench_cli(checkpoint, tmp_path):
     assert "mtp k=2" in result.output
 
 
-def test_synthetic_model_lands_near_its_acceptance(tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 256])
+def test_synthetic_model_lands_near_its_acceptance(tmp_path, draft_vocab):
     out = tmp_path / "syn"
     args = [
+        "--draft-vocab",
+        str(draft_vocab),
         "--acceptance",
         "0.6",
         "--params",
@@ -83,4 +87,11 @@ def test_synthetic_model_lands_near_its_acceptance(tmp_path):
         prompt = rng.integers(0, 1024, 16).tolist()
         outs = list(mtp_generate_step(prompt, model, num_draft_tokens=1, max_tokens=96))
         accepted.append(outs[-1].stats.acceptance_rate)
+        plain = mtp_generate_step(prompt, model, num_draft_tokens=0, max_tokens=96)
+        assert [o.token for o in outs] == [o.token for o in plain]
     assert abs(np.mean(accepted) - 0.6) < 0.12
+    assert model.num_mtp_layers == 1
+    if draft_vocab:
+        assert model.mtp.draft_vocab.shape == (draft_vocab,)
+        emitted = {o.token for o in outs[1:]}  # after the first, from the cycle
+        assert emitted <= set(np.array(model.mtp.draft_vocab).tolist())
