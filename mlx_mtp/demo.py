@@ -90,9 +90,19 @@ def demo_model(progress: bool = True) -> Path:
 
 
 def attach_heads(folder: Path) -> None:
-    """Copy the shipped heads into ``folder`` and record them in its config."""
+    """Copy the shipped heads into ``folder`` and record them in its config, after
+    checking that the trunk is the one they were trained for."""
+    from .heads import source_fingerprint
+
+    section = json.loads((HEADS / "mtp.json").read_text())
+    expected = section.get("provenance", {}).get("trunk_fingerprint")
+    if expected and source_fingerprint(folder) != expected:
+        raise MTPError(
+            f"the demo trunk in {folder} is not the one the shipped heads were trained "
+            f"for (its embedding differs); remove {cache_dir()} and try again"
+        )
     shutil.copy(HEADS / "mtp.safetensors", folder / "mtp.safetensors")
     config = json.loads((folder / "config.json").read_text())
-    config["mtp"] = json.loads((HEADS / "mtp.json").read_text())
+    config["mtp"] = section
     config["num_nextn_predict_layers"] = config["mtp"]["num_layers"]
     (folder / "config.json").write_text(json.dumps(config, indent=4))

