@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from .cache import make_caches
+from .cache import begin_verify, make_caches, rewind
 from .sampling import SamplingParams
 from .speculative import mtp_generate_step
 
@@ -113,11 +113,11 @@ def costs(model, prompt, max_k: int, reps: int) -> Dict[str, float]:
         times = []
         for _ in range(reps + 1):
             tic = time.perf_counter()
+            marks = begin_verify(caches.trunk)
             h = model.hidden(ids, caches.trunk)
             mx.eval(model.logits(h))
             times.append(time.perf_counter() - tic)
-            for c in caches.trunk:
-                c.trim(n)
+            rewind(caches.trunk, marks, n)
         out[f"verify_{n}"] = statistics.median(times[1:])
     if model.num_mtp_layers:
         h = model.hidden(mx.array(prompt)[None])

@@ -86,12 +86,114 @@ def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bo
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
 
 
+def decode_options(fn):
+    """Drafting, sampling and KV-cache options shared by ``generate`` and ``chat``."""
+    options = [
+        click.option(
+            "--num-draft-tokens",
+            "-k",
+            type=DraftLength(),
+            default="auto",
+            show_default=True,
+            help="MTP drafts per round (0: plain decoding; auto: the fastest k, "
+            "each round).",
+        ),
+        click.option(
+            "--max-draft-tokens",
+            type=click.IntRange(0, 16),
+            default=4,
+            show_default=True,
+            help="The largest k that auto picks.",
+        ),
+        click.option(
+            "--temp", type=click.FloatRange(min=0), default=0.0, show_default=True
+        ),
+        click.option(
+            "--top-p",
+            type=click.FloatRange(0, 1, min_open=True),
+            default=1.0,
+            show_default=True,
+        ),
+        click.option(
+            "--top-k", type=click.IntRange(min=0), default=0, show_default=True
+        ),
+        click.option(
+            "--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True
+        ),
+        click.option(
+            "--seed", type=int, default=None, help="Seed for reproducible sampling."
+        ),
+        click.option(
+            "--kv-bits",
+            type=click.Choice(["2", "3", "4", "6", "8"]),
+            default=None,
+            help="Quantize the KV cache to this many bits.",
+        ),
+        click.option(
+            "--kv-group-size",
+            type=click.IntRange(min=1),
+            default=64,
+            show_default=True,
+        ),
+        click.option(
+            "--quantized-kv-start",
+            type=click.IntRange(min=0),
+            default=5000,
+            show_default=True,
+            help="Positions before the KV cache is quantized.",
+        ),
+        click.option("--system-prompt", default=None),
+        click.option(
+            "--allow-missing-heads",
+            is_flag=True,
+            help="Decode without MTP when the heads are missing.",
+        ),
+        click.option(
+            "--verbose/--quiet",
+            default=True,
+            show_default=True,
+            help="Print the stats line.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _decode_kwargs(options: dict) -> dict:
+    """`stream_generate` keyword arguments from the shared options."""
+    keys = (
+        "num_draft_tokens",
+        "max_draft_tokens",
+        "temp",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "kv_group_size",
+        "quantized_kv_start",
+    )
+    out = {k: options[k] for k in keys}
+    out["kv_bits"] = None if options["kv_bits"] is None else int(options["kv_bits"])
+    return out
+
+
+def _load_for_decoding(model, allow_missing_heads):
+    from .loading import load
+
+    _quiet_transformers()
+    if model is None:
+        from .demo import demo_model
+
+        model = str(demo_model())
+    return load(model, allow_missing_heads=allow_missing_heads)
+
+
+MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo model]."
+
+
 @main.command()
-@click.option(
-    "--model",
-    default=None,
-    help="Model folder or Hugging Face repo [default: the built-in demo model].",
-)
+@click.option("--model", default=None, help=MODEL_HELP)
 @click.option(
     "--prompt",
     "-p",
@@ -103,96 +205,24 @@ def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bo
     "--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, show_default=True
 )
 @click.option(
-    "--num-draft-tokens",
-    "-k",
-    type=DraftLength(),
-    default="auto",
-    show_default=True,
-    help="MTP drafts per round (0: plain decoding; auto: the fastest k, each round).",
-)
-@click.option(
-    "--max-draft-tokens",
-    type=click.IntRange(0, 16),
-    default=4,
-    show_default=True,
-    help="The largest k that auto picks.",
-)
-@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True)
-@click.option(
-    "--top-p",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=1.0,
-    show_default=True,
-)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
-@click.option(
     "--max-kv-size",
     type=click.IntRange(min=1),
     default=None,
     help="Rotating KV window (plain decoding only: -k 0).",
 )
-@click.option(
-    "--kv-bits",
-    type=click.Choice(["2", "3", "4", "6", "8"]),
-    default=None,
-    help="Quantize the KV cache to this many bits.",
-)
-@click.option(
-    "--kv-group-size", type=click.IntRange(min=1), default=64, show_default=True
-)
-@click.option(
-    "--quantized-kv-start",
-    type=click.IntRange(min=0),
-    default=5000,
-    show_default=True,
-    help="Positions before the KV cache is quantized.",
-)
-@click.option("--system-prompt", default=None)
 @click.option("--ignore-chat-template", is_flag=True)
-@click.option(
-    "--allow-missing-heads",
-    is_flag=True,
-    help="Decode without MTP when the heads are missing.",
-)
-@click.option(
-    "--verbose/--quiet", default=True, show_default=True, help="Print the stats line."
-)
+@decode_options
 @friendly_errors
-def generate(
-    model,
-    prompt,
-    max_tokens,
-    num_draft_tokens,
-    max_draft_tokens,
-    temp,
-    top_p,
-    top_k,
-    min_p,
-    seed,
-    max_kv_size,
-    kv_bits,
-    kv_group_size,
-    quantized_kv_start,
-    system_prompt,
-    ignore_chat_template,
-    allow_missing_heads,
-    verbose,
-):
+def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **options):
     """Generate text from a prompt, drafting with the model's MTP heads."""
     from .generate import format_stats, stream_generate
-    from .loading import load
 
-    _quiet_transformers()
     if prompt == "-":
         prompt = sys.stdin.read()
-    if model is None:
-        from .demo import demo_model
-
-        model = str(demo_model())
-    mdl, tokenizer = load(model, allow_missing_heads=allow_missing_heads)
-    ids = build_prompt(tokenizer, prompt, system_prompt, ignore_chat_template)
+    mdl, tokenizer = _load_for_decoding(model, options["allow_missing_heads"])
+    ids = build_prompt(
+        tokenizer, prompt, options["system_prompt"], ignore_chat_template
+    )
     response = None
     try:
         for response in stream_generate(
@@ -200,24 +230,102 @@ def generate(
             tokenizer,
             ids,
             max_tokens,
-            num_draft_tokens=num_draft_tokens,
-            max_draft_tokens=max_draft_tokens,
-            temp=temp,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            seed=seed,
             max_kv_size=max_kv_size,
-            kv_bits=None if kv_bits is None else int(kv_bits),
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
+            **_decode_kwargs(options),
         ):
             click.echo(response.text, nl=False)
     finally:
         if response is not None:
             click.echo()
-            if verbose:
+            if options["verbose"]:
                 click.echo(format_stats(response), err=True)
+
+
+@main.command()
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option(
+    "--max-tokens",
+    "-m",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Tokens per reply at most.",
+)
+@decode_options
+@friendly_errors
+def chat(model, max_tokens, **options):
+    """Chat in the terminal. Ctrl-C stops a reply; /reset starts over; /exit or Ctrl-D
+    quits. The conversation's caches are kept between turns."""
+    from .errors import MTPError
+    from .generate import format_stats, stream_generate
+    from .speculative import Session
+
+    mdl, tokenizer = _load_for_decoding(model, options["allow_missing_heads"])
+    if not tokenizer.has_chat_template:
+        raise MTPError("this model's tokenizer has no chat template: use generate")
+    system = options["system_prompt"]
+    start = [{"role": "system", "content": system}] if system else []
+    messages, session = list(start), Session()
+    click.echo("mlx-mtp chat: /reset to start over, /exit or Ctrl-D to quit", err=True)
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            click.echo()
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            messages, session = list(start), Session()
+            continue
+        messages.append({"role": "user", "content": line})
+        ids, session = _next_turn(tokenizer, messages, session)
+        reply, response, replies = "", None, None
+        try:
+            replies = stream_generate(
+                mdl,
+                tokenizer,
+                ids,
+                max_tokens,
+                session=session,
+                **_decode_kwargs(options),
+            )
+            for response in replies:
+                click.echo(response.text, nl=False)
+                reply += response.text
+        except KeyboardInterrupt:
+            session = Session()  # stopped at any point: rebuild from the text
+        except MTPError as e:
+            click.echo(f"mlx-mtp: error: {e}", err=True)
+            messages.pop()
+            session = Session()
+            continue
+        finally:
+            if replies is not None:
+                replies.close()
+        click.echo()
+        if options["verbose"] and response is not None:
+            click.echo(format_stats(response), err=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _next_turn(tokenizer, messages, session):
+    """Token ids to feed for the conversation so far, and the session to feed them to:
+    the new tokens only when the session's tokens begin the rendered conversation,
+    otherwise all of them and a new session."""
+    from .speculative import Session
+
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer.encode(ids, add_special_tokens=False)
+    held = session.tokens
+    if held and len(ids) > len(held) and ids[: len(held)] == held:
+        return ids[len(held) :], session
+    return ids, Session()
 
 
 @main.command()
@@ -454,7 +562,11 @@ def train_heads(
 
 
 @main.command()
-@click.option("--model", required=True, help="Model folder or Hugging Face repo.")
+@click.option(
+    "--model",
+    default=None,
+    help="Model folder or Hugging Face repo [the demo model].",
+)
 @click.option("--tokens", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option(
@@ -493,6 +605,10 @@ def bench(model, tokens, reps, ks, temps, workloads, json_path):
     from .loading import load
 
     _quiet_transformers()
+    if model is None:
+        from .demo import demo_model
+
+        model = str(demo_model())
     click.echo(f"device {mx.default_device()}; model {model}")
     mdl, tokenizer = load(model, allow_missing_heads=True)
     result = run(

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import make_caches
+from .cache import begin_verify, make_caches, rewind
 
 
 @dataclass
@@ -54,10 +54,10 @@ def measure_costs(model, max_k: int, reps: int = 5, context: int = 64) -> RoundC
             times.append(time.perf_counter() - tic)
         return statistics.median(times[1:])
 
-    def verify(n: int):
+    def verify(n: int):  # as a round verifies: rollback marks, pass, rewind
+        marks = begin_verify(caches.trunk)
         mx.eval(model.logits(model.hidden(ids[None, :n], caches.trunk)))
-        for c in caches.trunk:
-            c.trim(n)
+        rewind(caches.trunk, marks, n)
 
     t = [median_time(lambda: verify(n)) for n in range(1, max_k + 2)]
     draft = 0.0

@@ -5,6 +5,7 @@ Responses are mlx-lm's ``GenerationResponse`` plus ``mtp``, a snapshot of the ru
 """
 
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Generator, List, Optional, Union
 
@@ -16,7 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .cache import KVQuantization
 from .errors import MTPError
 from .sampling import SamplingParams
-from .speculative import MTPStats, mtp_generate_step
+from .speculative import MTPStats, Session, mtp_generate_step
 
 
 @dataclass
@@ -73,6 +74,7 @@ def stream_generate(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
+    session: Optional[Session] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a generation, one `GenerationResponse` per token.
 
@@ -89,6 +91,8 @@ def stream_generate(
         prefill_step_size: Prompt chunk size.
         max_kv_size, kv_bits, kv_group_size, quantized_kv_start: KV-cache options, as
             in mlx-lm (a rotating window is refused when drafting).
+        session: A `Session` to go on from (multi-turn chat): ``prompt`` is then what
+            follows the tokens of earlier calls, whose caches are reused.
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
@@ -98,7 +102,8 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
-    max_tokens = fit_context(model, len(ids), max_tokens)
+    before = len(session.tokens) if session is not None else 0
+    max_tokens = fit_context(model, before + len(ids), max_tokens)
     params = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
     steps = mtp_generate_step(
         ids,
@@ -111,10 +116,15 @@ def stream_generate(
         prefill_step_size=prefill_step_size,
         max_kv_size=max_kv_size,
         kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
+        session=session,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
+    with (
+        wired_limit(model, [generation_stream]),
+        mx.stream(generation_stream),
+        closing(steps),
+    ):
         tic = time.perf_counter()
         for n, step in enumerate(steps):
             if n == 0:

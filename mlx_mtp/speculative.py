@@ -253,14 +253,30 @@ def prefill(
     kv: KVQuantization = KVQuantization(),
 ):
     """Run the trunk over all prompt tokens but the last, in chunks of ``step``."""
-    state = DecodeState(list(prompt), None, 0, depth)
+    state = DecodeState([], None, 0, depth)
     if depth:
         state.hidden = mx.zeros((1, 0, model.args.hidden_size))
-    for start in range(0, len(prompt) - 1, step):
-        ids = mx.array(prompt[start : min(start + step, len(prompt) - 1)])[None]
+    return append(model, caches, state, prompt, step, kv)
+
+
+def append(
+    model,
+    caches: Caches,
+    state: DecodeState,
+    tokens: List[int],
+    step: int,
+    kv: KVQuantization = KVQuantization(),
+) -> DecodeState:
+    """Commit ``tokens`` after ``state`` (a fresh one, or one a finished generation
+    left): the trunk runs over the pending token and all new ones but the last, which
+    becomes the pending token."""
+    todo = state.tokens[-1:] + list(tokens[:-1])
+    state.tokens.extend(tokens)
+    for start in range(0, len(todo), step):
+        ids = mx.array(todo[start : start + step])[None]
         h = model.hidden(ids, caches.trunk)  # (1, L, H)
         kv.apply(caches.trunk)
-        if depth:
+        if state.depth:
             state.hidden = mx.concatenate([state.hidden, h], axis=1)
             extend_mtp(model, caches.mtp, state, step)
         mx.eval([c.state for c in caches.trunk], state.hidden)
@@ -283,8 +299,9 @@ def launch(model, caches: Caches, state: DecodeState, k: int, params, key) -> Ro
 def _settle(caches: Caches, state: DecodeState, rnd: Optional[Round], seen: int):
     """On exit: drop a queued round and tokens never yielded. The trunk caches then hold
     the prompt and every yielded token but the last (which stays pending, as inside
-    the loop); ``seen`` is that length. Caches that cannot roll back (a rotating
-    window in plain decoding) keep the queued token."""
+    the loop); ``seen`` is that length, and ``state`` describes exactly that, so a
+    `Session` can go on from it. Caches that cannot roll back (a rotating window in
+    plain decoding) keep the queued token."""
     if rnd is not None:
         rewind(caches.trunk, rnd.verified.marks, rnd.draft.k + 1, strict=False)
     held = len(state.tokens) - 1  # committed positions
@@ -292,6 +309,29 @@ def _settle(caches: Caches, state: DecodeState, rnd: Optional[Round], seen: int)
     frontier = min(state.frontier, seen)
     for c in caches.mtp:
         trim_to(c, frontier)
+    if state.hidden is not None:
+        start = frontier - state.frontier
+        state.hidden = state.hidden[:, start : start + seen - frontier]
+    del state.tokens[seen + 1 :]
+    state.frontier, state.marks = frontier, None
+
+
+@dataclass
+class Session:
+    """Caches and decode state kept across generations (a multi-turn chat).
+
+    Pass the same session to successive `mtp_generate_step` calls: each call's prompt
+    is then the tokens that follow everything the previous calls committed (their
+    prompts and the tokens they yielded), and only those are run through the trunk.
+    """
+
+    caches: Optional[Caches] = None
+    state: Optional[DecodeState] = None
+
+    @property
+    def tokens(self) -> List[int]:
+        """Every token so far: prompts and yielded tokens."""
+        return list(self.state.tokens) if self.state else []
 
 
 def mtp_generate_step(
@@ -307,6 +347,7 @@ def mtp_generate_step(
     caches: Optional[Caches] = None,
     max_kv_size: Optional[int] = None,
     kv: KVQuantization = KVQuantization(),
+    session: Optional[Session] = None,
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
 
@@ -326,6 +367,8 @@ def mtp_generate_step(
         max_kv_size: Rotating KV window for new caches (refused with drafting: a
             wrapped window cannot be rolled back exactly).
         kv: KV-cache quantization of the trunk, as mlx-lm's ``kv_bits`` options.
+        session: Go on from earlier calls with this `Session` (``prompt`` is then what
+            follows them); a new one is filled in. Not with a rotating window.
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -338,16 +381,30 @@ def mtp_generate_step(
         raise MTPError("the prompt is empty")
     if kv.bits is not None and max_kv_size is not None:
         raise MTPError("KV quantization cannot be combined with a rotating KV window")
+    if session is not None and max_kv_size is not None:
+        raise MTPError("a session cannot use a rotating KV window")
     policy = draft_policy(model, num_draft_tokens, max_draft_tokens)
+    depth = min(policy.max_k, model.num_mtp_layers)
+    if session is not None and session.state is not None:
+        if session.state.depth != depth:
+            raise MTPError(
+                f"this session drafts with {session.state.depth} MTP layer(s); "
+                f"num_draft_tokens asks for {depth}"
+            )
+        caches = session.caches
     caches = caches or make_caches(model, max_kv_size)
     if policy.max_k:
         check_rollback(caches.trunk)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     key = mx.random.key(seed)
     stats = MTPStats(policy.max_k)
-    depth = min(policy.max_k, model.num_mtp_layers)
-    state = prefill(model, caches, prompt, depth, prefill_step_size, kv)
-    seen, rnd = len(prompt) - 1, None  # positions to keep on exit: yielded - 1
+    if session is not None and session.state is not None:
+        state = append(model, caches, session.state, prompt, prefill_step_size, kv)
+    else:
+        state = prefill(model, caches, prompt, depth, prefill_step_size, kv)
+    if session is not None:
+        session.caches, session.state = caches, state
+    seen, rnd = len(state.tokens) - 1, None  # positions to keep on exit: yielded - 1
     try:
         key, sub = mx.random.split(key)
         k = _round_k(policy.next(), max_tokens, 0)

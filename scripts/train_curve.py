@@ -16,19 +16,30 @@ def main():
     info = json.loads((args.work / "progress.json").read_text())
     history = info["history"]
     print(f"step {info['step']}, draft-vocabulary coverage {info['coverage']:.3f}")
-    print(f"{'step':>6} {'tokens':>10} {'loss':>7}  agreement per depth")
+    kinds = list(history[0].get("by_kind", {"all": None})) if history else []
+    print(
+        f"{'step':>6} {'tokens':>10} {'loss':>7}  held-out agreement per depth: "
+        + " | ".join(kinds)
+    )
     for h in history:
-        agree = " ".join(f"{a:.3f}" for a in h["agreement"])
+        by_kind = h.get("by_kind", {"all": h["agreement"]})
+        agree = " | ".join(
+            " ".join(f"{a:.3f}" for a in by_kind[kind]) for kind in kinds
+        )
         print(f"{h['step']:6d} {h['tokens']:10d} {h['loss']:7.3f}  {agree}")
     if args.png and history:
         import matplotlib.pyplot as plt  # optional; not a dependency
 
-        for d in range(len(history[0]["agreement"])):
-            plt.plot(
-                [h["tokens"] for h in history],
-                [h["agreement"][d] for h in history],
-                label=f"depth {d + 1}",
-            )
+        for kind in kinds:
+            for d in range(len(history[0]["agreement"])):
+                plt.plot(
+                    [h["tokens"] for h in history],
+                    [
+                        h.get("by_kind", {"all": h["agreement"]})[kind][d]
+                        for h in history
+                    ],
+                    label=f"{kind}, depth {d + 1}",
+                )
         plt.xlabel("training tokens")
         plt.ylabel("held-out agreement with the trunk")
         plt.legend()
