@@ -181,9 +181,10 @@ def draft(model, mtp_caches, state: DecodeState, k: int, params, key) -> Draft:
     return Draft(mx.concatenate(tokens), q, min(k, state.depth))
 
 
-def verify(model, trunk_cache, pending: int, d: Draft) -> Verified:
-    """One trunk pass over [t_n, d_1..d_k]."""
-    ids = mx.concatenate([mx.array([pending], dtype=mx.int32), d.tokens])[None]
+def verify(model, trunk_cache, pending: Union[int, mx.array], d: Draft) -> Verified:
+    """One trunk pass over [t_n, d_1..d_k] (t_n may still be lazy)."""
+    t_n = mx.array(pending, dtype=mx.int32).reshape(1)
+    ids = mx.concatenate([t_n, d.tokens])[None]
     marks = begin_verify(trunk_cache)
     hidden = model.hidden(ids, trunk_cache)  # (1, k + 1, H)
     return Verified(hidden, log_softmax(model.logits(hidden)[0]), marks)
@@ -284,11 +285,17 @@ def append(
     return state
 
 
-def launch(model, caches: Caches, state: DecodeState, k: int, params, key) -> Round:
-    """Build one round (draft, verify, accept) lazily and start evaluating it."""
+def launch(
+    model, caches: Caches, state: DecodeState, k: int, params, key, pending=None
+) -> Round:
+    """Build one round (draft, verify, accept) lazily and start evaluating it.
+
+    ``pending`` (a lazy token) launches a plain round (k = 0) behind a plain round whose
+    token is not known yet: its commit cannot depend on that token's value.
+    """
     draft_key, accept_key = mx.random.split(key)
     d = draft(model, caches.mtp, state, k, params, draft_key)
-    v = verify(model, caches.trunk, state.tokens[-1], d)
+    v = verify(model, caches.trunk, state.tokens[-1] if pending is None else pending, d)
     result = accept(d, v, params, accept_key)
     mx.async_eval(
         result.num_accepted, result.next_token, d.tokens, v.hidden, v.logprobs
@@ -296,13 +303,13 @@ def launch(model, caches: Caches, state: DecodeState, k: int, params, key) -> Ro
     return Round(d, v, result)
 
 
-def _settle(caches: Caches, state: DecodeState, rnd: Optional[Round], seen: int):
-    """On exit: drop a queued round and tokens never yielded. The trunk caches then hold
+def _settle(caches: Caches, state: DecodeState, queued: List[Round], seen: int):
+    """On exit: drop queued rounds and tokens never yielded. The trunk caches then hold
     the prompt and every yielded token but the last (which stays pending, as inside
     the loop); ``seen`` is that length, and ``state`` describes exactly that, so a
     `Session` can go on from it. Caches that cannot roll back (a rotating window in
     plain decoding) keep the queued token."""
-    if rnd is not None:
+    for rnd in reversed(queued):
         rewind(caches.trunk, rnd.verified.marks, rnd.draft.k + 1, strict=False)
     held = len(state.tokens) - 1  # committed positions
     rewind(caches.trunk, state.marks, max(held - seen, 0), strict=False)
@@ -404,32 +411,47 @@ def mtp_generate_step(
         state = prefill(model, caches, prompt, depth, prefill_step_size, kv)
     if session is not None:
         session.caches, session.state = caches, state
-    seen, rnd = len(state.tokens) - 1, None  # positions to keep on exit: yielded - 1
+    seen = len(state.tokens) - 1  # positions to keep on exit: yielded - 1
+    queued: List[Round] = []  # launched, not committed: the next round, or two plain
+    pipeline = kv.bits is None  # (KV quantization happens between rounds)
+
+    def wanted(emitted: int) -> bool:
+        return max_tokens < 0 or emitted < max_tokens
+
     try:
         key, sub = mx.random.split(key)
         k = _round_k(policy.next(), max_tokens, 0)
-        rnd = launch(model, caches, state, k, params, sub)
-        while rnd is not None:
+        queued.append(launch(model, caches, state, k, params, sub))
+        while queued:
+            rnd, k = queued[0], None
+            if pipeline and rnd.draft.k == 0 and wanted(stats.emitted + 1):
+                # a plain round commits its one token whatever it is: queue the next
+                k = _round_k(policy.next(), max_tokens, stats.emitted + 1)
+                if k == 0:
+                    key, sub = mx.random.split(key)
+                    pending = rnd.result.next_token
+                    queued.append(launch(model, caches, state, 0, params, sub, pending))
             mx.eval(rnd.result.num_accepted, rnd.result.next_token, rnd.draft.tokens)
             a = rnd.result.num_accepted.item()
             new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
             logprobs = rnd.verified.logprobs
             commit(caches, state, rnd, a, new)
+            queued.pop(0)
             kv.apply(caches.trunk)
             stats.record(rnd.draft.k, a)
             policy.observe(rnd.draft.k, a)
-            rnd = None
-            if max_tokens < 0 or stats.emitted < max_tokens:
+            if not queued and wanted(stats.emitted):
+                if k is None:
+                    k = _round_k(policy.next(), max_tokens, stats.emitted)
                 key, sub = mx.random.split(key)
-                k = _round_k(policy.next(), max_tokens, stats.emitted)
-                rnd = launch(model, caches, state, k, params, sub)
+                queued.append(launch(model, caches, state, k, params, sub))
             for i, token in enumerate(new):
                 seen += 1
                 yield StepOutput(token, logprobs[i], i < a, stats)
             if stats.rounds % 64 == 0:
                 mx.clear_cache()
     finally:
-        _settle(caches, state, rnd, seen)
+        _settle(caches, state, queued, seen)
 
 
 def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):

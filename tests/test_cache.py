@@ -46,20 +46,36 @@ def fresh_caches(model, tokens):
     return caches
 
 
+class PlainRuns:
+    """Draft-length policy: three plain rounds (queued two at a time), then k."""
+
+    def __init__(self, k):
+        self.max_k, self.round = k, 0
+
+    def next(self):
+        self.round += 1
+        return self.max_k if self.round % 4 == 0 else 0
+
+    def observe(self, k, accepted):
+        pass
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("stop_after", (7, 30))
-def test_caches_equal_fresh_prefill_after_close(family, stop_after, loaded):
+@pytest.mark.parametrize("policy", ["fixed", "plain-runs"])
+def test_caches_equal_fresh_prefill_after_close(family, stop_after, policy, loaded):
     model, tokenizer = loaded(family, predictable=True)
     prompt = tokenizer.encode("The quick brown fox")
     caches = make_caches(model)
+    k = 3 if policy == "fixed" else PlainRuns(3)
     steps = mtp_generate_step(
-        prompt, model, num_draft_tokens=3, max_tokens=64, caches=caches
+        prompt, model, num_draft_tokens=k, max_tokens=64, caches=caches
     )
     seen = [o for _, o in zip(range(stop_after), steps)]
     steps.close()
     stats = seen[-1].stats
-    assert stats.accepted > 0
-    if stop_after == 30:
+    assert stats.accepted > 0 if policy == "fixed" else stats.rounds_by_k[0] >= 3
+    if stop_after == 30 and policy == "fixed":
         assert stats.accepted < stats.drafted  # rejections were rolled back
     tokens = prompt + [o.token for o in seen]
     held = held_positions(caches.trunk)

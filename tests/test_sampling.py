@@ -109,6 +109,7 @@ CASES = [
     (3, SamplingParams(temp=0.8, top_p=0.9, top_k=8)),
     (2, SamplingParams(temp=0.7, min_p=0.05)),
     ((0, 2), SamplingParams(temp=1.0)),  # k changes between rounds
+    ((0, 0, 2), SamplingParams(temp=1.0, top_k=8)),  # a plain round queued early
 ]
 
 
