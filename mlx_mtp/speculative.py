@@ -391,26 +391,13 @@ def mtp_generate_step(
     if session is not None and max_kv_size is not None:
         raise MTPError("a session cannot use a rotating KV window")
     policy = draft_policy(model, num_draft_tokens, max_draft_tokens)
-    depth = min(policy.max_k, model.num_mtp_layers)
-    if session is not None and session.state is not None:
-        if session.state.depth != depth:
-            raise MTPError(
-                f"this session drafts with {session.state.depth} MTP layer(s); "
-                f"num_draft_tokens asks for {depth}"
-            )
-        caches = session.caches
-    caches = caches or make_caches(model, max_kv_size)
-    if policy.max_k:
-        check_rollback(caches.trunk)
+    session = session if session is not None else Session(caches)
+    caches, state = _start(
+        model, session, prompt, policy, prefill_step_size, kv, max_kv_size
+    )
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     key = mx.random.key(seed)
     stats = MTPStats(policy.max_k)
-    if session is not None and session.state is not None:
-        state = append(model, caches, session.state, prompt, prefill_step_size, kv)
-    else:
-        state = prefill(model, caches, prompt, depth, prefill_step_size, kv)
-    if session is not None:
-        session.caches, session.state = caches, state
     seen = len(state.tokens) - 1  # positions to keep on exit: yielded - 1
     queued: List[Round] = []  # launched, not committed: the next round, or two plain
     pipeline = kv.bits is None  # (KV quantization happens between rounds)
@@ -452,6 +439,26 @@ def mtp_generate_step(
                 mx.clear_cache()
     finally:
         _settle(caches, state, queued, seen)
+
+
+def _start(model, session: Session, prompt, policy, step: int, kv, max_kv_size):
+    """Caches and decode state after the prompt: a prefill into new (or given) caches,
+    or the session's state with the prompt appended."""
+    depth = min(policy.max_k, model.num_mtp_layers)
+    if session.state is not None and session.state.depth != depth:
+        raise MTPError(
+            f"this session drafts with {session.state.depth} MTP layer(s); "
+            f"num_draft_tokens asks for {depth}"
+        )
+    caches = session.caches or make_caches(model, max_kv_size)
+    if policy.max_k:
+        check_rollback(caches.trunk)
+    if session.state is not None:
+        state = append(model, caches, session.state, prompt, step, kv)
+    else:
+        state = prefill(model, caches, prompt, depth, step, kv)
+    session.caches, session.state = caches, state
+    return caches, state
 
 
 def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):
