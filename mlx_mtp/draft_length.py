@@ -99,7 +99,8 @@ def _costs_file() -> Path:
 
 
 def _cost_key(model) -> Optional[str]:
-    """Model folder and its files' sizes and times, device, MLX version."""
+    """Model folder and its files' sizes and times, device, MLX version, and preloaded
+    libraries (a BLAS swapped in changes the costs)."""
     folder = getattr(model, "source", None)
     if folder is None:
         return None
@@ -107,7 +108,8 @@ def _cost_key(model) -> Optional[str]:
     stamp = [
         (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()
     ]
-    return json.dumps([str(folder), stamp, str(mx.default_device()), mx.__version__])
+    machine = [str(mx.default_device()), mx.__version__, os.environ.get("LD_PRELOAD")]
+    return json.dumps([str(folder), stamp, *machine])
 
 
 def _stored_costs() -> dict:
