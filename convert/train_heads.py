@@ -249,12 +249,13 @@ def train_heads(
     work = Path(work_dir) if work_dir else out.parent / f"{out.name}.train"
     if work.exists() and not resume and (work / PROGRESS).exists():
         raise MTPError(f"{work} holds a training run: pass --resume, or remove it")
-    work.mkdir(parents=True, exist_ok=True)
+    files = text_files(data)
     model, tokenizer = load(model_path, allow_missing_heads=True)
     family, model_dir = model._family, _model_dir(model_path)
     mx.random.seed(cfg.seed)
+    work.mkdir(parents=True, exist_ok=True)  # inputs checked: nothing half-made
 
-    train_files, eval_files = split_files(text_files(data), cfg.held_out, cfg.seed)
+    train_files, eval_files = split_files(files, cfg.held_out, cfg.seed)
     train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)
     feats = compute_features(model, train_tok, work, "train", progress)
     evals = held_out_features(model, tokenizer, eval_files, cfg, work, progress)

@@ -131,6 +131,7 @@ def test_cli(trunk, tmp_path):
     other = [a if a != str(tmp_path / "cli") else str(tmp_path / "other") for a in args]
     missing = CliRunner().invoke(main, other + ["--data", str(tmp_path / "nope")])
     assert missing.exit_code == 1 and "no such data" in missing.output
+    assert not (tmp_path / "other").exists() and not (tmp_path / "other.train").exists()
 
 
 @pytest.mark.parametrize("kind", ["linear", "embedding"])
