@@ -3,6 +3,7 @@ Hugging Face checkpoint to an MLX conversion that lacks them (e.g. an mlx-commun
 4-bit model), downloading only the shards that hold the MTP tensors."""
 
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -23,7 +24,7 @@ from mlx_mtp.loading import build_mtp, load_trunk, read_config
 from mlx_mtp.models import get_family
 
 from .hf import _cast, _save_config
-from .output import replace_file
+from .output import locked, replace_files
 from .source import check_safetensors, read_index, resolve_source, snapshot_revision
 
 log = logging.getLogger("mlx_mtp")
@@ -65,6 +66,7 @@ def graft_heads(
     if has_heads_file(dst_config) and not overwrite:
         raise MTPError(f"{dst} already has MTP heads (use --overwrite to replace them)")
     src = resolve_source(hf_path, revision, patterns=["*.json"])
+    _check_apart(dst, src)
     src_config = read_config(src)
     _check_match(dst, dst_config, src_config, hf_path, src)
 
@@ -95,15 +97,34 @@ def graft_heads(
         "grafted": True,
     }
     weights = dict(tree_flatten(stack.parameters()))
-    replace_file(
-        dst / HEADS_FILE,
-        lambda p: mx.save_safetensors(str(p), weights, metadata={"format": "mlx"}),
-    )
     dst_config["mtp"] = heads_section(stack, quantization, provenance)
-    replace_file(
-        dst / "config.json", lambda p: _save_config(dst_config, p.parent, p.name)
-    )
+    with locked(dst):
+        replace_files(
+            {
+                dst / HEADS_FILE: lambda p: _save_weights(p, weights),
+                dst
+                / "config.json": lambda p: _save_config(dst_config, p.parent, p.name),
+            }
+        )
     return dst
+
+
+def _save_weights(path: Path, weights: dict) -> None:
+    """``mx.save_safetensors`` to exactly ``path`` (it appends ``.safetensors`` to a
+    name without that suffix)."""
+    tmp = path.with_name(path.name + ".safetensors")
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    os.replace(tmp, path)
+
+
+def _check_apart(dst: Path, src: Path) -> None:
+    """Grafting writes into ``dst``: it must not be, hold or lie inside the source."""
+    a, b = dst.resolve(), src.resolve()
+    if a == b or b in a.parents or a in b.parents:
+        raise MTPError(
+            f"{dst} and the heads' source {src} overlap: grafting would write into "
+            "the source"
+        )
 
 
 def _text(config: dict) -> dict:

@@ -9,7 +9,7 @@ Weights are loaded lazily and written one shard at a time.
 """
 
 import logging
-import tempfile
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -24,7 +24,13 @@ from mlx_mtp.loading import build_mtp, check_declared, load_trunk, read_config
 from mlx_mtp.models import get_family
 
 from .gguf import gguf_to_hf, is_gguf
-from .output import save_trunk, staged_folder
+from .output import (
+    check_destination,
+    remove_stale,
+    save_trunk,
+    scratch_path,
+    staged_folder,
+)
 from .source import check_source, copy_side_files, resolve_source, snapshot_revision
 
 log = logging.getLogger("mlx_mtp")
@@ -101,30 +107,35 @@ def convert(
         shard_gb,
         progress,
     )
-    dst = Path(mlx_path)
-    if dst.exists() and not overwrite:
-        raise MTPError(f"{dst} already exists (use --overwrite to replace it)")
+    dst = Path(mlx_path).expanduser()
     if is_gguf(hf_path):
         gguf = Path(hf_path).expanduser().resolve()
+        check_destination(dst, overwrite, inputs=[gguf])
         dst.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(
-            prefix=f".{dst.name}.gguf-", dir=dst.parent
-        ) as tmp:
-            src = gguf_to_hf(gguf, Path(tmp), dtype or "float32")
-            _convert_folder(src, str(gguf), None, dst, options)
+        remove_stale(dst)
+        tmp = scratch_path(dst, "gguf")
+        tmp.mkdir()
+        try:
+            src = gguf_to_hf(gguf, tmp, dtype or "float32")
+            _convert_folder(src, str(gguf), None, dst, options, [gguf])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     else:
         src = resolve_source(hf_path, revision)
-        if dst.resolve() == src.resolve():
-            raise MTPError("the output folder must differ from the source")
+        check_destination(dst, overwrite, sources=[src])
         source = str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
-        _convert_folder(src, source, revision or snapshot_revision(src), dst, options)
+        revision = revision or snapshot_revision(src)
+        _convert_folder(src, source, revision, dst, options, [src])
     if upload_repo:
         _upload(dst, upload_repo, hf_path)
     return dst
 
 
-def _convert_folder(src: Path, source: str, revision, dst: Path, o: Options) -> None:
-    """Convert the checkpoint folder ``src`` (named ``source`` in the provenance)."""
+def _convert_folder(
+    src: Path, source: str, revision, dst: Path, o: Options, protect
+) -> None:
+    """Convert the checkpoint folder ``src`` (named ``source`` in the provenance);
+    ``protect``: the user's inputs, which ``dst`` may not hold or lie in."""
     check_source(src)
     family = get_family(read_config(src))
     trunk, config, captured = load_trunk(src, family, lazy=True)
@@ -167,7 +178,7 @@ def _convert_folder(src: Path, source: str, revision, dst: Path, o: Options) -> 
     config["mlx_mtp"] = provenance
     if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
         del config["quantization_config"]  # dequantized on the way
-    with staged_folder(dst, o.overwrite) as tmp:
+    with staged_folder(dst, o.overwrite, protect) as tmp:
         if stack is not None:
             save_heads(tmp, stack)
             config["mtp"] = heads_section(stack, heads_quant, provenance)

@@ -15,6 +15,7 @@ layer. Training checkpoints every ``--save-every`` steps and ``--resume`` contin
 identical state; the output is a normal mlx-mtp model folder (trunk files + heads).
 """
 
+import contextlib
 import json
 import random
 import shutil
@@ -29,12 +30,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_mtp import __version__
-from mlx_mtp.errors import MTPError
+from mlx_mtp.errors import DiskFullError, MTPError
 from mlx_mtp.heads import heads_section, save_heads
 from mlx_mtp.loading import load, read_config
 from mlx_mtp.models.mtp import MTPLayer, MTPStack
 
-from .output import staged_folder
+from .output import check_destination, check_place, reserve, staged_folder, writing
 
 TEXT_SUFFIXES = (".py", ".rst", ".txt", ".md")
 FEATURES = "features"
@@ -115,12 +116,14 @@ def compute_features(
     paths = {
         k: folder / f"{name}.{k}.npy" for k in ("tokens", "hidden", "greedy", "done")
     }
-    if not _stored_prefix(paths["tokens"], tokens):
+    if not (paths["done"].exists() and _stored_prefix(paths["tokens"], tokens)):
+        paths["done"].unlink(missing_ok=True)  # a new run: not done until reserved
         np.save(paths["tokens"], tokens)
-        np.lib.format.open_memmap(
-            paths["hidden"], "w+", np.float16, (n, length, hidden_size)
-        )
-        np.lib.format.open_memmap(paths["greedy"], "w+", np.int32, (n, length))
+        shapes = {"hidden": (np.float16, (n, length, hidden_size))}
+        shapes["greedy"] = (np.int32, (n, length))
+        for k, (dtype, shape) in shapes.items():
+            np.lib.format.open_memmap(paths[k], "w+", dtype, shape)
+            reserve(paths[k], paths[k].stat().st_size)
         np.save(paths["done"], np.array(0))
     hidden = np.load(paths["hidden"], mmap_mode="r+")[:n]
     greedy = np.load(paths["greedy"], mmap_mode="r+")[:n]
@@ -214,7 +217,7 @@ def losses(stack, model, W, remap, batch, depth: int):
     out = []
     for j in range(1, depth + 1):
         e = model.embed(x[:, j : rows + j])  # (B, rows, H)
-        z = stack.layers[0](e, z, "causal")
+        z = stack.layers[0](e, z, model.mtp_mask(e))
         logits = z @ W.T  # (B, rows, V')
         target = remap[g[:, j : rows + j]]  # -1 outside the draft vocabulary
         valid = target >= 0
@@ -240,98 +243,122 @@ def train_heads(
     progress: bool = True,
     on_eval: Optional[Callable[[int, List[float]], None]] = None,
 ) -> Path:
-    """Train MTP heads for ``model_path`` on text ``data``; write the model to ``mlx_path``."""
+    """Train MTP heads for ``model_path`` on text ``data``; write the model to ``mlx_path``.
+
+    Everything is checked before the work folder is made: the output may not replace
+    anything but a model folder (see `convert.output.check_destination`), the data must
+    fill one sequence. A full disk is one `MTPError`; the work folder is kept for
+    ``resume``.
+    """
     from tqdm import tqdm
 
-    out = Path(mlx_path)
-    if out.exists() and not overwrite:
-        raise MTPError(f"{out} already exists (use --overwrite to replace it)")
-    work = Path(work_dir) if work_dir else out.parent / f"{out.name}.train"
+    out = Path(mlx_path).expanduser()
+    work = Path(work_dir).expanduser() if work_dir else out.parent / f"{out.name}.train"
+    files = text_files(data)
+    model_dir = _model_dir(model_path)
+    check_destination(out, overwrite, sources=[model_dir], inputs=data)
+    check_place(work, [model_dir, out], data, what="work folder")
     if work.exists() and not resume and (work / PROGRESS).exists():
         raise MTPError(f"{work} holds a training run: pass --resume, or remove it")
-    files = text_files(data)
-    model, tokenizer = load(model_path, allow_missing_heads=True)
-    family, model_dir = model._family, _model_dir(model_path)
+    model, tokenizer = load(str(model_dir), allow_missing_heads=True)
+    family = model._family
     mx.random.seed(cfg.seed)
-    work.mkdir(parents=True, exist_ok=True)  # inputs checked: nothing half-made
-
     train_files, eval_files = split_files(files, cfg.held_out, cfg.seed)
     train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)
-    feats = compute_features(model, train_tok, work, "train", progress)
-    evals = held_out_features(model, tokenizer, eval_files, cfg, work, progress)
+    work.mkdir(parents=True, exist_ok=True)  # inputs checked: nothing half-made
+    with _kept_on_full_disk(work):
+        feats = compute_features(model, train_tok, work, "train", progress)
+        evals = held_out_features(model, tokenizer, eval_files, cfg, work, progress)
 
-    counts = np.bincount(
-        np.asarray(feats["greedy"]).ravel(), minlength=model.args.vocab_size
-    )
-    vocab = np.sort(np.argsort(-counts, kind="stable")[: cfg.draft_vocab]).astype(
-        np.int32
-    )
-    remap_np = np.full(counts.shape[0], -1, dtype=np.int32)
-    remap_np[vocab] = np.arange(len(vocab), dtype=np.int32)
-    remap, W = mx.array(remap_np), draft_weight(model, mx.array(vocab))
-    coverage = counts[vocab].sum() / max(counts.sum(), 1)
+        counts = np.bincount(
+            np.asarray(feats["greedy"]).ravel(), minlength=model.args.vocab_size
+        )
+        vocab = np.sort(np.argsort(-counts, kind="stable")[: cfg.draft_vocab]).astype(
+            np.int32
+        )
+        remap_np = np.full(counts.shape[0], -1, dtype=np.int32)
+        remap_np[vocab] = np.arange(len(vocab), dtype=np.int32)
+        remap, W = mx.array(remap_np), draft_weight(model, mx.array(vocab))
+        coverage = counts[vocab].sum() / max(counts.sum(), 1)
 
-    stack = init_head(model, family, vocab)
-    stack.freeze(keys=["draft_vocab"], recurse=False)
-    model.trunk.freeze()
-    schedule = optim.join_schedules(
-        [
-            optim.linear_schedule(cfg.lr / 100, cfg.lr, cfg.warmup),
-            optim.cosine_decay(cfg.lr, max(1, cfg.steps - cfg.warmup), cfg.lr / 20),
-        ],
-        [cfg.warmup],
-    )
-    opt = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
-    step, history = 0, []
-    if resume and (work / STATE).exists():
-        step, history = _restore(work, stack, opt)
-    weights = mx.array([0.5**j for j in range(cfg.depth)])
+        stack = init_head(model, family, vocab)
+        stack.freeze(keys=["draft_vocab"], recurse=False)
+        model.trunk.freeze()
+        schedule = optim.join_schedules(
+            [
+                optim.linear_schedule(cfg.lr / 100, cfg.lr, cfg.warmup),
+                optim.cosine_decay(cfg.lr, max(1, cfg.steps - cfg.warmup), cfg.lr / 20),
+            ],
+            [cfg.warmup],
+        )
+        opt = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
+        step, history = 0, []
+        if resume and (work / STATE).exists():
+            step, history = _restore(work, stack, opt)
+        weights = mx.array([0.5**j for j in range(cfg.depth)])
 
-    def loss_fn(stack, batch):
-        parts = losses(stack, model, W, remap, batch, cfg.depth)
-        return sum(w * l for w, (l, _) in zip(weights, parts)) / weights.sum()
+        def loss_fn(stack, batch):
+            parts = losses(stack, model, W, remap, batch, cfg.depth)
+            return sum(w * l for w, (l, _) in zip(weights, parts)) / weights.sum()
 
-    grad_fn = nn.value_and_grad(stack, loss_fn)
-    n = feats["tokens"].shape[0]
-    bar = tqdm(
-        total=cfg.steps, initial=step, desc="train", unit="step", disable=not progress
-    )
-    while step < cfg.steps:
-        idx = _batch_indices(n, cfg.batch_size, step, cfg.seed)
-        loss, grads = grad_fn(stack, _batch(feats, idx))
-        opt.update(stack, grads)
-        mx.eval(stack.parameters(), opt.state, loss)
-        step += 1
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        bar.update()
-        if evals and (step % cfg.eval_every == 0 or step == cfg.steps):
-            by_kind = {
-                kind: evaluate(stack, model, W, remap, f, cfg.depth)
-                for kind, f in evals.items()
-            }
-            agree = _pooled(by_kind, evals)
-            history.append(
-                {
-                    "step": step,
-                    "tokens": step * cfg.batch_size * cfg.seq_len,
-                    "loss": loss.item(),
-                    "agreement": agree,
-                    "by_kind": by_kind,
+        grad_fn = nn.value_and_grad(stack, loss_fn)
+        n = feats["tokens"].shape[0]
+        bar = tqdm(
+            total=cfg.steps,
+            initial=step,
+            desc="train",
+            unit="step",
+            disable=not progress,
+        )
+        while step < cfg.steps:
+            idx = _batch_indices(n, cfg.batch_size, step, cfg.seed)
+            loss, grads = grad_fn(stack, _batch(feats, idx))
+            opt.update(stack, grads)
+            mx.eval(stack.parameters(), opt.state, loss)
+            step += 1
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.update()
+            if evals and (step % cfg.eval_every == 0 or step == cfg.steps):
+                by_kind = {
+                    kind: evaluate(stack, model, W, remap, f, cfg.depth)
+                    for kind, f in evals.items()
                 }
-            )
-            bar.write(
-                f"step {step}: held-out agreement per depth "
-                + "; ".join(
-                    f"{kind} " + " ".join(f"{a:.3f}" for a in a_k)
-                    for kind, a_k in by_kind.items()
+                agree = _pooled(by_kind, evals)
+                history.append(
+                    {
+                        "step": step,
+                        "tokens": step * cfg.batch_size * cfg.seq_len,
+                        "loss": loss.item(),
+                        "agreement": agree,
+                        "by_kind": by_kind,
+                    }
                 )
-            )
-            if on_eval:
-                on_eval(step, agree)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            _save_state(work, stack, opt, step, history, cfg, coverage)
-    bar.close()
-    return _write_model(model_dir, out, stack, cfg, history, coverage, overwrite)
+                bar.write(
+                    f"step {step}: held-out agreement per depth "
+                    + "; ".join(
+                        f"{kind} " + " ".join(f"{a:.3f}" for a in a_k)
+                        for kind, a_k in by_kind.items()
+                    )
+                )
+                if on_eval:
+                    on_eval(step, agree)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                _save_state(work, stack, opt, step, history, cfg, coverage)
+        bar.close()
+        return _write_model(model_dir, out, stack, cfg, history, coverage, overwrite)
+
+
+@contextlib.contextmanager
+def _kept_on_full_disk(work: Path):
+    """A full disk is one `DiskFullError` that says the work folder can be resumed."""
+    kept = f"free some space and rerun with --resume ({work} keeps what was computed)"
+    try:
+        with writing(work / FEATURES, kept):
+            yield
+    except DiskFullError as e:
+        if kept in str(e):
+            raise
+        raise DiskFullError(f"{e}; {kept}") from None
 
 
 def held_out_features(model, tokenizer, files, cfg, work, progress) -> dict:
@@ -447,7 +474,7 @@ def _write_model(
     }
     config.pop("mtp", None)
     config["num_nextn_predict_layers"] = len(stack.layers)
-    with staged_folder(out, overwrite) as tmp:
+    with staged_folder(out, overwrite, [src]) as tmp:
         for f in src.iterdir():
             if f.is_file() and f.name not in (
                 "config.json",

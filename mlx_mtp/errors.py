@@ -19,3 +19,7 @@ class MissingHeadsError(MTPError):
 
 class RollbackError(MTPError):
     """A cache cannot be rolled back exactly, so speculative decoding is refused."""
+
+
+class DiskFullError(MTPError):
+    """The disk filled up while writing; what was being written has been removed."""

@@ -33,6 +33,17 @@ def resolve(
     from mlx_lm.utils import _download
 
     path = Path(path_or_hf_repo).expanduser()
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if path.suffix.lower() == ".gguf" and magic != b"GGUF":
+            raise MTPError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+        if magic == b"GGUF":
+            raise MTPError(
+                f"{path} is a GGUF file: convert it first "
+                f"(mlx-mtp convert --hf-path {path} --mlx-path OUT)"
+            )
+        raise MTPError(f"{path} is a file, not a model folder")
     if path.exists():
         if not (path / "config.json").is_file():
             raise MTPError(f"{path} has no config.json: not a model folder")

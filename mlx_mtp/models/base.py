@@ -166,10 +166,13 @@ class Model(nn.Module):
         if offset == 0 and getattr(self._family, "MASK_FIRST_POSITION", False):
             keep = (mx.arange(e.shape[1]) > 0)[None, :, None]
             e = mx.where(keep, e, mx.zeros_like(e))
-        mask = create_attention_mask(
-            e, cache, return_array=getattr(self._family, "MASK_AS_ARRAY", False)
-        )
-        return self.mtp.layers[j](e, hidden, mask, cache)
+        return self.mtp.layers[j](e, hidden, self.mtp_mask(e, cache), cache)
+
+    def mtp_mask(self, e: mx.array, cache: Optional[Any] = None):
+        """The causal mask of an MTP layer over the rows of ``e`` (B, L, H), in the
+        form the family's attention takes ("causal", an array, or None)."""
+        as_array = getattr(self._family, "MASK_AS_ARRAY", False)
+        return create_attention_mask(e, cache, return_array=as_array)
 
 
 def mlx_lm_sanitize(trunk: nn.Module, weights: dict) -> dict:
