@@ -61,6 +61,7 @@ class CheckReport:
     head_agreement: List[float] = field(default_factory=list)  # on the source trunk
     end_to_end: List[float] = field(default_factory=list)  # through the converted trunk
     self_agreement: List[float] = field(default_factory=list)  # vs its own trunk
+    missing_source: Optional[str] = None  # recorded, but no longer there
 
     @property
     def passed(self) -> bool:
@@ -81,6 +82,11 @@ class CheckReport:
             f"  heads vs their own trunk's greedy tokens (acceptance proxy, "
             f"{self.tokens} tokens): {proxy}"
         )
+        if self.missing_source:
+            return out + [
+                f"  the recorded source {self.missing_source} is not there any more: "
+                "agreement with it not checked (pass --hf-path SOURCE)"
+            ]
         if self.source is None:
             return out + [
                 "  no source heads recorded: agreement with a source not checked"
@@ -96,6 +102,11 @@ class CheckReport:
                 f"(threshold {self.threshold:.2f}) {verdict}; {e:.3f} end to end"
             )
         return out
+
+
+def _moved(source: str) -> bool:
+    """A recorded local source folder that is no longer there (a hub id is fetched)."""
+    return Path(source).is_absolute() and not Path(source).exists()
 
 
 def predictions(model, tokens: List[int]) -> List[np.ndarray]:
@@ -121,15 +132,18 @@ def check(
     source: Optional[str] = None,
     threshold: float = 0.9,
     text: str = BUILTIN_TEXT,
+    trust_remote_code: bool = False,
 ) -> CheckReport:
     """Inspect a conversion and compare its heads with ``source`` (default: the source
-    its provenance records). Raises `MTPError` when the folder has no MTP heads."""
+    its provenance records, when it can still be found: a recorded local folder that
+    has moved is reported, and what needs no source is still checked). Raises
+    `MTPError` when the folder has no MTP heads."""
     path = Path(mlx_path)
     config = read_config(path)
     section = config.get("mtp")
     if not isinstance(section, dict):
         raise MTPError(f"{path} has no mlx-mtp MTP heads (not converted by mlx-mtp?)")
-    model, tokenizer = load(str(path))
+    model, tokenizer = load(str(path), trust_remote_code=trust_remote_code)
     trunk_quant = config.get("quantization")
     report = CheckReport(
         path=path,
@@ -152,10 +166,14 @@ def check(
         float((p == ours[0][j : j + len(p)]).mean())  # head j row i: token i+j+1
         for j, p in enumerate(ours[1:], start=1)
     ]
-    source = source or section.get("provenance", {}).get("source")
+    if not source:
+        source = section.get("provenance", {}).get("source")
+        if source and _moved(source):
+            report.missing_source = source
+            return report
     if not source:
         return report
-    reference, _ = load(source)
+    reference, _ = load(source, trust_remote_code=trust_remote_code)
     if reference.num_mtp_layers != model.num_mtp_layers:
         raise MTPError(
             f"{path} has {model.num_mtp_layers} MTP layers, {source} "

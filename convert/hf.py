@@ -53,6 +53,7 @@ class Options:
     require_heads: bool = False
     shard_gb: float = 5.0
     progress: bool = True
+    copy_code: bool = False
 
 
 def convert(
@@ -71,6 +72,7 @@ def convert(
     upload_repo: Optional[str] = None,
     shard_gb: float = 5.0,
     progress: bool = True,
+    copy_code: bool = False,
 ) -> Path:
     """Convert ``hf_path`` (folder, hub repo, or llama-family ``.gguf`` file) into the
     MLX folder ``mlx_path``.
@@ -84,6 +86,9 @@ def convert(
         require_heads: Refuse a checkpoint without MTP tensors (default: warn).
         upload_repo: Upload the result to this hub repo.
         shard_gb: Largest output shard.
+        copy_code: Copy the source's ``*.py`` files (custom tokenizer or model code,
+            run only with ``trust_remote_code``); default: leave them out, with a
+            warning.
 
     Returns:
         The output folder.
@@ -96,16 +101,17 @@ def convert(
     if head_bits not in (4, 8, 16):
         raise MTPError("head_bits must be 4, 8 or 16")
     options = Options(
-        quantize,
-        q_bits,
-        q_group_size,
-        q_mode,
-        head_bits,
-        dtype,
-        overwrite,
-        require_heads,
-        shard_gb,
-        progress,
+        quantize=quantize,
+        q_bits=q_bits,
+        q_group_size=q_group_size,
+        q_mode=q_mode,
+        head_bits=head_bits,
+        dtype=dtype,
+        overwrite=overwrite,
+        require_heads=require_heads,
+        shard_gb=shard_gb,
+        progress=progress,
+        copy_code=copy_code,
     )
     dst = Path(mlx_path).expanduser()
     if is_gguf(hf_path):
@@ -184,7 +190,7 @@ def _convert_folder(
             config["mtp"] = heads_section(stack, heads_quant, provenance)
         save_trunk(tmp, trunk, o.shard_gb, o.progress)
         _save_config(config, tmp)
-        copy_side_files(src, tmp)
+        copy_side_files(src, tmp, code=o.copy_code)
 
 
 def _cast(module, dtype, predicate) -> None:

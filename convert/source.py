@@ -1,12 +1,15 @@
 """Finding and validating a source checkpoint before anything is written."""
 
 import json
-import struct
+import logging
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from mlx_mtp.errors import MTPError
+from mlx_mtp.errors import MTPError, one_line
+from mlx_mtp.files import safetensors_header
 from mlx_mtp.loading import resolve
+
+log = logging.getLogger("mlx_mtp")
 
 # What a conversion copies besides the weights (tokenizer, chat template, generation).
 SIDE_FILES = (
@@ -31,24 +34,6 @@ SOURCE_PATTERNS = [
     "*.jinja",
     "*.py",
 ]
-
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
 
 
 def resolve_source(
@@ -81,41 +66,21 @@ def weight_files(folder: Path) -> List[Path]:
 def read_index(folder: Path) -> dict:
     path = folder / "model.safetensors.index.json"
     try:
-        return json.loads(path.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise MTPError(f"cannot read {path}: {e}") from None
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MTPError(f"cannot read {path}: {one_line(e)}") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
+        raise MTPError(f"{path}: weight_map is not an object of file names")
+    return weight_map
 
 
 def check_safetensors(path: Path) -> dict:
-    """Read a safetensors header and check that every tensor lies inside the file.
-
-    Returns the header (name -> dtype, shape, offsets). A truncated or corrupt file is a
-    one-line `MTPError` naming it, before any conversion work starts.
-    """
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError("header runs past the end of the file")
-            header = json.loads(f.read(n))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise MTPError(f"{path} is not a valid safetensors file ({e})") from None
-    data = size - 8 - n
-    header.pop("__metadata__", None)
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        count = 1
-        for d in info["shape"]:
-            count *= d
-        if end > data:
-            raise MTPError(
-                f"{path} is truncated: tensor {name} ends at byte {end} of {data}"
-            )
-        width = _DTYPE_BYTES.get(info["dtype"])
-        if width is not None and end - begin != count * width:
-            raise MTPError(f"{path} is corrupt: tensor {name} has the wrong byte size")
-    return header
+    """Read a safetensors header and check that every tensor lies inside the file
+    (`mlx_mtp.files.safetensors_header`); a truncated or corrupt file is a one-line
+    `MTPError` naming it, before any conversion work starts."""
+    return safetensors_header(path)
 
 
 def check_source(folder: Path) -> List[Path]:
@@ -126,13 +91,28 @@ def check_source(folder: Path) -> List[Path]:
     return files
 
 
-def copy_side_files(src: Path, dst: Path, patterns: Iterable[str] = SIDE_FILES) -> None:
+def copy_side_files(
+    src: Path, dst: Path, patterns: Iterable[str] = SIDE_FILES, code: bool = False
+) -> None:
+    """Copy the tokenizer, template and generation files of ``src`` into ``dst``;
+    Python files (custom code) only with ``code``, otherwise a warning names them."""
     import shutil
 
+    skipped = []
     for pattern in patterns:
         for f in src.glob(pattern):
-            if f.is_file() and f.name != "config.json" and f.suffix != ".safetensors":
-                shutil.copy2(f, dst / f.name)
+            if not f.is_file() or f.name == "config.json" or f.suffix == ".safetensors":
+                continue
+            if f.suffix == ".py" and not code:
+                skipped.append(f.name)
+                continue
+            shutil.copy2(f, dst / f.name)
+    if skipped:
+        log.warning(
+            "not copying %s (code from the source; pass --trust-remote-code to copy "
+            "it)",
+            ", ".join(sorted(set(skipped))),
+        )
 
 
 def snapshot_revision(folder: Path) -> Optional[str]:

@@ -35,7 +35,14 @@ from mlx_mtp.heads import heads_section, save_heads
 from mlx_mtp.loading import load, read_config
 from mlx_mtp.models.mtp import MTPLayer, MTPStack
 
-from .output import check_destination, check_place, reserve, staged_folder, writing
+from .output import (
+    MODEL_FILES,
+    check_destination,
+    check_place,
+    reserve,
+    staged_folder,
+    writing,
+)
 
 TEXT_SUFFIXES = (".py", ".rst", ".txt", ".md")
 FEATURES = "features"
@@ -242,6 +249,7 @@ def train_heads(
     overwrite: bool = False,
     progress: bool = True,
     on_eval: Optional[Callable[[int, List[float]], None]] = None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Train MTP heads for ``model_path`` on text ``data``; write the model to ``mlx_path``.
 
@@ -260,7 +268,9 @@ def train_heads(
     check_place(work, [model_dir, out], data, what="work folder")
     if work.exists() and not resume and (work / PROGRESS).exists():
         raise MTPError(f"{work} holds a training run: pass --resume, or remove it")
-    model, tokenizer = load(str(model_dir), allow_missing_heads=True)
+    model, tokenizer = load(
+        str(model_dir), allow_missing_heads=True, trust_remote_code=trust_remote_code
+    )
     family = model._family
     mx.random.seed(cfg.seed)
     train_files, eval_files = split_files(files, cfg.held_out, cfg.seed)
@@ -345,7 +355,9 @@ def train_heads(
             if step % cfg.save_every == 0 or step == cfg.steps:
                 _save_state(work, stack, opt, step, history, cfg, coverage)
         bar.close()
-        return _write_model(model_dir, out, stack, cfg, history, coverage, overwrite)
+        return _write_model(
+            model_dir, out, stack, cfg, history, coverage, overwrite, trust_remote_code
+        )
 
 
 @contextlib.contextmanager
@@ -456,8 +468,16 @@ def _model_dir(model_path: str) -> Path:
     return resolve(model_path)
 
 
+def _copied(f: Path, code: bool) -> bool:
+    """Whether the output takes the trunk's file ``f``: model files (`MODEL_FILES`),
+    not the config and heads it writes itself, Python code only with ``code``."""
+    if not f.is_file() or f.name in ("config.json", "mtp.safetensors", "README.md"):
+        return False
+    return any(f.match(p) for p in MODEL_FILES) and (code or f.suffix != ".py")
+
+
 def _write_model(
-    src: Path, out: Path, stack, cfg, history, coverage, overwrite
+    src: Path, out: Path, stack, cfg, history, coverage, overwrite, code
 ) -> Path:
     """The trunk's files plus the heads: a folder mlx-mtp loads with its MTP layer."""
     config = read_config(src)
@@ -476,11 +496,7 @@ def _write_model(
     config["num_nextn_predict_layers"] = len(stack.layers)
     with staged_folder(out, overwrite, [src]) as tmp:
         for f in src.iterdir():
-            if f.is_file() and f.name not in (
-                "config.json",
-                "mtp.safetensors",
-                "README.md",
-            ):
+            if _copied(f, code):
                 shutil.copy2(f, tmp / f.name)
         save_heads(tmp, stack)
         config["mtp"] = heads_section(stack, None, provenance)

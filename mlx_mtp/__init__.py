@@ -3,21 +3,34 @@
 from mlx_mtp import load, generate
 model, tokenizer = load("path/or/hf-repo")
 text = generate(model, tokenizer, "Hello", max_tokens=64)
+
+The names below are imported on first use, so that ``mlx-mtp`` starts (and answers
+Ctrl-C) before MLX and transformers are loaded.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .errors import MTPError
-from .generate import GenerationResponse, generate, stream_generate
-from .loading import load
-from .speculative import MTPStats, Session
+_EXPORTS = {
+    "GenerationResponse": ".generate",
+    "MTPError": ".errors",
+    "MTPStats": ".speculative",
+    "Session": ".speculative",
+    "generate": ".generate",
+    "load": ".loading",
+    "stream_generate": ".generate",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "GenerationResponse",
-    "MTPError",
-    "MTPStats",
-    "Session",
-    "generate",
-    "load",
-    "stream_generate",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mlx_mtp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

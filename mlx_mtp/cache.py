@@ -20,9 +20,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from .errors import RollbackError
+from .errors import MTPError, RollbackError
 
 log = logging.getLogger("mlx_mtp")
 
@@ -65,7 +66,29 @@ class KVQuantization:
             return
         from mlx_lm.generate import maybe_quantize_kv_cache
 
+        self.check(caches)
         maybe_quantize_kv_cache(caches, self.start, self.group_size, self.bits)
+
+    def check(self, caches: List[Any]) -> None:
+        """Refuse, before anything is quantized, a group size that does not divide the
+        width of the cached keys and values (MLX quantizes along the last axis)."""
+        for c in caches:
+            for a in (getattr(c, "keys", None), getattr(c, "values", None)):
+                if isinstance(a, mx.array) and a.shape[-1] % self.group_size:
+                    raise MTPError(_group_size_advice(a.shape[-1], self.group_size))
+
+
+def _group_size_advice(width: int, group_size: int) -> str:
+    fits = [g for g in (128, 64, 32) if width % g == 0]
+    advice = (
+        f"use --kv-group-size {fits[0]}"
+        if fits
+        else "no KV quantization group size (32, 64, 128) divides it: drop --kv-bits"
+    )
+    return (
+        f"--kv-bits: this model caches keys/values {width} wide, which "
+        f"--kv-group-size {group_size} does not divide; {advice}"
+    )
 
 
 class TrimRollback:

@@ -3,6 +3,7 @@
 Every user error ends as one line on stderr and a non-zero exit; Ctrl-C stops cleanly.
 """
 
+import errno
 import functools
 import sys
 
@@ -21,7 +22,7 @@ def friendly_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from .errors import MTPError
+        from .errors import MTPError, one_line
 
         try:
             return fn(*args, **kwargs)
@@ -29,9 +30,13 @@ def friendly_errors(fn):
             click.echo("\ninterrupted", err=True)
             sys.exit(130)
         except MTPError as e:
-            _fail(str(e))
-        except (OSError, ValueError) as e:
-            _fail(str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+            _fail(one_line(e, limit=1000))
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                _fail(f"no space left on the device ({e.filename or 'writing'})")
+            _fail(one_line(e))
+        except ValueError as e:
+            _fail(one_line(e))
 
     return wrapper
 
@@ -50,40 +55,138 @@ def main():
     """Multi-token-prediction speculative decoding for MLX."""
 
 
+def run(args=None):
+    """The ``mlx-mtp`` entry point. Ctrl-C at any moment, also while options are
+    parsed or a command's heavy imports run, exits 130 with one line (click alone
+    would print "Aborted!" and exit 1)."""
+    try:
+        code = main.main(args=args, prog_name="mlx-mtp", standalone_mode=False)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 class DraftLength(click.ParamType):
-    """``auto`` or a non-negative integer."""
+    """``auto`` or an integer from 0 to `MAX_DRAFT_TOKENS`."""
 
     name = "auto|K"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or value == "auto":
+        from .speculative import MAX_DRAFT_TOKENS
+
+        if value == "auto":
             return value
         try:
             k = int(value)
         except ValueError:
             k = -1
-        if k < 0:
-            self.fail(f"{value!r} is not 'auto' or an integer >= 0", param, ctx)
+        if not 0 <= k <= MAX_DRAFT_TOKENS:
+            self.fail(
+                f"{value!r} is not 'auto' or an integer from 0 to {MAX_DRAFT_TOKENS}",
+                param,
+                ctx,
+            )
         return k
+
+
+def max_tokens_option(default: int, help: str):
+    """``--max-tokens/-m``: a positive count, or -1 for no limit."""
+
+    def check(ctx, param, value):
+        if value == -1 or value > 0:
+            return value
+        raise click.BadParameter(
+            f"{value} is not a positive number of tokens (or -1 for no limit)"
+        )
+
+    return click.option(
+        "--max-tokens",
+        "-m",
+        type=int,
+        default=default,
+        show_default=True,
+        callback=check,
+        help=f"{help} (-1: no limit).",
+    )
+
+
+def read_prompt_stdin() -> str:
+    """All of stdin as text; bytes that are not UTF-8 are a one-line error."""
+    from .errors import MTPError
+
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MTPError(
+            f"the prompt on stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at "
+            f"offset {e.start})"
+        ) from None
+
+
+def check_text(text: str, what: str = "the prompt") -> str:
+    """``text`` if it is valid Unicode; bytes that were not UTF-8 (kept by Python as
+    lone surrogates, e.g. in command-line arguments) are a one-line error."""
+    from .errors import MTPError
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text[e.start].encode("utf-8", "surrogateescape")
+        raise MTPError(
+            f"{what} is not valid UTF-8 (byte 0x{raw[0]:02x} at character {e.start})"
+        ) from None
+    return text
+
+
+def render_chat(tokenizer, messages: list) -> str:
+    """The conversation rendered by the model's chat template, ready for a reply; a
+    template that fails to compile or raises is a one-line `MTPError`."""
+    from .errors import MTPError, one_line
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # jinja2 and template-raised errors have many types
+        raise MTPError(f"the model's chat template failed: {one_line(e)}") from None
 
 
 def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bool):
     """Token ids of the prompt, with the chat template applied as mlx-lm does."""
     from .errors import MTPError
 
-    prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = check_text(prompt).replace("\\n", "\n").replace("\\t", "\t")
     if not prompt.strip():
         raise MTPError("the prompt is empty")
     use_template = not ignore_chat_template and tokenizer.has_chat_template
     if use_template:
         messages = (
-            [{"role": "system", "content": system_prompt}] if system_prompt else []
+            [
+                {
+                    "role": "system",
+                    "content": check_text(system_prompt, "--system-prompt"),
+                }
+            ]
+            if system_prompt
+            else []
         )
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        prompt = render_chat(tokenizer, messages)
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
+
+
+TRUST_REMOTE_CODE = click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Let the tokenizer run Python code from the model folder (off: refused).",
+)
 
 
 def decode_options(fn):
@@ -148,6 +251,7 @@ def decode_options(fn):
             is_flag=True,
             help="Decode without MTP when the heads are missing.",
         ),
+        TRUST_REMOTE_CODE,
         click.option(
             "--verbose/--quiet",
             default=True,
@@ -178,7 +282,7 @@ def _decode_kwargs(options: dict) -> dict:
     return out
 
 
-def _load_for_decoding(model, allow_missing_heads):
+def _load_for_decoding(model, options: dict):
     from .loading import load
 
     _quiet_transformers()
@@ -186,7 +290,11 @@ def _load_for_decoding(model, allow_missing_heads):
         from .demo import demo_model
 
         model = str(demo_model())
-    return load(model, allow_missing_heads=allow_missing_heads)
+    return load(
+        model,
+        allow_missing_heads=options["allow_missing_heads"],
+        trust_remote_code=options["trust_remote_code"],
+    )
 
 
 MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo model]."
@@ -201,9 +309,7 @@ MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo mode
     show_default=True,
     help="Prompt text; '-' reads stdin.",
 )
-@click.option(
-    "--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, show_default=True
-)
+@max_tokens_option(DEFAULT_MAX_TOKENS, "Tokens to generate at most")
 @click.option(
     "--max-kv-size",
     type=click.IntRange(min=1),
@@ -218,8 +324,8 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
     from .generate import format_stats, stream_generate
 
     if prompt == "-":
-        prompt = sys.stdin.read()
-    mdl, tokenizer = _load_for_decoding(model, options["allow_missing_heads"])
+        prompt = read_prompt_stdin()
+    mdl, tokenizer = _load_for_decoding(model, options)
     ids = build_prompt(
         tokenizer, prompt, options["system_prompt"], ignore_chat_template
     )
@@ -241,16 +347,16 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
                 click.echo(format_stats(response), err=True)
 
 
+CHAT_COMMANDS = {
+    "/reset": "start over",
+    "/exit": "quit (also /quit, Ctrl-D)",
+    "/help": "this list",
+}
+
+
 @main.command()
 @click.option("--model", default=None, help=MODEL_HELP)
-@click.option(
-    "--max-tokens",
-    "-m",
-    type=int,
-    default=1024,
-    show_default=True,
-    help="Tokens per reply at most.",
-)
+@max_tokens_option(1024, "Tokens per reply at most")
 @decode_options
 @friendly_errors
 def chat(model, max_tokens, **options):
@@ -260,19 +366,27 @@ def chat(model, max_tokens, **options):
     from .generate import format_stats, stream_generate
     from .speculative import Session
 
-    mdl, tokenizer = _load_for_decoding(model, options["allow_missing_heads"])
+    mdl, tokenizer = _load_for_decoding(model, options)
     if not tokenizer.has_chat_template:
         raise MTPError("this model's tokenizer has no chat template: use generate")
     system = options["system_prompt"]
-    start = [{"role": "system", "content": system}] if system else []
+    start = []
+    if system:
+        start = [{"role": "system", "content": check_text(system, "--system-prompt")}]
+    render_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # fail now
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")  # bad bytes: checked per line
     messages, session = list(start), Session()
     click.echo("mlx-mtp chat: /reset to start over, /exit or Ctrl-D to quit", err=True)
     while True:
         try:
-            line = input(">> ")
+            line = check_text(input(">> "), "that line")
         except EOFError:
             click.echo()
             return
+        except MTPError as e:
+            click.echo(f"mlx-mtp: error: {e}; ignored", err=True)
+            continue
         text = line.strip()
         if not text:
             continue
@@ -281,10 +395,16 @@ def chat(model, max_tokens, **options):
         if text == "/reset":
             messages, session = list(start), Session()
             continue
+        if _is_command(text):
+            if text != "/help":
+                click.echo(f"mlx-mtp: unknown command {text.split()[0]}", err=True)
+            for name, what in CHAT_COMMANDS.items():
+                click.echo(f"  {name:8} {what}", err=True)
+            continue
         messages.append({"role": "user", "content": line})
-        ids, session = _next_turn(tokenizer, messages, session)
         reply, response, replies = "", None, None
         try:
+            ids, session = _next_turn(tokenizer, messages, session)
             replies = stream_generate(
                 mdl,
                 tokenizer,
@@ -312,16 +432,19 @@ def chat(model, max_tokens, **options):
         messages.append({"role": "assistant", "content": reply})
 
 
+def _is_command(text: str) -> bool:
+    """A line meant as a chat command: one word of letters after a slash (a path such
+    as ``/usr/bin is ...`` or ``/ 2`` goes to the model)."""
+    return text.startswith("/") and text[1:].isalpha()
+
+
 def _next_turn(tokenizer, messages, session):
     """Token ids to feed for the conversation so far, and the session to feed them to:
     the new tokens only when the session's tokens begin the rendered conversation,
     otherwise all of them and a new session."""
     from .speculative import Session
 
-    ids = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
-    ids = tokenizer.encode(ids, add_special_tokens=False)
+    ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
     held = session.tokens
     if held and len(ids) > len(held) and ids[: len(held)] == held:
         return ids[len(held) :], session
@@ -329,7 +452,11 @@ def _next_turn(tokenizer, messages, session):
 
 
 @main.command()
-@click.option("--hf-path", help="Hugging Face checkpoint to convert (folder or repo).")
+@click.option(
+    "--hf-path",
+    help="Hugging Face checkpoint to convert (folder or repo); with --check, the "
+    "source to compare with.",
+)
 @click.option(
     "--mlx-path",
     help="Output folder (or, with --graft-heads-from, the "
@@ -389,6 +516,12 @@ def _next_turn(tokenizer, messages, session):
     show_default=True,
     help="--check: least top-1 agreement of each head with the source's.",
 )
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Copy the source's *.py files (custom tokenizer code) into the output; "
+    "with --check, let tokenizers run them.",
+)
 @friendly_errors
 def convert(
     hf_path,
@@ -406,22 +539,26 @@ def convert(
     graft_from,
     check_path,
     min_agreement,
+    trust_remote_code,
 ):
     """Convert a Hugging Face checkpoint to MLX, keeping its MTP heads.
 
     \b
     mlx-mtp convert --hf-path Qwen/Qwen3.6-27B --mlx-path q36-4bit -q
     mlx-mtp convert --graft-heads-from Qwen/Qwen3.6-27B --mlx-path EXISTING_MLX_FOLDER
-    mlx-mtp convert --check q36-4bit
+    mlx-mtp convert --check q36-4bit [--hf-path SOURCE]
     """
     _quiet_transformers()
-    modes = [bool(hf_path), bool(graft_from), bool(check_path)]
-    if sum(modes) != 1:
-        raise click.UsageError(
-            "give exactly one of --hf-path, --graft-heads-from or --check"
-        )
     if check_path:
-        return _check(check_path, hf_path, min_agreement)
+        if graft_from or mlx_path:
+            raise click.UsageError(
+                "--check takes the conversion to check and, optionally, --hf-path"
+            )
+        return _check(check_path, hf_path, min_agreement, trust_remote_code)
+    if bool(hf_path) == bool(graft_from):
+        raise click.UsageError(
+            "give --hf-path (convert), --graft-heads-from (graft) or --check"
+        )
     if not mlx_path:
         raise click.UsageError("--mlx-path is required")
     bits = int(head_bits) if head_bits else None
@@ -452,14 +589,20 @@ def convert(
         overwrite=overwrite,
         require_heads=require_heads,
         upload_repo=upload_repo,
+        copy_code=trust_remote_code,
     )
     click.echo(f"wrote {out}")
 
 
-def _check(path, source, min_agreement):
+def _check(path, source, min_agreement, trust_remote_code):
     from convert import check
 
-    report = check(path, source=source, threshold=min_agreement)
+    report = check(
+        path,
+        source=source,
+        threshold=min_agreement,
+        trust_remote_code=trust_remote_code,
+    )
     for line in report.lines():
         click.echo(line)
     if report.source is not None and not report.passed:
@@ -513,6 +656,7 @@ def _check(path, source, min_agreement):
 @click.option("--resume", is_flag=True, help="Continue the run in the work folder.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@TRUST_REMOTE_CODE
 @friendly_errors
 def train_heads(
     model,
@@ -531,6 +675,7 @@ def train_heads(
     resume,
     overwrite,
     seed,
+    trust_remote_code,
 ):
     """Train MTP heads for a model that has none (frozen trunk, self-distillation)."""
     from convert.train_heads import TrainConfig
@@ -557,6 +702,7 @@ def train_heads(
         work_dir=work_dir,
         resume=resume,
         overwrite=overwrite,
+        trust_remote_code=trust_remote_code,
     )
     click.echo(f"wrote {out}")
 
@@ -567,7 +713,13 @@ def train_heads(
     default=None,
     help="Model folder or Hugging Face repo [the demo model].",
 )
-@click.option("--tokens", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=16),
+    default=128,
+    show_default=True,
+    help="Tokens per run (at least 16: fewer cannot be timed).",
+)
 @click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option(
     "-k",
@@ -593,8 +745,9 @@ def train_heads(
     type=click.Choice(["code", "chat", "prose", "adversarial"]),
 )
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
+@TRUST_REMOTE_CODE
 @friendly_errors
-def bench(model, tokens, reps, ks, temps, workloads, json_path):
+def bench(model, tokens, reps, ks, temps, workloads, json_path, trust_remote_code):
     """Speed against mlx-lm plain decoding, interleaved in one process (see
     scripts/bench.py for CPU timing with a fast BLAS)."""
     import json
@@ -605,12 +758,16 @@ def bench(model, tokens, reps, ks, temps, workloads, json_path):
     from .loading import load
 
     _quiet_transformers()
+    if json_path:
+        _check_writable(json_path)
     if model is None:
         from .demo import demo_model
 
         model = str(demo_model())
     click.echo(f"device {mx.default_device()}; model {model}")
-    mdl, tokenizer = load(model, allow_missing_heads=True)
+    mdl, tokenizer = load(
+        model, allow_missing_heads=True, trust_remote_code=trust_remote_code
+    )
     result = run(
         mdl,
         tokenizer,
@@ -624,3 +781,19 @@ def bench(model, tokens, reps, ks, temps, workloads, json_path):
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def _check_writable(path: str) -> None:
+    """Refuse now, not after a long run, a results file that cannot be written."""
+    import os
+
+    from .errors import MTPError
+
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise MTPError(f"cannot write {path}: {e.strerror}") from None
+    if not existed:
+        os.remove(path)

@@ -5,6 +5,13 @@ Every error a user can cause (bad paths, bad checkpoints, bad flags, bad prompts
 """
 
 
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line: lines joined (a message that ends in ':'
+    before a list keeps its list), cut at ``limit`` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
 class MTPError(ValueError):
     """A clear, user-facing error: the message is the whole story."""
 

@@ -97,8 +97,10 @@ def stream_generate(
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
     """
-    if max_tokens == 0:
-        raise MTPError("max_tokens must be non-zero (use -1 for no limit)")
+    if max_tokens == 0 or max_tokens < -1:
+        raise MTPError(
+            f"max_tokens must be positive, or -1 for no limit (got {max_tokens})"
+        )
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)

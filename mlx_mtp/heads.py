@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .errors import MissingHeadsError, MTPError
+from .files import safetensors_header
 from .models.mtp import MTPStack
 
 FORMAT = "mlx-mtp/1"
@@ -151,9 +152,12 @@ def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
             weight_map = json.loads(index.read_text())["weight_map"]
         else:
             weight_map = {
-                k: "model.safetensors" for k in _header(folder / "model.safetensors")
+                k: "model.safetensors"
+                for k in safetensors_header(folder / "model.safetensors")
             }
-    except (OSError, json.JSONDecodeError, KeyError, ValueError):
+        if not isinstance(weight_map, dict):
+            return None
+    except (OSError, KeyError, TypeError, ValueError):  # MTPError is a ValueError
         return None
     names = sorted(
         (k for k in weight_map if k.endswith("embed_tokens.weight")), key=len
@@ -162,8 +166,7 @@ def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
         return None
     name, path = names[0], folder / weight_map[names[0]]
     try:
-        header = _header(path)
-        info = header[name]
+        info = safetensors_header(path)[name]
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             f.seek(8 + n + info["data_offsets"][0])
@@ -175,14 +178,6 @@ def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
     digest = hashlib.sha256(json.dumps([name, info["dtype"], info["shape"]]).encode())
     digest.update(data)
     return digest.hexdigest()
-
-
-def _header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
 
 
 def read_json(path: Path) -> dict:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import MissingHeadsError, MTPError
+from .errors import MissingHeadsError, MTPError, one_line
 from .heads import has_heads_file, load_heads, load_strict, quantize_like
 from .models import get_family
 from .models.base import Model
@@ -60,12 +60,65 @@ def resolve(
         ) from None
 
 
+# Config fields that must be whole numbers (or null) and plain numbers, where present.
+INT_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "max_position_embeddings",
+    "num_nextn_predict_layers",
+    "mtp_num_hidden_layers",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
+
+
 def read_config(model_path: Path) -> dict:
+    """``config.json`` of a model folder, checked to be an object whose size fields
+    are numbers (a one-line `MTPError` otherwise)."""
+    path = model_path / "config.json"
     try:
-        with open(model_path / "config.json") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise MTPError(f"cannot read {model_path / 'config.json'}: {e}") from None
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MTPError(f"cannot read {path}: {one_line(e)}") from None
+    check_config(config, path)
+    return config
+
+
+def check_config(config, path) -> None:
+    """Refuse a config that is not an object, or whose fields have the wrong type."""
+    if not isinstance(config, dict):
+        raise MTPError(f"{path} is not a JSON object")
+    text = config.get("text_config", {})
+    if not isinstance(text, dict):
+        raise MTPError(f"{path}: text_config is not an object")
+    if not isinstance(config.get("model_type", ""), str):
+        raise MTPError(f"{path}: model_type is not a string")
+    for section in (config, text):
+        for key in INT_FIELDS:
+            v = section.get(key)
+            if v is not None and (type(v) is not int or v < 0):
+                raise MTPError(f"{path}: {key} must be a whole number, not {v!r}")
+        for key in FLOAT_FIELDS:
+            v = section.get(key)
+            if v is not None and (type(v) not in (int, float)):
+                raise MTPError(f"{path}: {key} must be a number, not {v!r}")
 
 
 def _splitting_classes(family, captured: dict):
@@ -169,16 +222,16 @@ def load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, d
         raise MTPError(f"{model_path}: {e}") from None
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         raise MTPError(
-            f"cannot load the trunk from {model_path}: {_first_line(e)}"
+            f"cannot load the trunk from {model_path}: {one_line(e)}"
+        ) from None
+    except (TypeError, AttributeError, IndexError) as e:  # a mistyped config field
+        raise MTPError(
+            f"cannot build the model from {model_path / 'config.json'} "
+            f"(a field of the wrong type?): {one_line(e)}"
         ) from None
     if hasattr(family, "prepare"):
         family.prepare(trunk)
     return trunk, config, captured
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
 
 
 def build_mtp(
@@ -235,7 +288,15 @@ def load_model(
     trunk, config, captured = load_trunk(model_path, family, lazy)
     stack = MTPStack([])
     if has_heads_file(config):  # an mlx-mtp conversion
-        stack = load_heads(model_path, config, family, trunk)
+        try:
+            stack = load_heads(model_path, config, family, trunk)
+        except MissingHeadsError as e:
+            if not allow_missing_heads:
+                raise MissingHeadsError(
+                    f"{e} (use --allow-missing-heads to decode without)"
+                ) from None
+            log.warning("%s; decoding without MTP heads", e)
+            stack = MTPStack([])
         if not lazy:
             mx.eval(stack.parameters())
     elif check_declared(family, config, captured["mtp"], allow_missing_heads):
@@ -255,6 +316,7 @@ def load(
     allow_missing_heads: bool = False,
     lazy: bool = False,
     tokenizer_config: Optional[dict] = None,
+    trust_remote_code: bool = False,
 ):
     """Load a model with its MTP heads, and its tokenizer.
 
@@ -266,6 +328,9 @@ def load(
             lacks, warn and load for plain decoding instead of failing.
         lazy: Leave weights unevaluated until first use.
         tokenizer_config: Extra tokenizer options, as in mlx-lm.
+        trust_remote_code: Allow the tokenizer to run Python code from the model
+            folder (``auto_map``). Off by default: such a folder is then an error,
+            never a question on the terminal.
 
     Returns:
         ``(model, tokenizer)``: an `mlx_mtp.models.base.Model` and mlx-lm's
@@ -282,10 +347,19 @@ def load(
         allow_missing_heads=allow_missing_heads,
         lazy=lazy,
     )
+    options = {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})}
     try:
         tokenizer = load_tokenizer(
-            model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
+            model_path, options, eos_token_ids=config.get("eos_token_id")
         )
-    except Exception as e:
-        raise MTPError(f"cannot load the tokenizer from {model_path}: {_first_line(e)}")
+    except Exception as e:  # tokenizer errors have many types
+        reason = one_line(e)
+        if "custom code" in reason:
+            reason = (
+                "it needs Python code from the model folder, which mlx-mtp does not "
+                "run unless asked (pass --trust-remote-code if you trust this model)"
+            )
+        raise MTPError(
+            f"cannot load the tokenizer from {model_path}: {reason}"
+        ) from None
     return model, tokenizer

@@ -470,6 +470,9 @@ def _start(model, session: Session, prompt, policy, step: int, kv):
     return caches, state
 
 
+MAX_DRAFT_TOKENS = 16  # drafts per round; far past any break-even acceptance
+
+
 def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):
     """The draft-length policy for ``num_draft_tokens`` (see `mtp_generate_step`).
 
@@ -478,16 +481,21 @@ def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):
     """
     layers = model.num_mtp_layers
     if num_draft_tokens == "auto":
-        if max_k < 0:
-            raise MTPError(f"max_draft_tokens must be >= 0, got {max_k}")
+        if not 0 <= max_k <= MAX_DRAFT_TOKENS:
+            raise MTPError(
+                f"max_draft_tokens must be from 0 to {MAX_DRAFT_TOKENS}, got {max_k}"
+            )
         if not layers or not max_k:
             return FixedLength(0)
         depth = min(max_k, layers)
         allowed = [0, *range(depth, max_k + 1)]
         return AdaptiveLength(model_costs(model, max_k), allowed)
     if isinstance(num_draft_tokens, int):
-        if num_draft_tokens < 0:
-            raise MTPError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        if not 0 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise MTPError(
+                f"num_draft_tokens must be from 0 to {MAX_DRAFT_TOKENS}, got "
+                f"{num_draft_tokens}"
+            )
         return FixedLength(num_draft_tokens if layers else 0)
     if isinstance(num_draft_tokens, str):
         raise MTPError(

@@ -25,7 +25,7 @@ def test_bench_cli(checkpoint, tmp_path):
         "--model",
         str(checkpoint("mimo", predictable=True)),
         "--tokens",
-        "6",
+        "16",
         "--reps",
         "1",
         "-k",
