@@ -339,16 +339,15 @@ def save_trunk(
     n = len(shards)
     name = "model-{:05d}-of-{:05d}.safetensors" if n > 1 else "model.safetensors"
     weight_map = {}
-    bar = tqdm(total=n, unit="shard", desc="writing", disable=not progress)
-    for i in range(n):
-        shard, shards[i] = shards[i], None
-        file = name.format(i + 1, n)
-        mx.save_safetensors(str(folder / file), shard, metadata={"format": "mlx"})
-        weight_map.update({k: file for k in shard})
-        del shard
-        mx.clear_cache()
-        bar.update()
-    bar.close()
+    with tqdm(total=n, unit="shard", desc="writing", disable=not progress) as bar:
+        for i in range(n):  # (the bar ends its line also when a write fails)
+            shard, shards[i] = shards[i], None
+            file = name.format(i + 1, n)
+            mx.save_safetensors(str(folder / file), shard, metadata={"format": "mlx"})
+            weight_map.update({k: file for k in shard})
+            del shard
+            mx.clear_cache()
+            bar.update()
     index = {
         "metadata": {"total_size": total, "total_parameters": total_parameters},
         "weight_map": dict(sorted(weight_map.items())),

@@ -130,7 +130,11 @@ def compute_features(
         shapes["greedy"] = (np.int32, (n, length))
         for k, (dtype, shape) in shapes.items():
             np.lib.format.open_memmap(paths[k], "w+", dtype, shape)
-            reserve(paths[k], paths[k].stat().st_size)
+            try:
+                reserve(paths[k], paths[k].stat().st_size)
+            except OSError:
+                paths[k].unlink()  # sparse and useless: give the space back
+                raise
         np.save(paths["done"], np.array(0))
     hidden = np.load(paths["hidden"], mmap_mode="r+")[:n]
     greedy = np.load(paths["greedy"], mmap_mode="r+")[:n]

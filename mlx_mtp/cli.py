@@ -43,7 +43,11 @@ def friendly_errors(fn):
 
 def _quiet_transformers():
     """Silence transformers' notes about model types it does not know (tokenizers load
-    fine); mlx-mtp prints its own warnings."""
+    fine) and its advice that PyTorch is absent (not needed); mlx-mtp prints its own
+    warnings."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import MissingHeadsError, MTPError, one_line
+from .files import safetensors_header
 from .heads import has_heads_file, load_heads, load_strict, quantize_like
 from .models import get_family
 from .models.base import Model
@@ -285,6 +286,8 @@ def load_model(
     model_path = resolve(path_or_hf_repo, revision)
     config = read_config(model_path)
     family = get_family(config)
+    for f in sorted(model_path.glob("model*.safetensors")):
+        safetensors_header(f)  # a truncated or malformed file: one line naming it
     trunk, config, captured = load_trunk(model_path, family, lazy)
     stack = MTPStack([])
     if has_heads_file(config):  # an mlx-mtp conversion

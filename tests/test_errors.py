@@ -1,7 +1,13 @@
 """Bad input gets one clear line and a non-zero exit, never a traceback."""
 
 import json
+import os
 import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
 
 import mlx.core as mx
 import pytest
@@ -151,3 +157,212 @@ def test_context_overflow(loaded):
         )
     )
     assert len(responses) <= 3
+
+
+# --- issue 10: bad input gets one line (items 6-9, 11-16) -----------------------------
+
+MLX_MTP = [sys.executable, "-m", "mlx_mtp"]
+
+
+def cli_process(args, input=None, timeout=120):
+    """``python -m mlx_mtp ARGS`` as a user runs it (bytes in, text out)."""
+    proc = subprocess.run(
+        MLX_MTP + args, input=input, capture_output=True, timeout=timeout
+    )
+    out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(
+        errors="replace"
+    )
+    assert "Traceback" not in err, err
+    return proc.returncode, out, err
+
+
+def test_prompt_that_is_not_utf8(checkpoint):
+    path = str(checkpoint("mimo"))
+    args = ["generate", "--model", path, "-m", "2"]
+    code, _, err = cli_process([*args, "-p", b"hello \xff world"])
+    assert code == 1 and err.strip() == (
+        "mlx-mtp: error: the prompt is not valid UTF-8 (byte 0xff at character 6)"
+    )
+    code, _, err = cli_process(args, input=b"hello \xff world")
+    assert code == 1 and "stdin is not valid UTF-8 (byte 0xff" in err
+    code, out, err = cli_process(
+        ["chat", "--model", path, "-m", "2", "--quiet"], input=b"hi \xff\nhello\n"
+    )
+    assert code == 0, err  # the bad line is reported; the chat goes on
+    assert "that line is not valid UTF-8 (byte 0xff at character 3); ignored" in err
+    assert out.count(">> ") == 3 and len(out.strip().splitlines()) == 2  # one reply
+
+
+@pytest.mark.parametrize(
+    "header",
+    [[1, 2, 3], {"w": {"dtype": "F32", "shape": [1]}}, {"w": 1}],
+    ids=["list", "no-offsets", "number"],
+)
+def test_safetensors_header_of_the_wrong_shape(header, checkpoint, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint("deepseek_v3"), src)
+    raw = json.dumps(header).encode()
+    (src / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(raw)) + raw + bytes(16)
+    )
+    conversion = convert_to(checkpoint("deepseek_v3"), tmp_path / "conv")
+    for args in (
+        ["convert", "--hf-path", src, "--mlx-path", tmp_path / "out"],
+        ["convert", "--graft-heads-from", src, "--mlx-path", conversion, "--overwrite"],
+        ["generate", "--model", src, "-p", "hi"],
+    ):
+        assert_one_line_error(run_cli(*map(str, args)), "model.safetensors")
+    assert not (tmp_path / "out").exists()
+
+
+def convert_to(src, out):
+    from convert import convert
+
+    return convert(str(src), out, progress=False)
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda c: [1, 2], "not a JSON object"),
+        (lambda c: {**c, "num_hidden_layers": "three"}, "num_hidden_layers"),
+        (lambda c: {**c, "rope_scaling": "yes"}, "wrong type"),
+    ],
+    ids=["list", "string-layers", "string-rope-scaling"],
+)
+def test_config_of_the_wrong_shape(edit, needle, checkpoint, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint("deepseek_v3"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(edit(config)))
+    for args in (
+        ["convert", "--hf-path", src, "--mlx-path", tmp_path / "out"],
+        ["generate", "--model", src, "-p", "hi"],
+    ):
+        assert_one_line_error(run_cli(*map(str, args)), needle)
+
+
+def _set_template(folder, template):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "template,needle",
+    [
+        ("{% for m in messages %}{{ m.content }", "unexpected '}'"),
+        (
+            "{% if messages[0]['role'] == 'system' %}"
+            "{{ raise_exception('System role not supported') }}{% endif %}"
+            "{% for m in messages %}{{ m.content }}{% endfor %}",
+            "System role not supported",
+        ),
+    ],
+    ids=["syntax", "raises"],
+)
+def test_chat_template_that_fails(template, needle, checkpoint, tmp_path):
+    folder = shutil.copytree(checkpoint("mimo"), tmp_path / "m")
+    _set_template(folder, template)
+    system = ["--system-prompt", "Be brief."]
+    for command, extra in (("generate", ["-p", "hi"]), ("chat", [])):
+        result = run_cli(command, "--model", str(folder), *extra, *system, input="hi\n")
+        assert_one_line_error(result, "chat template failed", needle)
+
+
+def test_ctrl_c_while_starting():
+    """SIGINT while Python imports click, MLX and transformers: exit 130, one line."""
+    for delay in (0.1, 0.3, 0.6):
+        proc = subprocess.Popen(
+            MLX_MTP + ["generate", "--model", "/nonexistent", "-p", "hi"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        if proc.returncode == 1 and "does not exist" in err:
+            continue  # it had already finished: nothing interrupted
+        assert proc.returncode == 130 and "Traceback" not in err, (delay, err)
+        assert err.strip() == "interrupted"
+
+
+def test_check_takes_a_source_and_survives_a_moved_one(checkpoint, tmp_path):
+    src = shutil.copytree(checkpoint("mimo", predictable=True), tmp_path / "src")
+    out = convert_to(src, tmp_path / "out")
+    result = run_cli("convert", "--check", str(out), "--hf-path", str(src))
+    assert result.exit_code == 0, result.output
+    assert f"agreement with {src}" in result.output and "ok" in result.output
+    src.rename(tmp_path / "moved")
+    result = run_cli("convert", "--check", str(out))
+    assert result.exit_code == 0, result.output
+    assert "is not there any more" in result.output
+    assert "acceptance proxy" in result.output  # what needs no source is reported
+    both = run_cli("convert", "--check", str(out), "--graft-heads-from", str(src))
+    assert both.exit_code == 2
+
+
+def test_allow_missing_heads_without_the_heads_file(checkpoint, tmp_path):
+    out = convert_to(checkpoint("deepseek_v3"), tmp_path / "out")
+    (out / "mtp.safetensors").unlink()
+    args = ["generate", "--model", str(out), "-p", "hi", "-m", "4"]
+    assert_one_line_error(run_cli(*args), "--allow-missing-heads")
+    ok = run_cli(*args, "--allow-missing-heads")
+    assert ok.exit_code == 0, ok.output
+    model, tokenizer = load(str(out), allow_missing_heads=True)
+    assert model.num_mtp_layers == 0
+
+
+def test_flags_out_of_range(checkpoint):
+    path = str(checkpoint("mimo", predictable=True))
+    args = ("generate", "--model", path, "-p", "hi", "-m", "8")
+    for bad in (["-k", "100"], ["-k", "17"], ["--max-draft-tokens", "17"]):
+        assert run_cli(*args, *bad).exit_code == 2
+    assert run_cli(*args, "-k", "16").exit_code == 0
+    result = run_cli(*args, "-k", "2", "--kv-bits", "3", "--quantized-kv-start", "0")
+    assert_one_line_error(result, "--kv-group-size 64 does not divide", "--kv-bits")
+    assert "prompt" not in result.output  # refused before any token
+    chat = run_cli("chat", "--model", path, "-m", "0", input="hi\n")
+    assert chat.exit_code == 2 and ">>" not in chat.output  # refused at start
+
+
+def test_unknown_chat_command(checkpoint):
+    path = str(checkpoint("mimo", predictable=True))
+    result = run_cli(
+        "chat", "--model", path, "-m", "3", "--quiet", input="/rest\n/help\n/exit\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert "unknown command /rest" in result.output
+    assert result.output.count("/reset   start over") == 2
+    # the banner, the unknown command, two lists of three commands: no reply
+    assert result.output.count("\n") == 1 + 1 + 2 * 3
+
+
+def test_messages_are_whole_on_one_line(checkpoint, tmp_path):
+    extra = tmp_path / "extra"
+    shutil.copytree(checkpoint("deepseek_v3"), extra)
+    weights = mx.load(str(extra / "model.safetensors"))
+    weights["model.layers.0.extra.weight"] = mx.zeros((2,))
+    mx.save_safetensors(str(extra / "model.safetensors"), weights)
+    result = run_cli("generate", "--model", str(extra), "-p", "hi")
+    assert_one_line_error(result, "not in model: model.layers.0.extra.weight")
+    junk = tmp_path / "model.gguf"
+    junk.write_bytes(os.urandom(64))
+    for args in (
+        ["convert", "--hf-path", junk, "--mlx-path", tmp_path / "out"],
+        ["generate", "--model", junk, "-p", "hi"],
+    ):
+        assert_one_line_error(run_cli(*map(str, args)), "not a GGUF file")
+
+
+def test_bench_refuses_too_few_tokens_and_unwritable_json(checkpoint, tmp_path):
+    path = str(checkpoint("mimo"))
+    few = run_cli("bench", "--model", path, "--tokens", "4")
+    assert few.exit_code == 2 and "16" in few.output
+    start = time.time()
+    result = run_cli(
+        "bench", "--model", path, "--json", str(tmp_path / "no" / "such" / "r.json")
+    )
+    assert_one_line_error(result, "cannot write")
+    assert time.time() - start < 5  # refused before the run

@@ -149,3 +149,33 @@ def test_draft_rows_of_quantized_heads(kind):
         full_fn = head.as_linear
     h, rows = mx.random.normal((2, 3, 64)), mx.array([3, 7, 100, 299])
     assert mx.allclose(RowsHead(head, rows)(h), full_fn(h)[..., rows]).item()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])
+def test_trains_heads_for_other_families(family, checkpoint, tmp_path):
+    """DeepSeek's MLA attention takes its causal mask as an array: training builds
+    the mask as the runtime does (it used to fail after computing the features)."""
+    cfg = TrainConfig(
+        depth=2,
+        seq_len=16,
+        batch_size=2,
+        steps=2,
+        tokens=600,
+        draft_vocab=32,
+        eval_every=2,
+        save_every=2,
+        warmup=1,
+    )
+    out = train_heads(
+        str(checkpoint(family)), DATA[:2], str(tmp_path / "out"), cfg, progress=False
+    )
+    model, _ = load(str(out))
+    prompt = [5, 77, 301, 12, 9]
+    plain, drafted = (
+        [
+            o.token
+            for o in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=24)
+        ]
+        for k in (0, 2)
+    )
+    assert drafted == plain
