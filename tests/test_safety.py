@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
@@ -181,6 +180,8 @@ def _slow_conversion(src, dst):
 
 
 def test_concurrent_conversions_and_stale_leftovers(checkpoint, tmp_path):
+    """A second writer is refused while the first runs; the first, killed, leaves no
+    destination, and its leftovers go with the next run."""
     src = checkpoint("qwen3_next", num_shards=2)
     dst = tmp_path / "out"
     proc = _slow_conversion(src, dst)
