@@ -142,9 +142,12 @@ def check_text(text: str, what: str = "the prompt") -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raw = text[e.start].encode("utf-8", "surrogateescape")
+        try:
+            byte = f"byte 0x{text[e.start].encode('utf-8', 'surrogateescape')[0]:02x}"
+        except UnicodeEncodeError:  # a lone surrogate that was never a byte
+            byte = f"code point U+{ord(text[e.start]):04X}"
         raise MTPError(
-            f"{what} is not valid UTF-8 (byte 0x{raw[0]:02x} at character {e.start})"
+            f"{what} is not valid UTF-8 ({byte} at character {e.start})"
         ) from None
     return text
 
