@@ -258,7 +258,7 @@ def train_heads(
     """Train MTP heads for ``model_path`` on text ``data``; write the model to ``mlx_path``.
 
     Everything is checked before the work folder is made: the output may not replace
-    anything but a model folder (see `convert.output.check_destination`), the data must
+    anything but a model folder (see `mlx_mtp.convert.output.check_destination`), the data must
     fill one sequence. A full disk is one `MTPError`; the work folder is kept for
     ``resume``.
     """

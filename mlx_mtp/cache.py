@@ -39,10 +39,10 @@ class Caches:
 def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
     """Fresh caches; ``max_kv_size`` gives attention layers a rotating window, as in
     mlx-lm (models that make their own caches ignore it there too)."""
-    caches = Caches(
-        trunk=model.make_trunk_cache(max_kv_size=max_kv_size),
-        mtp=model.make_mtp_cache(),
-    )
+    trunk = model.make_trunk_cache(max_kv_size=max_kv_size)
+    if model.records_states:
+        trunk = with_recurrent_caches(trunk)
+    caches = Caches(trunk=trunk, mtp=model.make_mtp_cache())
     if max_kv_size and not any(isinstance(c, RotatingKVCache) for c in caches.trunk):
         log.warning(
             "max_kv_size has no effect: %s makes its own caches (as in mlx-lm)",

@@ -570,7 +570,7 @@ def convert(
         raise click.UsageError("--mlx-path is required")
     bits = int(head_bits) if head_bits else None
     if graft_from:
-        from convert import graft_heads
+        from mlx_mtp.convert import graft_heads
 
         out = graft_heads(
             graft_from,
@@ -581,7 +581,7 @@ def convert(
         )
         click.echo(f"grafted MTP heads from {graft_from} onto {out}")
         return
-    from convert import convert as run_convert
+    from mlx_mtp.convert import convert as run_convert
 
     out = run_convert(
         hf_path,
@@ -602,7 +602,7 @@ def convert(
 
 
 def _check(path, source, min_agreement, trust_remote_code):
-    from convert import check
+    from mlx_mtp.convert import check
 
     report = check(
         path,
@@ -685,8 +685,8 @@ def train_heads(
     trust_remote_code,
 ):
     """Train MTP heads for a model that has none (frozen trunk, self-distillation)."""
-    from convert.train_heads import TrainConfig
-    from convert.train_heads import train_heads as run
+    from mlx_mtp.convert.train_heads import TrainConfig
+    from mlx_mtp.convert.train_heads import train_heads as run
 
     _quiet_transformers()
     cfg = TrainConfig(

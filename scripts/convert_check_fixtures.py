@@ -13,8 +13,8 @@ import logging
 import tempfile
 from pathlib import Path
 
-from convert import check, convert
-from mlx_mtp.fixtures import FAMILIES, write_checkpoint
+from mlx_mtp.convert import check, convert
+from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 
 SETTINGS = {"q8/h8": (8, 8), "q4/h8": (4, 8), "q4/h4": (4, 4)}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 CHILD = """
 import json, resource, sys, time
-from convert import convert
+from mlx_mtp.convert import convert
 tic = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], quantize=True, q_bits=4, progress=False,
         shard_gb=float(sys.argv[3]))

@@ -11,9 +11,9 @@ import argparse
 import tempfile
 
 from mlx_mtp import load
-from mlx_mtp.fixtures import FAMILIES, write_checkpoint
 from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import MTPStats, mtp_generate_step
+from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 
 PROMPTS = ("def forward(self, x):", "The quick brown fox", "import numpy as np\n")
 

@@ -155,8 +155,8 @@ def main():
     blas = ensure_fast_blas()
     from mlx_lm.generate import generate_step
 
-    from mlx_mtp.fixtures import write_tokenizer
     from mlx_mtp.loading import load_model
+    from mlx_mtp.testing.fixtures import write_tokenizer
 
     config = llama_config(args.params, args.vocab, args.hidden)
     L = config["num_hidden_layers"]

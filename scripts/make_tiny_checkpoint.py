@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from mlx_mtp.fixtures import FAMILIES, write_checkpoint  # noqa: E402
+from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -3,8 +3,8 @@
 import mlx.core as mx
 import pytest
 
-from mlx_mtp.fixtures import FAMILIES, write_checkpoint
 from mlx_mtp.loading import load, load_model
+from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 
 
 @pytest.fixture(scope="session")

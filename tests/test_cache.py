@@ -8,8 +8,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from mlx_mtp.cache import Caches, check_rollback, make_caches
 from mlx_mtp.errors import RollbackError
-from mlx_mtp.fixtures import FAMILIES
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing.fixtures import FAMILIES
 
 
 def assert_same_kv(cache, fresh, upto=None):

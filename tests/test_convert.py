@@ -11,13 +11,13 @@ from mlx_lm import generate as lm_generate
 from mlx_lm import load as lm_load
 from mlx_lm.utils import quantize_model
 
-from convert import check, convert, graft_heads
 from mlx_mtp.cli import main
+from mlx_mtp.convert import check, convert, graft_heads
 from mlx_mtp.errors import MTPError
-from mlx_mtp.fixtures import FAMILIES
 from mlx_mtp.heads import quantize_heads
 from mlx_mtp.loading import load_model
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing.fixtures import FAMILIES
 
 PROMPT = [5, 77, 301, 12, 9, 140, 88, 2]
 N = 32
@@ -240,7 +240,7 @@ def test_bad_sources(checkpoint, tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing(checkpoint, tmp_path, monkeypatch):
-    import convert.output as output
+    import mlx_mtp.convert.output as output
 
     src = checkpoint("deepseek_v3", num_shards=2)
     calls = []

@@ -216,7 +216,7 @@ def test_safetensors_header_of_the_wrong_shape(header, checkpoint, tmp_path):
 
 
 def convert_to(src, out):
-    from convert import convert
+    from mlx_mtp.convert import convert
 
     return convert(str(src), out, progress=False)
 

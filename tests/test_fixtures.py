@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
-from mlx_mtp.fixtures import FAMILIES, write_checkpoint
+from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 
 H = 64
 V = 512

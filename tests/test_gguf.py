@@ -6,12 +6,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from convert import convert
+from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
-from mlx_mtp.fixtures import write_llama
 from mlx_mtp.heads import source_fingerprint
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing.fixtures import write_llama
 
 from .gguf_writer import permute, write_gguf
 

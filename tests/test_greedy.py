@@ -4,9 +4,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_mtp.fixtures import FAMILIES
 from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing.fixtures import FAMILIES
 
 NUM_TOKENS = 64
 PROMPTS = ("def forward(self, x):", "The quick brown fox", "import numpy as np\n")

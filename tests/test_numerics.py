@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlx_mtp.fixtures import FAMILIES
+from mlx_mtp.testing.fixtures import FAMILIES
 
 from .numpy_reference import reference_logits
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import convert.graft as graft_module
-import convert.hf as hf_module
-import convert.output as output
-from convert import convert, graft_heads
-from convert.train_heads import TrainConfig, train_heads
+import mlx_mtp.convert.graft as graft_module
+import mlx_mtp.convert.hf as hf_module
+import mlx_mtp.convert.output as output
 from mlx_mtp.cli import main
+from mlx_mtp.convert import convert, graft_heads
+from mlx_mtp.convert.train_heads import TrainConfig, train_heads
 from mlx_mtp.errors import DiskFullError, MTPError
 from mlx_mtp.heads import HEADS_FILE
 
@@ -162,12 +162,12 @@ def test_overwrite_replaces_model_folders_only(checkpoint, tmp_path):
 def _slow_conversion(src, dst):
     """A conversion in another process that pauses after writing its first shard."""
     code = (
-        "import time, mlx.core as mx, convert.output as o\n"
+        "import time, mlx.core as mx, mlx_mtp.convert.output as o\n"
         "save = mx.save_safetensors\n"
         "def slow(*a, **k):\n"
         "    save(*a, **k); time.sleep(60)\n"
         "o.mx.save_safetensors = slow\n"
-        "from convert import convert\n"
+        "from mlx_mtp.convert import convert\n"
         f"convert({str(src)!r}, {str(dst)!r}, progress=False, shard_gb=1e-4)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)

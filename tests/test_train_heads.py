@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from convert import check
-from convert.train_heads import TrainConfig, train_heads
 from mlx_mtp.cli import main
-from mlx_mtp.fixtures import write_llama
+from mlx_mtp.convert import check
+from mlx_mtp.convert.train_heads import TrainConfig, train_heads
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing.fixtures import write_llama
 
 STDLIB = Path(json.__file__).parent.parent  # CPython's own sources: offline text
 DATA = [

@@ -130,16 +130,17 @@ class Model(nn.Module):
         return getattr(self._family, "embed", trunk_embed)(self.trunk, ids)
 
     def make_trunk_cache(self, max_kv_size: Optional[int] = None) -> List[Any]:
-        """mlx-lm's caches for the trunk; recurrent layers whose mixers record
-        per-position states (families with ``prepare``) get a `RecurrentCache`."""
+        """mlx-lm's caches for the trunk (`mlx_mtp.cache.make_caches` gives recurrent
+        layers their rollback when `records_states`)."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        from ..cache import with_recurrent_caches
+        return make_prompt_cache(self.trunk, max_kv_size=max_kv_size)
 
-        caches = make_prompt_cache(self.trunk, max_kv_size=max_kv_size)
-        if hasattr(self._family, "prepare"):
-            caches = with_recurrent_caches(caches)
-        return caches
+    @property
+    def records_states(self) -> bool:
+        """Whether the trunk's recurrent mixers record their state per position (the
+        family's ``prepare`` installed a capture), so their caches can roll back."""
+        return hasattr(self._family, "prepare")
 
     def make_mtp_cache(self) -> List[Any]:
         from mlx_lm.models.cache import KVCache

@@ -1,0 +1,137 @@
+"""The package's import graph: one-way layers, no cycles, the runtime apart from the
+converter; every module imports in a fresh interpreter."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each module's layer: a module imports only from its own layer or those below,
+# and never in a cycle. The runtime (layers 0-5) never imports the converter.
+LAYERS = [
+    ["__init__", "errors", "files", "paths"],  # the root imports its names lazily
+    ["models"],
+    ["heads", "loading"],
+    ["sampling", "rejection", "cache", "draft_length"],
+    ["speculative"],
+    ["generate", "bench"],
+    ["convert", "demo", "testing"],
+    ["cli", "_entry", "__main__"],
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def modules():
+    """``{dotted name: path}`` of every module of mlx_mtp and of the converter
+    (installed as ``mlx_mtp.convert``)."""
+    found = {}
+    for path in sorted((ROOT / "mlx_mtp").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(p for p in parts if p != "__init__") or "mlx_mtp"] = path
+    for path in sorted((ROOT / "convert").rglob("*.py")):
+        parts = ("mlx_mtp",) + path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(p for p in parts if p != "__init__")] = path
+    return found
+
+
+def imports(name: str, path: Path):
+    """The mlx_mtp modules that ``name`` imports, at any depth of its code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets = [target] + [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t.startswith("mlx_mtp")}
+    return out
+
+
+def component(name: str) -> str:
+    """The layer component of a module: its first name inside mlx_mtp."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def graph():
+    mods = modules()
+    edges = {}
+    for name, path in mods.items():
+        targets = set()
+        for t in imports(name, path):
+            while t and t not in mods:  # an attribute: its module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                targets.add(t)
+        edges[name] = targets
+    return edges
+
+
+def test_layers_are_one_way():
+    bad = []
+    for name, targets in graph().items():
+        for t in targets:
+            if LAYER[component(t)] > LAYER[component(name)]:
+                bad.append(f"{name} -> {t}")
+    assert not bad, "imports against the layers:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    edges = graph()
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for t in sorted(edges[node]):
+            if state.get(t) == "open":
+                cycle = path[path.index(t) :] + [t]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t, path + [t])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_runtime_never_imports_the_converter():
+    runtime = [n for n in graph() if LAYER[component(n)] <= LAYER["bench"]]
+    for name in runtime:
+        assert not any(t.startswith("mlx_mtp.convert") for t in graph()[name]), name
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = [n for n in modules() if not n.endswith("__main__")]
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
+    for name in names:  # each alone: an import that works only after another fails
+        proc = subprocess.run(
+            [sys.executable, "-c", code, name], capture_output=True, text=True
+        )
+        assert proc.returncode == 0, f"{name}: {proc.stderr.strip().splitlines()[-1]}"
+
+
+def test_nothing_called_convert_is_importable_from_site_packages(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util as u; print(u.find_spec('convert'))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,  # not the repository, whose convert/ folder is on the path
+    )
+    assert proc.stdout.strip() == "None", proc.stdout
