@@ -3,21 +3,20 @@ Hugging Face checkpoint to an MLX conversion that lacks them (e.g. an mlx-commun
 4-bit model), downloading only the shards that hold the MTP tensors."""
 
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from mlx_mtp import __version__
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import (
     HEADS_FILE,
     has_heads_file,
     heads_section,
+    provenance,
     quantize_heads,
+    save_heads,
     source_fingerprint,
 )
 from mlx_mtp.loading import build_mtp, load_trunk, read_config
@@ -86,35 +85,20 @@ def graft_heads(
     quantization = quantize_heads(stack, head_bits)
     mx.eval(stack.parameters())
 
-    provenance = {
-        "source": (
-            str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
-        ),
-        "source_revision": revision or snapshot_revision(src),
-        "source_fingerprint": source_fingerprint(src),
-        "mlx_mtp_version": __version__,
-        "head_bits": head_bits,
-        "grafted": True,
-    }
-    weights = dict(tree_flatten(stack.parameters()))
-    dst_config["mtp"] = heads_section(stack, quantization, provenance)
+    local = Path(hf_path).expanduser().exists()
+    source = str(src.resolve()) if local else hf_path
+    revision = revision or snapshot_revision(src)
+    record = provenance(source, head_bits, revision, src, grafted=True)
+    dst_config["mtp"] = heads_section(stack, quantization, record)
     with locked(dst):
         replace_files(
             {
-                dst / HEADS_FILE: lambda p: _save_weights(p, weights),
+                dst / HEADS_FILE: lambda p: save_heads(p, stack),
                 dst
                 / "config.json": lambda p: _save_config(dst_config, p.parent, p.name),
             }
         )
     return dst
-
-
-def _save_weights(path: Path, weights: dict) -> None:
-    """``mx.save_safetensors`` to exactly ``path`` (it appends ``.safetensors`` to a
-    name without that suffix)."""
-    tmp = path.with_name(path.name + ".safetensors")
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
-    os.replace(tmp, path)
 
 
 def _check_apart(dst: Path, src: Path) -> None:

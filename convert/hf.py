@@ -17,9 +17,14 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_map_with_path
 
-from mlx_mtp import __version__
 from mlx_mtp.errors import MissingHeadsError, MTPError
-from mlx_mtp.heads import heads_section, quantize_heads, save_heads, source_fingerprint
+from mlx_mtp.heads import (
+    HEADS_FILE,
+    heads_section,
+    provenance,
+    quantize_heads,
+    save_heads,
+)
 from mlx_mtp.loading import build_mtp, check_declared, load_trunk, read_config
 from mlx_mtp.models import get_family
 
@@ -172,22 +177,21 @@ def _convert_folder(
         }
     heads_quant = quantize_heads(stack, o.head_bits) if stack is not None else None
 
-    provenance = {
-        "source": source,
-        "source_revision": revision,
-        "source_fingerprint": source_fingerprint(src),
-        "mlx_mtp_version": __version__,
-        "trunk_quantization": trunk_quant,
-        "head_bits": o.head_bits if stack is not None else None,
-        "dtype": dtype,
-    }
-    config["mlx_mtp"] = provenance
+    record = provenance(
+        source,
+        o.head_bits if stack is not None else None,
+        revision,
+        src,
+        trunk_quantization=trunk_quant,
+        dtype=dtype,
+    )
+    config["mlx_mtp"] = record
     if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
         del config["quantization_config"]  # dequantized on the way
     with staged_folder(dst, o.overwrite, protect) as tmp:
         if stack is not None:
-            save_heads(tmp, stack)
-            config["mtp"] = heads_section(stack, heads_quant, provenance)
+            save_heads(tmp / HEADS_FILE, stack)
+            config["mtp"] = heads_section(stack, heads_quant, record)
         save_trunk(tmp, trunk, o.shard_gb, o.progress)
         _save_config(config, tmp)
         copy_side_files(src, tmp, code=o.copy_code)

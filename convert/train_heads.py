@@ -29,9 +29,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from mlx_mtp import __version__
 from mlx_mtp.errors import DiskFullError, MTPError
-from mlx_mtp.heads import heads_section, save_heads
+from mlx_mtp.heads import HEADS_FILE, heads_section, provenance, save_heads
 from mlx_mtp.loading import load, read_config
 from mlx_mtp.models.mtp import MTPLayer, MTPStack
 
@@ -196,26 +195,13 @@ def init_head(model, family, draft_vocab: np.ndarray) -> MTPStack:
 
 
 def draft_weight(model, vocab: mx.array) -> mx.array:
-    """Rows of the trunk's output projection for the draft vocabulary, (V', H)."""
+    """Rows of the trunk's output projection (its ``lm_head``, or the tied
+    embedding) for the draft vocabulary, (V', H), dequantized."""
     trunk = model.trunk
-    head = getattr(trunk, "lm_head", None)
-    if head is not None:
-        w = (
-            head.weight
-            if not hasattr(head, "scales")
-            else mx.dequantize(
-                head.weight, head.scales, head.biases, head.group_size, head.bits
-            )
-        )
-    else:
-        emb = trunk.model.embed_tokens
-        w = (
-            emb.weight
-            if not hasattr(emb, "scales")
-            else mx.dequantize(
-                emb.weight, emb.scales, emb.biases, emb.group_size, emb.bits
-            )
-        )
+    head = getattr(trunk, "lm_head", None) or trunk.model.embed_tokens
+    w = head.weight
+    if hasattr(head, "scales"):
+        w = mx.dequantize(w, head.scales, head.biases, head.group_size, head.bits)
     return w[vocab].astype(mx.float32)
 
 
@@ -485,24 +471,19 @@ def _write_model(
 ) -> Path:
     """The trunk's files plus the heads: a folder mlx-mtp loads with its MTP layer."""
     config = read_config(src)
-    provenance = {
-        "source": None,
-        "trained_from": str(src),
-        "mlx_mtp_version": __version__,
-        "head_bits": 16,
-        "training": {
-            "config": asdict(cfg),
-            "history": history[-1:] if history else [],
-            "draft_vocab_coverage": coverage,
-        },
+    training = {
+        "config": asdict(cfg),
+        "history": history[-1:] if history else [],
+        "draft_vocab_coverage": coverage,
     }
+    record = provenance(None, 16, trained_from=str(src), training=training)
     config.pop("mtp", None)
     config["num_nextn_predict_layers"] = len(stack.layers)
     with staged_folder(out, overwrite, [src]) as tmp:
         for f in src.iterdir():
             if _copied(f, code):
                 shutil.copy2(f, tmp / f.name)
-        save_heads(tmp, stack)
-        config["mtp"] = heads_section(stack, None, provenance)
+        save_heads(tmp / HEADS_FILE, stack)
+        config["mtp"] = heads_section(stack, None, record)
         (tmp / "config.json").write_text(json.dumps(config, indent=4))
     return out

@@ -23,11 +23,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from .cache import begin_verify, make_caches, rewind
+from .defaults import DEFAULT_MAX_DRAFT_TOKENS
+from .draft_length import time_round
 from .sampling import SamplingParams
 from .speculative import mtp_generate_step
-
-AUTO_MAX_K = 4  # mtp_generate_step's default max_draft_tokens
 
 WORKLOADS = {
     "code": 'def merge_intervals(intervals):\n    """Merge overlapping intervals."""\n',
@@ -105,31 +104,13 @@ def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int):
 
 
 def costs(model, prompt, max_k: int, reps: int) -> Dict[str, float]:
-    """Medians of t_verify(n) for n = 1..max_k+1 and of one draft step, in seconds."""
-    caches = make_caches(model)
-    mx.eval(model.hidden(mx.array(prompt)[None], caches.trunk))
+    """Medians of t_verify(n) for n = 1..max_k+1 and of one draft step, in seconds,
+    after ``prompt`` (`mlx_mtp.draft_length.time_round`, with more repetitions)."""
     reps = max(7, 2 * reps)  # small, noisy timings: take more
-    out = {}
-    for n in range(1, max_k + 2):
-        ids = mx.array(prompt[:n])[None]
-        times = []
-        for _ in range(reps + 1):
-            tic = time.perf_counter()
-            marks = begin_verify(caches.trunk)
-            h = model.hidden(ids, caches.trunk)
-            mx.eval(model.logits(h))
-            times.append(time.perf_counter() - tic)
-            rewind(caches.trunk, marks, n)
-        out[f"verify_{n}"] = statistics.median(times[1:])
+    t, draft = time_round(model, mx.array(prompt, dtype=mx.int32), max_k, reps)
+    out = {f"verify_{n}": x for n, x in enumerate(t, start=1)}
     if model.num_mtp_layers:
-        h = model.hidden(mx.array(prompt)[None])
-        times = []
-        for _ in range(reps + 1):
-            tic = time.perf_counter()
-            z = model.mtp_forward(0, h[:, -1:], mx.array(prompt[-1:])[None])
-            mx.eval(mx.argmax(model.draft_logits(z), axis=-1))
-            times.append(time.perf_counter() - tic)
-        out["draft"] = statistics.median(times[1:])
+        out["draft"] = draft
     return out
 
 
@@ -149,7 +130,7 @@ def bench(
     ks = [k for k in ks if k == 0 or model.num_mtp_layers]
     all_prompts = prompts(tokenizer, model, seed)
     names = list(workloads or all_prompts)
-    max_k = max(AUTO_MAX_K if k == "auto" else k for k in ks)
+    max_k = max(DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k for k in ks)
     c = costs(model, all_prompts["code"], max_k, reps)
     rows = []
     for name in names:

@@ -9,6 +9,8 @@ import sys
 
 import click
 
+from .defaults import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -80,8 +82,6 @@ class DraftLength(click.ParamType):
     name = "auto|K"
 
     def convert(self, value, param, ctx):
-        from .speculative import MAX_DRAFT_TOKENS
-
         if value == "auto":
             return value
         try:
@@ -210,8 +210,8 @@ def decode_options(fn):
         ),
         click.option(
             "--max-draft-tokens",
-            type=click.IntRange(0, 16),
-            default=4,
+            type=click.IntRange(0, MAX_DRAFT_TOKENS),
+            default=DEFAULT_MAX_DRAFT_TOKENS,
             show_default=True,
             help="The largest k that auto picks.",
         ),

@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -42,8 +42,18 @@ class RoundCosts:
 
 
 def measure_costs(model, max_k: int, reps: int = 5, context: int = 64) -> RoundCosts:
-    """Time a verify pass over n = 1..max_k+1 tokens and one draft step (medians)."""
+    """Round costs relative to t(1), from `time_round` after ``context`` tokens."""
     ids = mx.arange(context, dtype=mx.int32) % model.args.vocab_size
+    t, draft = time_round(model, ids, max_k, reps)
+    return RoundCosts([x / t[0] for x in t], draft / t[0])
+
+
+def time_round(
+    model, ids: mx.array, max_k: int, reps: int
+) -> Tuple[List[float], float]:
+    """Median seconds, after the tokens ``ids`` (1-D) are in the caches, of a verify
+    pass over n = 1..max_k+1 tokens (as a round verifies: rollback marks, pass,
+    rewind) and of one draft step (0.0 for a model without heads)."""
     caches = make_caches(model)
     mx.eval(model.hidden(ids[None], caches.trunk))
 
@@ -55,7 +65,7 @@ def measure_costs(model, max_k: int, reps: int = 5, context: int = 64) -> RoundC
             times.append(time.perf_counter() - tic)
         return statistics.median(times[1:])
 
-    def verify(n: int):  # as a round verifies: rollback marks, pass, rewind
+    def verify(n: int):
         marks = begin_verify(caches.trunk)
         mx.eval(model.logits(model.hidden(ids[None, :n], caches.trunk)))
         rewind(caches.trunk, marks, n)
@@ -71,7 +81,7 @@ def measure_costs(model, max_k: int, reps: int = 5, context: int = 64) -> RoundC
             mx.eval(mx.argmax(model.draft_logits(z), axis=-1))
 
         draft = median_time(step)
-    return RoundCosts([x / t[0] for x in t], draft / t[0])
+    return t, draft
 
 
 def model_costs(model, max_k: int) -> RoundCosts:

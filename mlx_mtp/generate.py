@@ -15,6 +15,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import KVQuantization
+from .defaults import DEFAULT_MAX_DRAFT_TOKENS
 from .errors import MTPError
 from .sampling import SamplingParams
 from .speculative import MTPStats, Session, mtp_generate_step
@@ -62,7 +63,7 @@ def stream_generate(
     max_tokens: int = 256,
     *,
     num_draft_tokens: Union[int, str] = "auto",
-    max_draft_tokens: int = 4,
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,

@@ -101,10 +101,38 @@ def _names(keys, limit: int = 3) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def save_heads(folder: Path, stack: MTPStack) -> None:
-    """Write the heads' tensors (evaluated one layer at a time) to ``mtp.safetensors``."""
+def save_heads(path: Path, stack: MTPStack) -> None:
+    """Write the heads' tensors to the file ``path`` (MLX appends ``.safetensors`` to a
+    name without it; the file is renamed back to exactly ``path``)."""
     weights = dict(tree_flatten(stack.parameters()))
-    mx.save_safetensors(str(folder / HEADS_FILE), weights, metadata={"format": "mlx"})
+    path = Path(path)
+    written = path if path.suffix == ".safetensors" else Path(f"{path}.safetensors")
+    mx.save_safetensors(str(written), weights, metadata={"format": "mlx"})
+    if written != path:
+        written.replace(path)
+
+
+def provenance(
+    source: Optional[str],
+    head_bits: Optional[int],
+    revision: Optional[str] = None,
+    folder: Optional[Path] = None,
+    **extra,
+) -> dict:
+    """Where a conversion's weights came from (the ``provenance`` of the ``mtp``
+    section, and the config's ``mlx_mtp`` section): the source's name, revision and
+    weight fingerprint (of ``folder``, its files), this mlx-mtp's version, the heads'
+    bits, and any ``extra`` fields."""
+    from . import __version__
+
+    return {
+        "source": source,
+        "source_revision": revision,
+        "source_fingerprint": source_fingerprint(folder) if folder else None,
+        "mlx_mtp_version": __version__,
+        "head_bits": head_bits,
+        **extra,
+    }
 
 
 def heads_section(stack: MTPStack, quantization, provenance: dict) -> dict:
@@ -178,10 +206,3 @@ def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
     digest = hashlib.sha256(json.dumps([name, info["dtype"], info["shape"]]).encode())
     digest.update(data)
     return digest.hexdigest()
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise MTPError(f"cannot read {path}: {e}") from None

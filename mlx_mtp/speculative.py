@@ -32,6 +32,7 @@ from .cache import (
     rewind,
     trim_to,
 )
+from .defaults import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from .draft_length import AdaptiveLength, FixedLength, model_costs
 from .errors import MTPError
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
@@ -346,7 +347,7 @@ def mtp_generate_step(
     model,
     *,
     num_draft_tokens: Union[int, str] = "auto",
-    max_draft_tokens: int = 4,
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
     params: SamplingParams = SamplingParams(),
     max_tokens: int = 256,
     seed: Optional[int] = None,
@@ -468,9 +469,6 @@ def _start(model, session: Session, prompt, policy, step: int, kv):
         state = prefill(model, caches, prompt, depth, step, kv)
     session.caches, session.state = caches, state
     return caches, state
-
-
-MAX_DRAFT_TOKENS = 16  # drafts per round; far past any break-even acceptance
 
 
 def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):

@@ -32,6 +32,7 @@ def main():
     args = p.parse_args()
 
     from mlx_mtp.heads import (
+        HEADS_FILE,
         heads_section,
         quantize_heads,
         save_heads,
@@ -58,7 +59,7 @@ def main():
     }
     with tempfile.TemporaryDirectory(dir=args.out.parent) as tmp:
         tmp = Path(tmp)
-        save_heads(tmp, stack)
+        save_heads(tmp / HEADS_FILE, stack)
         section = heads_section(stack, quantization, provenance)
         (tmp / "mtp.json").write_text(json.dumps(section, indent=1) + "\n")
         args.out.mkdir(parents=True, exist_ok=True)

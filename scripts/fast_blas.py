@@ -4,7 +4,8 @@ The ``mlx[cpu]`` wheel links a netlib reference BLAS (~3 GFLOP/s), which makes e
 decode step compute-bound; Apple Silicon decoding is memory-bound. Timing scripts call
 `ensure_fast_blas()` first: on Linux it compiles a 10-line shim that forwards
 ``cblas_sgemm`` to the OpenBLAS shipped inside numpy's wheel, and re-executes the
-script with it preloaded (one thread, as ``../shared/docs/cpu-timing.md`` advises).
+script with it preloaded (one thread: with two, t(1) gets faster but the cost ratio
+of a multi-token verify pass rises from ~1.08 to ~1.28, a regime unlike a Mac).
 It returns a one-line description of the BLAS in use, for the report.
 """
 

@@ -2,7 +2,7 @@
 
 Speed claims need models whose drafts are accepted at a known rate, so that the
 runtime's own efficiency (measured speedup / the speedup the acceptance allows) can be
-read off independently of head quality. The construction (after ../shared/docs/peers.md):
+read off independently of head quality. The construction:
 
 - trunk: random llama weights at a real size (--params), embedding scaled so the
   residual stream is dominated by the current token, attention / MLP outputs damped;
@@ -101,7 +101,7 @@ def build_weights(config: dict, seed: int, cycle: int = 0):
 
 def write_conversion(out: Path, config: dict, w: dict, L: int, vocab, info) -> None:
     """Rewrite ``out`` as an mlx-mtp conversion whose heads draft from ``vocab``."""
-    from mlx_mtp.heads import heads_section, save_heads
+    from mlx_mtp.heads import HEADS_FILE, heads_section, save_heads
     from mlx_mtp.loading import load_model
     from mlx_mtp.models.mtp import MTPStack
 
@@ -110,7 +110,7 @@ def write_conversion(out: Path, config: dict, w: dict, L: int, vocab, info) -> N
     stack.draft_vocab = mx.array(vocab, dtype=mx.int32)
     trunk = {k: v for k, v in w.items() if not k.startswith(f"model.layers.{L}.")}
     mx.save_safetensors(str(out / "model.safetensors"), trunk, {"format": "pt"})
-    save_heads(out, stack)
+    save_heads(out / HEADS_FILE, stack)
     config = dict(config)
     config["mtp"] = heads_section(stack, None, {"source": None, "synthetic": info})
     (out / "config.json").write_text(json.dumps(config, indent=2))

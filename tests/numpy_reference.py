@@ -10,7 +10,7 @@ partial RoPE + MoE), ``mimo`` (Qwen2 layers), and the hybrid Gated-DeltaNet
 trunks ``qwen3_5`` (dense), ``qwen3_5_moe`` and ``qwen3_next`` (MoE). The
 trunk math follows mlx-lm 0.32.2, which is the trunk we must match.
 
-Conventions pinned here (see shared/docs/mtp_formats.md §0.1, §3, §5, §6):
+Conventions pinned here (from the families' transformers and vLLM sources):
 
 - The MTP head reads the trunk hidden state AFTER the trunk's final norm.
 - Concat order is ``[enorm(emb), hnorm(hidden)]`` for deepseek_v3 and

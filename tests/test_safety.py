@@ -351,7 +351,7 @@ def test_full_disk_in_convert_and_graft(checkpoint, tmp_path, monkeypatch):
         assert list(fs.iterdir()) == []
     out = convert(str(src), tmp_path / "out", progress=False)
     before = tree(out)
-    monkeypatch.setattr(graft_module, "_save_weights", _disk_full)
+    monkeypatch.setattr(graft_module, "save_heads", _disk_full)
     with pytest.raises(DiskFullError, match="no space left on"):
         graft_heads(str(src), str(out), overwrite=True)
     assert tree(out) == before  # heads and config untouched, no scratch files

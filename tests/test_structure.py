@@ -13,7 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Each module's layer: a module imports only from its own layer or those below,
 # and never in a cycle. The runtime (layers 0-5) never imports the converter.
 LAYERS = [
-    ["__init__", "errors", "files", "paths"],  # the root imports its names lazily
+    [
+        "__init__",
+        "defaults",
+        "errors",
+        "files",
+        "paths",
+    ],  # the root imports its names lazily
     ["models"],
     ["heads", "loading"],
     ["sampling", "rejection", "cache", "draft_length"],

@@ -1,0 +1,5 @@
+"""Defaults and limits shared by the library and the CLI (this module imports
+nothing, so the CLI reads them before MLX is loaded)."""
+
+DEFAULT_MAX_DRAFT_TOKENS = 4  # the largest k "auto" picks unless told otherwise
+MAX_DRAFT_TOKENS = 16  # drafts per round at most; far past any break-even acceptance
