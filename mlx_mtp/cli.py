@@ -20,7 +20,11 @@ def _fail(message: str, code: int = 1):
 
 
 def friendly_errors(fn):
-    """Turn user errors into one line and an exit code; Ctrl-C into exit 130."""
+    """Turn user errors into one line and an exit code; Ctrl-C into exit 130.
+
+    User errors are `MTPError` (what the library raises for bad input) and `OSError`
+    (a file the system refuses: missing, unreadable, a full disk). Anything else is a
+    bug in mlx-mtp and keeps its traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -36,8 +40,6 @@ def friendly_errors(fn):
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 _fail(f"no space left on the device ({e.filename or 'writing'})")
-            _fail(one_line(e))
-        except ValueError as e:
             _fail(one_line(e))
 
     return wrapper
