@@ -1,4 +1,4 @@
-"""``mlx-mtp convert --check OUT``: what a conversion holds, and whether its heads still
+"""``mlx-mtp check OUT``: what a conversion holds, and whether its heads still
 predict what the source checkpoint's heads predict.
 
 The agreement check runs both models teacher-forced over a built-in text (code and

@@ -1,4 +1,4 @@
-"""``mlx-mtp convert --graft-heads-from SRC --mlx-path EXISTING``: add MTP heads from a
+"""``mlx-mtp graft --from SRC --mlx-path EXISTING``: add MTP heads from a
 Hugging Face checkpoint to an MLX conversion that lacks them (e.g. an mlx-community
 4-bit model), downloading only the shards that hold the MTP tensors."""
 

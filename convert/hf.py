@@ -46,13 +46,29 @@ Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 
 @dataclass(frozen=True)
 class Options:
-    """What to write (see `convert`)."""
+    """What `convert` writes.
+
+    Attributes:
+        quantize, q_bits, q_group_size, q_mode: Trunk quantization, as mlx-lm's convert.
+        head_bits: 4 or 8 to quantize the heads (affine, group 64), 16 to keep them in
+            the float dtype. Default (None): 8 when the trunk is quantized, else 16.
+        dtype: Float dtype of the unquantized parameters (default: the checkpoint's;
+            float32 for GGUF, whose quantized weights are dequantized).
+        overwrite: Replace an existing output (a model folder only, see
+            `mlx_mtp.convert.output.check_destination`).
+        require_heads: Refuse a checkpoint without MTP tensors (default: warn).
+        shard_gb: Largest output shard.
+        progress: Show a progress bar.
+        copy_code: Copy the source's ``*.py`` files (custom tokenizer or model code,
+            run only with ``trust_remote_code``); default: leave them out, with a
+            warning.
+    """
 
     quantize: bool = False
     q_bits: Optional[int] = None
     q_group_size: Optional[int] = None
     q_mode: str = "affine"
-    head_bits: int = 16
+    head_bits: Optional[int] = None
     dtype: Optional[str] = None
     overwrite: bool = False
     require_heads: bool = False
@@ -60,64 +76,38 @@ class Options:
     progress: bool = True
     copy_code: bool = False
 
+    def __post_init__(self):
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise MTPError(f"dtype must be one of {', '.join(DTYPES)}")
+        if self.q_mode not in Q_MODES:
+            raise MTPError(f"q_mode must be one of {', '.join(Q_MODES)}")
+        if self.head_bits is None:
+            object.__setattr__(self, "head_bits", 8 if self.quantize else 16)
+        if self.head_bits not in (4, 8, 16):
+            raise MTPError("head_bits must be 4, 8 or 16")
+
 
 def convert(
     hf_path: str,
     mlx_path: str,
     *,
-    quantize: bool = False,
-    q_bits: Optional[int] = None,
-    q_group_size: Optional[int] = None,
-    q_mode: str = "affine",
-    head_bits: Optional[int] = None,
-    dtype: Optional[str] = None,
     revision: Optional[str] = None,
-    overwrite: bool = False,
-    require_heads: bool = False,
     upload_repo: Optional[str] = None,
-    shard_gb: float = 5.0,
-    progress: bool = True,
-    copy_code: bool = False,
+    **options,
 ) -> Path:
     """Convert ``hf_path`` (folder, hub repo, or llama-family ``.gguf`` file) into the
     MLX folder ``mlx_path``.
 
     Args:
-        quantize, q_bits, q_group_size, q_mode: Trunk quantization, as mlx-lm's convert.
-        head_bits: 4 or 8 to quantize the heads (affine, group 64), 16 to keep them in
-            the float dtype. Default: 8 when the trunk is quantized, else 16.
-        dtype: Float dtype of the unquantized parameters (default: the checkpoint's;
-            float32 for GGUF, whose quantized weights are dequantized).
-        require_heads: Refuse a checkpoint without MTP tensors (default: warn).
+        revision: Hub revision of the source.
         upload_repo: Upload the result to this hub repo.
-        shard_gb: Largest output shard.
-        copy_code: Copy the source's ``*.py`` files (custom tokenizer or model code,
-            run only with ``trust_remote_code``); default: leave them out, with a
-            warning.
+        options: What to write, the fields of `Options`.
 
     Returns:
         The output folder.
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise MTPError(f"dtype must be one of {', '.join(DTYPES)}")
-    if q_mode not in Q_MODES:
-        raise MTPError(f"q_mode must be one of {', '.join(Q_MODES)}")
-    head_bits = head_bits or (8 if quantize else 16)
-    if head_bits not in (4, 8, 16):
-        raise MTPError("head_bits must be 4, 8 or 16")
-    options = Options(
-        quantize=quantize,
-        q_bits=q_bits,
-        q_group_size=q_group_size,
-        q_mode=q_mode,
-        head_bits=head_bits,
-        dtype=dtype,
-        overwrite=overwrite,
-        require_heads=require_heads,
-        shard_gb=shard_gb,
-        progress=progress,
-        copy_code=copy_code,
-    )
+    options = Options(**options)
+    overwrite, dtype = options.overwrite, options.dtype
     dst = Path(mlx_path).expanduser()
     if is_gguf(hf_path):
         gguf = Path(hf_path).expanduser().resolve()

@@ -60,7 +60,15 @@ def _quiet_transformers():
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mlx-mtp")
 def main():
-    """Multi-token-prediction speculative decoding for MLX."""
+    """Multi-token-prediction speculative decoding for MLX: the model's MTP heads
+    draft, the model verifies, and the output is exactly the model's own.
+
+    \b
+    mlx-mtp generate -p "Hello"                 (no --model: the built-in demo)
+    mlx-mtp chat --model PATH_OR_HF_REPO
+    mlx-mtp convert --hf-path HF_REPO --mlx-path OUT -q
+    mlx-mtp COMMAND --help                      (each command's options)
+    """
 
 
 def run(args=None):
@@ -309,7 +317,7 @@ def _load_for_decoding(model, options: dict):
 MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo model]."
 
 
-@main.command()
+@main.command(short_help="Generate text from a prompt, drafting with MTP heads.")
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option(
     "--prompt",
@@ -363,7 +371,7 @@ CHAT_COMMANDS = {
 }
 
 
-@main.command()
+@main.command(short_help="Chat in the terminal (caches kept between turns).")
 @click.option("--model", default=None, help=MODEL_HELP)
 @max_tokens_option(1024, "Tokens per reply at most")
 @decode_options
@@ -460,153 +468,173 @@ def _next_turn(tokenizer, messages, session):
     return ids, Session()
 
 
-@main.command()
-@click.option(
-    "--hf-path",
-    help="Hugging Face checkpoint to convert (folder or repo); with --check, the "
-    "source to compare with.",
+class IntChoice(click.Choice):
+    """One of a few integers, shown and parsed as such."""
+
+    def __init__(self, *values: int):
+        super().__init__([str(v) for v in values])
+
+    def convert(self, value, param, ctx):
+        return int(super().convert(str(value), param, ctx))
+
+
+OVERWRITE = click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace an existing output that mlx-mtp or mlx-lm wrote (never a folder "
+    "holding other files).",
 )
+REVISION = click.option("--revision", default=None, help="Hub revision of the source.")
+
+
+def head_bits_option(default: str):
+    return click.option(
+        "--head-bits",
+        type=IntChoice(4, 8, 16),
+        default=None,
+        help=f"MTP head precision; 16 keeps the float dtype. [default: {default}]",
+    )
+
+
+@main.command(short_help="Convert a Hugging Face checkpoint, keeping its MTP heads.")
 @click.option(
-    "--mlx-path",
-    help="Output folder (or, with --graft-heads-from, the "
-    "existing MLX conversion to add heads to).",
+    "--hf-path", help="Hugging Face checkpoint (folder, hub repo or .gguf file)."
 )
+@click.option("--mlx-path", help="Output folder.")
 @click.option("-q", "--quantize", is_flag=True, help="Quantize the trunk.")
 @click.option(
-    "--q-bits",
-    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
-    default=None,
-    help="Trunk bits (default 4).",
+    "--q-bits", type=IntChoice(2, 3, 4, 5, 6, 8), default=None, help="Trunk bits [4]."
 )
-@click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default=None)
+@click.option("--q-group-size", type=IntChoice(32, 64, 128), default=None)
 @click.option(
     "--q-mode",
     type=click.Choice(["affine", "mxfp4", "nvfp4", "mxfp8"]),
     default="affine",
     show_default=True,
 )
-@click.option(
-    "--head-bits",
-    type=click.Choice(["4", "8", "16"]),
-    default=None,
-    help="MTP head precision; 16 keeps the float dtype. [default: 8 with -q, "
-    "else 16]",
-)
+@head_bits_option("8 with -q, else 16")
 @click.option(
     "--dtype",
     type=click.Choice(["float16", "bfloat16", "float32"]),
     default=None,
     help="Dtype of unquantized parameters (default: the checkpoint's).",
 )
-@click.option("--revision", default=None, help="Hub revision of the source.")
+@REVISION
 @click.option("--upload-repo", default=None, help="Upload the result to this hub repo.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@OVERWRITE
 @click.option(
     "--require-heads",
     is_flag=True,
     help="Refuse a checkpoint without MTP tensors instead of warning.",
 )
 @click.option(
-    "--graft-heads-from",
-    "graft_from",
-    default=None,
-    help="Add MTP heads from this HF checkpoint to the conversion at --mlx-path.",
+    "--trust-remote-code",
+    "copy_code",
+    is_flag=True,
+    help="Copy the source's *.py files (custom tokenizer code) into the output.",
+)
+@click.option("--graft-heads-from", "graft_from", hidden=True)
+@click.option("--check", "check_path", hidden=True)
+@click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, hidden=True)
+@friendly_errors
+def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options):
+    """Convert a Hugging Face checkpoint to MLX, keeping its MTP heads.
+
+    \b
+    mlx-mtp convert --hf-path Qwen/Qwen3.6-27B --mlx-path q36-4bit -q
+    (--graft-heads-from and --check are the old spellings of `mlx-mtp graft` and
+    `mlx-mtp check`; they still work, with a note, until the next release.)
+    """
+    _quiet_transformers()
+    if check_path or graft_from:
+        if bool(check_path) == bool(graft_from):
+            raise click.UsageError("give either --check or --graft-heads-from")
+        new = "check PATH [--hf-path SOURCE]" if check_path else "graft --from SOURCE"
+        click.echo(f"note: this is now `mlx-mtp {new}`", err=True)
+        if check_path:
+            if mlx_path:
+                raise click.UsageError("--check takes no --mlx-path")
+            return _check(check_path, hf_path, min_agreement, options["copy_code"])
+        if hf_path:
+            raise click.UsageError("--graft-heads-from takes no --hf-path")
+        return _graft(graft_from, mlx_path, options)
+    if not hf_path or not mlx_path:
+        raise click.UsageError("--hf-path and --mlx-path are required")
+    from .convert import convert as run
+
+    click.echo(f"wrote {run(hf_path, mlx_path, **options)}")
+
+
+@main.command(short_help="Add MTP heads to an existing MLX conversion.")
+@click.option(
+    "--from",
+    "source",
+    required=True,
+    help="Hugging Face checkpoint whose MTP heads to add (folder or hub repo; only "
+    "the shards that hold them are downloaded).",
 )
 @click.option(
-    "--check",
-    "check_path",
+    "--mlx-path", required=True, help="The MLX conversion (without heads) to add to."
+)
+@head_bits_option("8")
+@REVISION
+@click.option("--overwrite", is_flag=True, help="Replace heads the folder already has.")
+@friendly_errors
+def graft(source, mlx_path, **options):
+    """Add MTP heads to an existing MLX conversion (e.g. an mlx-community model).
+
+    \b
+    mlx-mtp graft --from Qwen/Qwen3.6-27B --mlx-path ~/models/Qwen3.6-27B-4bit
+    """
+    _quiet_transformers()
+    _graft(source, mlx_path, options)
+
+
+def _graft(source, mlx_path, options: dict) -> None:
+    from .convert import graft_heads
+
+    if not mlx_path:
+        raise click.UsageError("--mlx-path is required")
+    out = graft_heads(
+        source,
+        mlx_path,
+        revision=options["revision"],
+        head_bits=options["head_bits"] or 8,
+        overwrite=options["overwrite"],
+    )
+    click.echo(f"grafted MTP heads from {source} onto {out}")
+
+
+@main.command(short_help="What a conversion holds; its heads against the source.")
+@click.argument("path")
+@click.option(
+    "--hf-path",
     default=None,
-    help="Report on a conversion and test its heads against the source.",
+    help="The source to compare with [the one the conversion records].",
 )
 @click.option(
     "--min-agreement",
     type=click.FloatRange(0, 1),
     default=0.9,
     show_default=True,
-    help="--check: least top-1 agreement of each head with the source's.",
+    help="Least top-1 agreement of each head with the source's.",
 )
-@click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Copy the source's *.py files (custom tokenizer code) into the output; "
-    "with --check, let tokenizers run them.",
-)
+@TRUST_REMOTE_CODE
 @friendly_errors
-def convert(
-    hf_path,
-    mlx_path,
-    quantize,
-    q_bits,
-    q_group_size,
-    q_mode,
-    head_bits,
-    dtype,
-    revision,
-    upload_repo,
-    overwrite,
-    require_heads,
-    graft_from,
-    check_path,
-    min_agreement,
-    trust_remote_code,
-):
-    """Convert a Hugging Face checkpoint to MLX, keeping its MTP heads.
+def check(path, hf_path, min_agreement, trust_remote_code):
+    """Report what a conversion holds and test its heads against the source.
 
     \b
-    mlx-mtp convert --hf-path Qwen/Qwen3.6-27B --mlx-path q36-4bit -q
-    mlx-mtp convert --graft-heads-from Qwen/Qwen3.6-27B --mlx-path EXISTING_MLX_FOLDER
-    mlx-mtp convert --check q36-4bit [--hf-path SOURCE]
+    mlx-mtp check q36-4bit [--hf-path Qwen/Qwen3.6-27B]
     """
     _quiet_transformers()
-    if check_path:
-        if graft_from or mlx_path:
-            raise click.UsageError(
-                "--check takes the conversion to check and, optionally, --hf-path"
-            )
-        return _check(check_path, hf_path, min_agreement, trust_remote_code)
-    if bool(hf_path) == bool(graft_from):
-        raise click.UsageError(
-            "give --hf-path (convert), --graft-heads-from (graft) or --check"
-        )
-    if not mlx_path:
-        raise click.UsageError("--mlx-path is required")
-    bits = int(head_bits) if head_bits else None
-    if graft_from:
-        from mlx_mtp.convert import graft_heads
-
-        out = graft_heads(
-            graft_from,
-            mlx_path,
-            revision=revision,
-            head_bits=bits or 8,
-            overwrite=overwrite,
-        )
-        click.echo(f"grafted MTP heads from {graft_from} onto {out}")
-        return
-    from mlx_mtp.convert import convert as run_convert
-
-    out = run_convert(
-        hf_path,
-        mlx_path,
-        quantize=quantize,
-        q_bits=int(q_bits) if q_bits else None,
-        q_group_size=int(q_group_size) if q_group_size else None,
-        q_mode=q_mode,
-        head_bits=bits,
-        dtype=dtype,
-        revision=revision,
-        overwrite=overwrite,
-        require_heads=require_heads,
-        upload_repo=upload_repo,
-        copy_code=trust_remote_code,
-    )
-    click.echo(f"wrote {out}")
+    _check(path, hf_path, min_agreement, trust_remote_code)
 
 
 def _check(path, source, min_agreement, trust_remote_code):
-    from mlx_mtp.convert import check
+    from .convert import check as run
 
-    report = check(
+    report = run(
         path,
         source=source,
         threshold=min_agreement,
@@ -618,7 +646,7 @@ def _check(path, source, min_agreement, trust_remote_code):
         _fail("MTP heads disagree with the source (see above)")
 
 
-@main.command("train-heads")
+@main.command("train-heads", short_help="Train MTP heads for a model that has none.")
 @click.option(
     "--model", required=True, help="Model folder or repo (trunk to keep frozen)."
 )
@@ -661,62 +689,26 @@ def _check(path, source, min_agreement, trust_remote_code):
 @click.option(
     "--save-every", type=click.IntRange(min=1), default=100, show_default=True
 )
+@click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--work-dir", default=None, help="Features and checkpoints [OUT.train].")
 @click.option("--resume", is_flag=True, help="Continue the run in the work folder.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@OVERWRITE
 @TRUST_REMOTE_CODE
 @friendly_errors
-def train_heads(
-    model,
-    data,
-    mlx_path,
-    depth,
-    steps,
-    tokens,
-    seq_len,
-    batch_size,
-    lr,
-    draft_vocab,
-    eval_every,
-    save_every,
-    work_dir,
-    resume,
-    overwrite,
-    seed,
-    trust_remote_code,
-):
+def train_heads(model, data, mlx_path, **options):
     """Train MTP heads for a model that has none (frozen trunk, self-distillation)."""
-    from mlx_mtp.convert.train_heads import TrainConfig
-    from mlx_mtp.convert.train_heads import train_heads as run
+    from dataclasses import fields
+
+    from .convert.train_heads import TrainConfig
+    from .convert.train_heads import train_heads as run
 
     _quiet_transformers()
-    cfg = TrainConfig(
-        depth=depth,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        steps=steps,
-        tokens=tokens,
-        lr=lr,
-        draft_vocab=draft_vocab,
-        eval_every=eval_every,
-        save_every=save_every,
-        seed=seed,
-    )
-    out = run(
-        model,
-        list(data),
-        mlx_path,
-        cfg,
-        work_dir=work_dir,
-        resume=resume,
-        overwrite=overwrite,
-        trust_remote_code=trust_remote_code,
-    )
-    click.echo(f"wrote {out}")
+    names = [f.name for f in fields(TrainConfig)]
+    cfg = TrainConfig(**{k: options.pop(k) for k in names if k in options})
+    click.echo(f"wrote {run(model, list(data), mlx_path, cfg, **options)}")
 
 
-@main.command()
+@main.command(short_help="Speed against mlx-lm plain decoding.")
 @click.option(
     "--model",
     default=None,

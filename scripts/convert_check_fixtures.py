@@ -1,4 +1,4 @@
-"""``mlx-mtp convert`` + ``--check`` on every family's predictable fixture.
+"""``mlx-mtp convert`` + ``mlx-mtp check`` on every family's predictable fixture.
 
     python scripts/convert_check_fixtures.py
 

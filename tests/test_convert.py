@@ -113,6 +113,21 @@ def test_graft_onto_conversion_without_heads(
         graft_heads(str(src), str(grafted))
 
 
+def test_graft_command_and_its_old_spelling(checkpoint, tmp_path):
+    src = checkpoint("deepseek_v3", predictable=True)
+    plain_src = strip_heads(src, tmp_path / "plain-src", "model.layers.3.")
+    for old_spelling in (False, True):
+        bare = convert(str(plain_src), tmp_path / f"bare{old_spelling}", progress=False)
+        if old_spelling:
+            args = ["convert", "--graft-heads-from", src, "--mlx-path", bare]
+        else:
+            args = ["graft", "--from", src, "--mlx-path", bare]
+        result = run_cli(*args)
+        assert result.exit_code == 0, result.output
+        assert ("now `mlx-mtp graft" in result.output) == old_spelling
+        assert load_model(str(bare))[0].num_mtp_layers == 1
+
+
 def test_graft_refuses_a_different_trunk(checkpoint, tmp_path):
     out = convert(str(checkpoint("glm4_moe")), tmp_path / "glm", progress=False)
     with pytest.raises(MTPError, match="model_type differs"):
@@ -133,7 +148,7 @@ def test_check_reports_and_catches_broken_heads(checkpoint, tmp_path):
     assert (
         report.head_quantization["bits"] == 8 and report.trunk_quantization["bits"] == 8
     )
-    result = run_cli("convert", "--check", out)
+    result = run_cli("check", out)
     assert (
         result.exit_code == 0 and "head 0:" in result.output and "ok" in result.output
     )
@@ -148,7 +163,7 @@ def test_check_reports_and_catches_broken_heads(checkpoint, tmp_path):
         lambda w: {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in w.items()}
     )
     assert not report.passed
-    result = run_cli("convert", "--check", out)
+    result = run_cli("check", out)
     assert result.exit_code == 1 and "FAIL" in result.output
     # the concatenation order swapped ([hidden, embedding] instead of [embedding, hidden])
     proj = "layers.0.eh_proj.weight"

@@ -208,7 +208,7 @@ def test_safetensors_header_of_the_wrong_shape(header, checkpoint, tmp_path):
     conversion = convert_to(checkpoint("deepseek_v3"), tmp_path / "conv")
     for args in (
         ["convert", "--hf-path", src, "--mlx-path", tmp_path / "out"],
-        ["convert", "--graft-heads-from", src, "--mlx-path", conversion, "--overwrite"],
+        ["graft", "--from", src, "--mlx-path", conversion, "--overwrite"],
         ["generate", "--model", src, "-p", "hi"],
     ):
         assert_one_line_error(run_cli(*map(str, args)), "model.safetensors")
@@ -293,16 +293,19 @@ def test_ctrl_c_while_starting():
 def test_check_takes_a_source_and_survives_a_moved_one(checkpoint, tmp_path):
     src = shutil.copytree(checkpoint("mimo", predictable=True), tmp_path / "src")
     out = convert_to(src, tmp_path / "out")
-    result = run_cli("convert", "--check", str(out), "--hf-path", str(src))
-    assert result.exit_code == 0, result.output
-    assert f"agreement with {src}" in result.output and "ok" in result.output
+    for old_spelling in (False, True):
+        args = ["convert", "--check"] if old_spelling else ["check"]
+        result = run_cli(*args, str(out), "--hf-path", str(src))
+        assert result.exit_code == 0, result.output
+        assert f"agreement with {src}" in result.output and "ok" in result.output
+        assert ("now `mlx-mtp check" in result.output) == old_spelling
+    both = run_cli("convert", "--check", str(out), "--graft-heads-from", str(src))
+    assert both.exit_code == 2
     src.rename(tmp_path / "moved")
-    result = run_cli("convert", "--check", str(out))
+    result = run_cli("check", str(out))
     assert result.exit_code == 0, result.output
     assert "is not there any more" in result.output
     assert "acceptance proxy" in result.output  # what needs no source is reported
-    both = run_cli("convert", "--check", str(out), "--graft-heads-from", str(src))
-    assert both.exit_code == 2
 
 
 def test_allow_missing_heads_without_the_heads_file(checkpoint, tmp_path):
