@@ -180,7 +180,7 @@ def check(
             f"{reference.num_mtp_layers}"
         )
     theirs = predictions(reference, tokens)
-    on_source = Model(reference.trunk, model.mtp, reference._family)
+    on_source = Model(reference.trunk, model.mtp, reference.family)
     isolated = predictions(on_source, tokens)
 
     def agree(xs):

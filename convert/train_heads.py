@@ -261,7 +261,7 @@ def train_heads(
     model, tokenizer = load(
         str(model_dir), allow_missing_heads=True, trust_remote_code=trust_remote_code
     )
-    family = model._family
+    family = model.family
     mx.random.seed(cfg.seed)
     train_files, eval_files = split_files(files, cfg.held_out, cfg.seed)
     train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)

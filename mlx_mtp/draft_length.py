@@ -88,7 +88,7 @@ def model_costs(model, max_k: int) -> RoundCosts:
     """The model's round costs for k up to ``max_k``: measured once per model files,
     device and MLX version, and kept in ``$MLX_MTP_HOME/costs.json``, so that a seeded
     sampled run drafts the same ks, and so gives the same text, every time."""
-    costs = getattr(model, "round_costs", None)
+    costs = model.round_costs
     if costs is not None and len(costs.verify) > max_k:
         return costs
     key = _cost_key(model)
@@ -110,7 +110,7 @@ def _costs_file() -> Path:
 def _cost_key(model) -> Optional[str]:
     """Model folder and its files' sizes and times, device, MLX version, and preloaded
     libraries (a BLAS swapped in changes the costs)."""
-    folder = getattr(model, "source", None)
+    folder = model.source
     if folder is None:
         return None
     files = sorted(Path(folder).glob("*.safetensors")) + [Path(folder, "config.json")]

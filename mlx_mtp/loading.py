@@ -132,7 +132,7 @@ def _splitting_classes(family, captured: dict):
         class Trunk(model_class):
             def sanitize(self, weights):
                 weights = dequantize_fp8(weights, fp8_block(config))
-                captured["raw"] = family_is_raw(family, weights, config)
+                captured["raw"] = family.is_raw(weights, config)
                 weights, captured["mtp"] = family.split_weights(weights, config)
                 if hasattr(model_class, "sanitize"):
                     weights = model_class.sanitize(self, weights)
@@ -172,12 +172,6 @@ def dequantize_fp8(weights: dict, block: Tuple[int, int] = (128, 128)) -> dict:
             value = (w * s).astype(mx.bfloat16)
         out[key] = value
     return out
-
-
-def family_is_raw(family, weights: dict, config: dict) -> bool:
-    """Whether the tensors are in the raw Hugging Face form the family's sanitize fixes
-    (e.g. Qwen's ``(1 + w)`` norms); families without the distinction say True."""
-    return getattr(family, "is_raw", lambda w, c: True)(weights, config)
 
 
 def config_fixes(config: dict) -> dict:
@@ -230,7 +224,7 @@ def load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, d
             f"cannot build the model from {model_path / 'config.json'} "
             f"(a field of the wrong type?): {one_line(e)}"
         ) from None
-    if hasattr(family, "prepare"):
+    if family.prepare is not None:
         family.prepare(trunk)
     return trunk, config, captured
 
@@ -241,7 +235,7 @@ def build_mtp(
     """Build and strictly load the MTP layers from their checkpoint tensors.
 
     Args:
-        raw: The checkpoint is in raw Hugging Face form (see `family_is_raw`).
+        raw: The checkpoint is in raw Hugging Face form (see the family's ``is_raw``).
     """
     weights = family.sanitize(tensors, config, trunk, raw=raw)
     n = 1 + max(int(k.split(".")[1]) for k in weights)
@@ -306,9 +300,8 @@ def load_model(
         stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
         if not lazy:
             mx.eval(stack.parameters())
-    model = Model(trunk, stack, family)
+    model = Model(trunk, stack, family, source=model_path)
     model.eval()
-    model.source = model_path
     return model, config, model_path
 
 

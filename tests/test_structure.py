@@ -141,3 +141,28 @@ def test_nothing_called_convert_is_importable_from_site_packages(tmp_path):
         cwd=tmp_path,  # not the repository, whose convert/ folder is on the path
     )
     assert proc.stdout.strip() == "None", proc.stdout
+
+
+def test_every_family_module_has_the_interface():
+    import importlib
+    import types
+
+    from mlx_mtp.models import FAMILIES, get_family
+    from mlx_mtp.models.family import Family, Layout
+
+    for name in FAMILIES:
+        family = get_family({"model_type": name})
+        assert isinstance(family.LAYOUT, Layout) and family.name == name
+        module = importlib.import_module(f"mlx_mtp.models.{name}")
+        flags = {k for k in vars(module) if k.startswith(("MASK_", "MTP_", "LAYOUT"))}
+        assert flags <= set(Family.hooks()), (name, flags)  # no misspelt hook
+    broken = types.ModuleType("mlx_mtp.models.broken")
+    broken.__dict__.update(
+        {
+            h: getattr(importlib.import_module("mlx_mtp.models.mimo"), h)
+            for h in Family.required()
+            if h != "make_layer"
+        }
+    )
+    with pytest.raises(TypeError, match="lacks make_layer"):
+        Family.from_module(broken)

@@ -1,17 +1,10 @@
-"""MTP family registry: one module per Hugging Face ``model_type``.
-
-A family module provides ``MTP_CONFIG_KEYS``, ``declared_mtp_layers(config)``,
-``mtp_layer_of(key, config)``, ``split_weights(weights, config)``,
-``sanitize(weights, config, trunk, raw)`` and ``make_layer(trunk, j)``. It may add
-``is_raw(weights, config)`` (the checkpoint needs the family's raw-HF fixes),
-``prepare(trunk)`` (install per-position state capture in recurrent mixers),
-``text_args(trunk)``, and override ``hidden``, ``logits`` and ``embed`` (see `base`).
-"""
+"""MTP family registry: one module per Hugging Face ``model_type``, each defining the
+hooks of `mlx_mtp.models.family.Family` (the interface and its defaults are there)."""
 
 import importlib
-from types import ModuleType
 
 from ..errors import UnsupportedModelError
+from .family import Family
 
 FAMILIES = (
     "deepseek_v3",
@@ -24,12 +17,12 @@ FAMILIES = (
 )
 
 
-def get_family(config: dict) -> ModuleType:
-    """The family module for a config, or a clear error naming the supported ones."""
+def get_family(config: dict) -> Family:
+    """The family of a config, or a clear error naming the supported ones."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}; mlx-mtp supports: "
             + ", ".join(FAMILIES)
         )
-    return importlib.import_module(f"{__name__}.{model_type}")
+    return Family.from_module(importlib.import_module(f"{__name__}.{model_type}"))

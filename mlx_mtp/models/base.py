@@ -15,7 +15,7 @@ Face names map to `layers.{j}.*`, which decoder block the heads use, and whether
 embedding of the first MTP row is zeroed (vLLM's convention for DeepSeek, GLM and MiMo).
 """
 
-from types import ModuleType
+from pathlib import Path
 from typing import Any, List, Optional
 
 import mlx.core as mx
@@ -80,15 +80,20 @@ class Model(nn.Module):
     Args:
         trunk: The mlx-lm model for the checkpoint's ``model_type``.
         mtp: The MTP layers (possibly empty: plain decoding only).
-        family: The family module (see `mlx_mtp.models`).
+        family: The family's hooks (`mlx_mtp.models.family.Family`).
+        source: The folder the weights were loaded from, if any.
     """
 
-    def __init__(self, trunk: nn.Module, mtp: MTPStack, family: ModuleType):
+    def __init__(
+        self, trunk: nn.Module, mtp: MTPStack, family, source: Optional[Path] = None
+    ):
         super().__init__()
         self.trunk = trunk
         self.mtp = mtp
-        self._family = family
+        self.family = family
+        self.source = source
         self.model_type = trunk.model_type
+        self.round_costs = None  # measured by `mlx_mtp.draft_length.model_costs`
 
     @property
     def num_mtp_layers(self) -> int:
@@ -97,7 +102,7 @@ class Model(nn.Module):
     @property
     def args(self):
         """The text model's args (hidden_size, max_position_embeddings, ...)."""
-        return getattr(self._family, "text_args", lambda t: t.args)(self.trunk)
+        return self.family.text_args(self.trunk)
 
     @property
     def layers(self):
@@ -107,18 +112,18 @@ class Model(nn.Module):
         return self.trunk(inputs, cache=cache)
 
     def hidden(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        return getattr(self._family, "hidden", trunk_hidden)(self.trunk, inputs, cache)
+        return self.family.hidden(self.trunk, inputs, cache)
 
     def logits(self, h: mx.array) -> mx.array:
-        return getattr(self._family, "logits", trunk_logits)(self.trunk, h)
+        return self.family.logits(self.trunk, h)
 
     def draft_logits(self, h: mx.array) -> mx.array:
         """``(..., V)`` logits an MTP output drafts from: the shared head, or, when the
         heads have a draft vocabulary, only its rows of the head (-inf elsewhere)."""
         if "draft_vocab" not in self.mtp:
             return self.logits(h)
-        head = getattr(self._family, "head", None)
-        if head is None and hasattr(self._family, "logits"):
+        head = self.family.head
+        if head is None and self.family.own_logits:
             return self.mtp.restrict(self.logits(h))  # a head of its own kind
         if getattr(self, "_draft_head", None) is None:
             full = (head or trunk_head)(self.trunk)
@@ -127,7 +132,7 @@ class Model(nn.Module):
         return self.mtp.expand(self._draft_head(h), self._vocab_size)
 
     def embed(self, ids: mx.array) -> mx.array:
-        return getattr(self._family, "embed", trunk_embed)(self.trunk, ids)
+        return self.family.embed(self.trunk, ids)
 
     def make_trunk_cache(self, max_kv_size: Optional[int] = None) -> List[Any]:
         """mlx-lm's caches for the trunk (`mlx_mtp.cache.make_caches` gives recurrent
@@ -140,7 +145,7 @@ class Model(nn.Module):
     def records_states(self) -> bool:
         """Whether the trunk's recurrent mixers record their state per position (the
         family's ``prepare`` installed a capture), so their caches can roll back."""
-        return hasattr(self._family, "prepare")
+        return self.family.prepare is not None
 
     def make_mtp_cache(self) -> List[Any]:
         from mlx_lm.models.cache import KVCache
@@ -164,7 +169,7 @@ class Model(nn.Module):
         """
         e = self.embed(tokens)  # (B, L, H)
         offset = cache.offset if cache is not None else 0
-        if offset == 0 and getattr(self._family, "MASK_FIRST_POSITION", False):
+        if offset == 0 and self.family.MASK_FIRST_POSITION:
             keep = (mx.arange(e.shape[1]) > 0)[None, :, None]
             e = mx.where(keep, e, mx.zeros_like(e))
         return self.mtp.layers[j](e, hidden, self.mtp_mask(e, cache), cache)
@@ -172,8 +177,7 @@ class Model(nn.Module):
     def mtp_mask(self, e: mx.array, cache: Optional[Any] = None):
         """The causal mask of an MTP layer over the rows of ``e`` (B, L, H), in the
         form the family's attention takes ("causal", an array, or None)."""
-        as_array = getattr(self._family, "MASK_AS_ARRAY", False)
-        return create_attention_mask(e, cache, return_array=as_array)
+        return create_attention_mask(e, cache, return_array=self.family.MASK_AS_ARRAY)
 
 
 def mlx_lm_sanitize(trunk: nn.Module, weights: dict) -> dict:
@@ -246,12 +250,12 @@ def split_mtp(weights: dict, config: dict, layer_of) -> tuple:
     return trunk, mtp
 
 
-def sanitize_layers(
-    trunk, weights: dict, config: dict, layer_of, prefix, heads
-) -> dict:
-    """`sanitize_layer` for every MTP layer present; ``prefix(j)`` names layer j."""
+def sanitize_layers(trunk, weights: dict, config: dict, layer_of, layout) -> dict:
+    """`sanitize_layer` for every MTP layer present, named as the family's `Layout`
+    says."""
     n = 1 + max(layer_of(k, config) for k in weights)
     out = {}
     for j in range(n):
-        out.update(sanitize_layer(trunk, weights, prefix(j), heads, j))
+        prefix = layout.prefix(config, j)
+        out.update(sanitize_layer(trunk, weights, prefix, layout.fusion, j))
     return out

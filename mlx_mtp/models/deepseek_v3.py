@@ -11,22 +11,25 @@ from typing import Optional
 from mlx_lm.models import deepseek_v3 as lm
 
 from .base import check_copy, sanitize_layers, split_mtp
+from .family import Layout
 from .mtp import MTPLayer
 
+LAYOUT = Layout(
+    prefix=lambda config, j: f"model.layers.{config['num_hidden_layers'] + j}.",
+    fusion={
+        "enorm": "enorm",
+        "hnorm": "hnorm",
+        "eh_proj": "eh_proj",
+        "shared_head.norm": "norm",
+    },
+    copies={
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "shared_head.head.weight": "lm_head.weight",
+    },
+)
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
 MASK_FIRST_POSITION = True
 MASK_AS_ARRAY = True  # MLA attention adds the mask into its own scores
-
-HEAD_NAMES = {
-    "enorm": "enorm",
-    "hnorm": "hnorm",
-    "eh_proj": "eh_proj",
-    "shared_head.norm": "norm",
-}
-COPIES = {
-    "embed_tokens.weight": "model.embed_tokens.weight",
-    "shared_head.head.weight": "lm_head.weight",
-}
 
 
 def declared_mtp_layers(config: dict) -> int:
@@ -46,23 +49,17 @@ def split_weights(weights: dict, config: dict):
     trunk, mtp = split_mtp(weights, config, mtp_layer_of)
     for key in list(mtp):
         name = key.split(".", 3)[3]
-        if name in COPIES:
-            original = trunk.get(COPIES[name], trunk.get("model.embed_tokens.weight"))
+        if name in LAYOUT.copies:
+            original = trunk.get(
+                LAYOUT.copies[name], trunk.get("model.embed_tokens.weight")
+            )
             check_copy(mtp.pop(key), original, key)
     return trunk, mtp
 
 
 def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     """Map the MTP tensors of `split_weights` to the schema ``layers.{j}.*``."""
-    L = config["num_hidden_layers"]
-    return sanitize_layers(
-        trunk,
-        weights,
-        config,
-        mtp_layer_of,
-        lambda j: f"model.layers.{L + j}.",
-        HEAD_NAMES,
-    )
+    return sanitize_layers(trunk, weights, config, mtp_layer_of, LAYOUT)
 
 
 def make_layer(trunk, j: int, block_class=lm.DeepseekV3DecoderLayer) -> MTPLayer:

@@ -9,6 +9,7 @@ from mlx_lm.models import glm4_moe as lm
 from . import deepseek_v3
 from .mtp import MTPLayer
 
+LAYOUT = deepseek_v3.LAYOUT
 MTP_CONFIG_KEYS = deepseek_v3.MTP_CONFIG_KEYS
 MASK_FIRST_POSITION = True
 

@@ -12,6 +12,7 @@ from mlx_lm.models import llama as lm
 from . import deepseek_v3
 from .mtp import MTPLayer
 
+LAYOUT = deepseek_v3.LAYOUT
 MTP_CONFIG_KEYS = deepseek_v3.MTP_CONFIG_KEYS
 
 declared_mtp_layers = deepseek_v3.declared_mtp_layers

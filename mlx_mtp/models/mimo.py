@@ -10,17 +10,21 @@ from typing import Optional
 from mlx_lm.models import mimo as lm
 
 from .base import sanitize_layers, split_mtp
+from .family import Layout
 from .mtp import MTPLayer
 
+LAYOUT = Layout(
+    prefix=lambda config, j: f"model.mtp_layers.{j}.",
+    fusion={
+        "token_layernorm": "enorm",
+        "hidden_layernorm": "hnorm",
+        "input_proj": "eh_proj",
+        "final_layernorm": "norm",
+    },
+    hidden_first=True,
+)
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
 MASK_FIRST_POSITION = True
-
-HEAD_NAMES = {
-    "token_layernorm": "enorm",
-    "hidden_layernorm": "hnorm",
-    "input_proj": "eh_proj",
-    "final_layernorm": "norm",
-}
 
 
 def declared_mtp_layers(config: dict) -> int:
@@ -37,17 +41,12 @@ def split_weights(weights: dict, config: dict):
 
 
 def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
-    return sanitize_layers(
-        trunk,
-        weights,
-        config,
-        mtp_layer_of,
-        lambda j: f"model.mtp_layers.{j}.",
-        HEAD_NAMES,
-    )
+    return sanitize_layers(trunk, weights, config, mtp_layer_of, LAYOUT)
 
 
 def make_layer(trunk, j: int) -> MTPLayer:
     args = trunk.args
     block = lm.TransformerBlock(args)
-    return MTPLayer(args.hidden_size, args.rms_norm_eps, block, hidden_first=True)
+    return MTPLayer(
+        args.hidden_size, args.rms_norm_eps, block, hidden_first=LAYOUT.hidden_first
+    )

@@ -10,6 +10,7 @@ from mlx_lm.models import qwen3_5 as lm
 from .capture import install_capture
 from .mtp import MTPLayer
 from .qwen3_next import (  # noqa: F401  (the family interface)
+    LAYOUT,
     declared_mtp_layers,
     make_block,
     mtp_layer_of,

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from . import qwen3_5
 from .qwen3_5 import (  # noqa: F401  (the family interface)
+    LAYOUT,
     MTP_CONFIG_KEYS,
     declared_mtp_layers,
     head,

@@ -18,16 +18,19 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_next as lm
 
 from .capture import install_capture
+from .family import Layout
 from .mtp import MTPLayer
 
+LAYOUT = Layout(
+    prefix=lambda config, j: "mtp.",  # fusion tensors shared by every layer
+    fusion={
+        "fc": "eh_proj",
+        "pre_fc_norm_embedding": "enorm",
+        "pre_fc_norm_hidden": "hnorm",
+        "norm": "norm",
+    },
+)
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
-
-FUSION_NAMES = {
-    "fc": "eh_proj",
-    "pre_fc_norm_embedding": "enorm",
-    "pre_fc_norm_hidden": "hnorm",
-    "norm": "norm",
-}
 SHIFTED = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
@@ -110,7 +113,7 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = False) -> dict:
             blocks.setdefault(int(m[1]), {})[m[2]] = value
             continue
         part, _, leaf = name.partition(".")
-        target = FUSION_NAMES.get(part, f"unexpected_{part}")
+        target = LAYOUT.fusion.get(part, f"unexpected_{part}")
         if raw and part != "fc" and leaf == "weight":
             value = value + 1.0
         fusion[f"{target}.{leaf}"] = value

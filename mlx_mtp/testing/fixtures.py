@@ -127,15 +127,15 @@ def write_checkpoint(
         token_ids = _special_token_ids(vocab_size)
     else:
         token_ids = {tok: vocab_size - 1 for tok in SPECIAL_TOKENS}
-    spec = _SPECS[family]
+    spec, fam = _SPECS[family], _family(family)
     rng = np.random.default_rng(seed)
     config, tensors = spec.build(_Init(rng), vocab_size, **options)
     config.update(_token_id_config(token_ids))
     config["torch_dtype"] = dtype
     if predictable:
-        _make_predictable(spec, config, tensors, rng)
+        _make_predictable(fam, spec, config, tensors, rng)
 
-    mtp_keys = [k for k in tensors if spec.is_mtp_key(k, config)]
+    mtp_keys = [k for k in tensors if fam.mtp_layer_of(k, config) is not None]
     _write_weights(out, tensors, mtp_keys, _DTYPES[dtype], num_shards)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", _generation_config(token_ids))
@@ -673,90 +673,53 @@ def _nextn_layers(
 ) -> Tensors:
     """DeepSeek/GLM MTP layers at ``model.layers.{num_hidden_layers + i}.``."""
     t = {}
-    for idx in _nextn_indices(cfg):
+    first = cfg["num_hidden_layers"]
+    for idx in range(first, first + cfg["num_nextn_predict_layers"]):
         prefix = f"model.layers.{idx}."
         t.update(_nextn_head(init, prefix, cfg["hidden_size"], trunk))
         t.update(layer(prefix, idx))
     return t
 
 
-def _nextn_indices(cfg: dict) -> range:
-    first = cfg["num_hidden_layers"]
-    return range(first, first + cfg["num_nextn_predict_layers"])
-
-
 @dataclass(frozen=True)
 class _FamilySpec:
-    """How one family builds its tensors and names its MTP fusion tensors."""
+    """How the fixture builds one family's tensors; the names of its MTP tensors come
+    from the family's own `Layout` (``LAYOUT`` of its module)."""
 
     build: Callable[[_Init, int], Tuple[dict, Tensors]]
-    mtp_prefixes: Callable[[dict], List[str]]
-    emb_norm: str
-    proj: str
-    final_norm: str
-    hidden_first: bool  # concat order of the MTP projection input
-    has_embed_copy: bool
     embed_key: str = "model.embed_tokens.weight"
     trunk_norm_key: str = "model.norm.weight"
     unit_norm: float = 1.0  # stored value of a norm weight that scales by one
 
-    def is_mtp_key(self, key: str, cfg: dict) -> bool:
-        return any(key.startswith(p) for p in self.mtp_prefixes(cfg))
 
-
-def _nextn_prefixes(cfg: dict) -> List[str]:
-    return [f"model.layers.{i}." for i in _nextn_indices(cfg)]
-
-
-def _mimo_prefixes(cfg: dict) -> List[str]:
-    return [f"model.mtp_layers.{i}." for i in range(cfg["num_nextn_predict_layers"])]
-
-
-_DEEPSEEK_STYLE = dict(
-    mtp_prefixes=_nextn_prefixes,
-    emb_norm="enorm.weight",
-    proj="eh_proj.weight",
-    final_norm="shared_head.norm.weight",
-    hidden_first=False,
-    has_embed_copy=True,
-)
-
-_QWEN_STYLE = dict(
-    mtp_prefixes=lambda cfg: ["mtp."],
-    emb_norm="pre_fc_norm_embedding.weight",
-    proj="fc.weight",
-    final_norm="norm.weight",
-    hidden_first=False,
-    has_embed_copy=False,
-    unit_norm=0.0,
+_QWEN3_5 = dict(
+    embed_key="model.language_model.embed_tokens.weight",
+    trunk_norm_key="model.language_model.norm.weight",
+    unit_norm=0.0,  # (1 + w) norms, stored zero-centred
 )
 
 _SPECS = {
-    "deepseek_v3": _FamilySpec(build=_deepseek_v3, **_DEEPSEEK_STYLE),
-    "glm4_moe": _FamilySpec(build=_glm4_moe, **_DEEPSEEK_STYLE),
-    "mimo": _FamilySpec(
-        build=_mimo,
-        mtp_prefixes=_mimo_prefixes,
-        emb_norm="token_layernorm.weight",
-        proj="input_proj.weight",
-        final_norm="final_layernorm.weight",
-        hidden_first=True,
-        has_embed_copy=False,
-    ),
-    "qwen3_5": _FamilySpec(
-        build=_qwen3_5,
-        embed_key="model.language_model.embed_tokens.weight",
-        trunk_norm_key="model.language_model.norm.weight",
-        **_QWEN_STYLE,
-    ),
-    "qwen3_5_moe": _FamilySpec(
-        build=functools.partial(_qwen3_5, moe=True),
-        embed_key="model.language_model.embed_tokens.weight",
-        trunk_norm_key="model.language_model.norm.weight",
-        **_QWEN_STYLE,
-    ),
-    "qwen3_next": _FamilySpec(build=_qwen3_next, **_QWEN_STYLE),
+    "deepseek_v3": _FamilySpec(build=_deepseek_v3),
+    "glm4_moe": _FamilySpec(build=_glm4_moe),
+    "mimo": _FamilySpec(build=_mimo),
+    "qwen3_5": _FamilySpec(build=_qwen3_5, **_QWEN3_5),
+    "qwen3_5_moe": _FamilySpec(build=functools.partial(_qwen3_5, moe=True), **_QWEN3_5),
+    "qwen3_next": _FamilySpec(build=_qwen3_next, unit_norm=0.0),
 }
+
+
+def _family(name: str):
+    from mlx_mtp.models import get_family
+
+    return get_family({"model_type": name})
+
+
+def _mtp_prefixes(family, cfg: dict) -> List[str]:
+    """The distinct name prefixes of the MTP layers' fusion tensors."""
+    n = family.declared_mtp_layers(cfg)
+    return list(
+        dict.fromkeys(family.LAYOUT.prefix(_text_config(cfg), j) for j in range(n))
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -765,7 +728,7 @@ _SPECS = {
 
 
 def _make_predictable(
-    spec: _FamilySpec, cfg: dict, tensors: Tensors, rng: np.random.Generator
+    family, spec: _FamilySpec, cfg: dict, tensors: Tensors, rng: np.random.Generator
 ) -> None:
     """Rewire ``tensors`` in place so the MTP heads often agree with the trunk.
 
@@ -783,22 +746,27 @@ def _make_predictable(
     The MTP head at row i then predicts roughly f(t_{i+1}), i.e. t_{i+2}, with
     context effects making it wrong some of the time.
     """
+    layout = family.LAYOUT
     hidden = _text_config(cfg)["hidden_size"]
     embed = tensors[spec.embed_key] * np.float32(PREDICTABLE_EMBED_SCALE)
     tensors[spec.embed_key] = embed
-    for prefix in spec.mtp_prefixes(cfg):
-        if spec.has_embed_copy:
-            tensors[f"{prefix}embed_tokens.weight"] = embed.copy()
+    for prefix in _mtp_prefixes(family, cfg):
+        for copy, original in layout.copies.items():
+            if original == spec.embed_key:
+                tensors[f"{prefix}{copy}"] = embed.copy()
         eye = np.eye(hidden, dtype=np.float32)
         noise = (PREDICTABLE_PROJ_NOISE * rng.standard_normal((hidden, hidden))).astype(
             np.float32
         )
-        halves = [noise, eye] if spec.hidden_first else [eye, noise]
-        tensors[f"{prefix}{spec.proj}"] = np.concatenate(halves, axis=1)
-        tensors[f"{prefix}{spec.emb_norm}"] = np.full(
+        halves = [noise, eye] if layout.hidden_first else [eye, noise]
+        tensors[f"{prefix}{layout.name('eh_proj')}.weight"] = np.concatenate(
+            halves, axis=1
+        )
+        tensors[f"{prefix}{layout.name('enorm')}.weight"] = np.full(
             hidden, spec.unit_norm, dtype=np.float32
         )
-        tensors[f"{prefix}{spec.final_norm}"] = tensors[spec.trunk_norm_key].copy()
+        final_norm = tensors[spec.trunk_norm_key].copy()
+        tensors[f"{prefix}{layout.name('norm')}.weight"] = final_norm
         for key in tensors:
             if key.startswith(prefix) and key.endswith(
                 ("o_proj.weight", "down_proj.weight")
