@@ -19,7 +19,7 @@ there is one host sync per round.
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Generator, List, Optional, Union
+from typing import Any, Generator, List, Optional, Union
 
 import mlx.core as mx
 
@@ -402,73 +402,123 @@ def mtp_generate_step(
     session.caches = session.caches or make_caches(model, max_kv_size)
     if policy.max_k:
         check_rollback(session.caches.trunk)
-    return _generate(
-        prompt, model, policy, params, max_tokens, seed, prefill_step_size, kv, session
-    )
-
-
-def _generate(
-    prompt, model, policy, params, max_tokens, seed, prefill_step_size, kv, session
-):
-    """The generator behind `mtp_generate_step` (its arguments checked)."""
-    caches, state = _start(model, session, prompt, policy, prefill_step_size, kv)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
-    key = mx.random.key(seed)
-    stats = MTPStats(policy.max_k)
-    seen = len(state.tokens) - 1  # positions to keep on exit: yielded - 1
-    queued: List[Round] = []  # launched, not committed: the next round, or two plain
-    pipeline = kv.bits is None  # (KV quantization happens between rounds)
+    run = Run(model, session, policy, params, max_tokens, kv, mx.random.key(seed))
+    return _generate(run, prompt, prefill_step_size)
 
-    def wanted(emitted: int) -> bool:
-        return max_tokens < 0 or emitted < max_tokens
 
+@dataclass
+class Run:
+    """One generation as the loop drives it: what it decodes with, and how far it is.
+
+    The caches and decode state are the session's (`start` fills them). ``queued``
+    holds the rounds launched but not committed: the next round, or two plain rounds
+    (see `queue_plain_behind`). ``seen`` is the number of positions to keep in the
+    caches on exit: the prompt and every yielded token but the last.
+    """
+
+    model: Any
+    session: "Session"
+    policy: Any
+    params: SamplingParams
+    max_tokens: int
+    kv: KVQuantization
+    key: mx.array
+    stats: Optional[MTPStats] = None
+    queued: List[Round] = field(default_factory=list)
+    seen: int = 0
+
+    @property
+    def caches(self) -> Caches:
+        return self.session.caches
+
+    @property
+    def state(self) -> DecodeState:
+        return self.session.state
+
+    def start(self, prompt: List[int], step: int) -> None:
+        """Prefill ``prompt`` into the session's caches, or append it to the tokens
+        an earlier generation of the session left, in chunks of ``step``."""
+        model, s = self.model, self.session
+        if s.state is not None:
+            s.state = append(model, s.caches, s.state, prompt, step, self.kv)
+        else:
+            depth = min(self.policy.max_k, model.num_mtp_layers)
+            s.state = prefill(model, s.caches, prompt, depth, step, self.kv)
+        self.stats = MTPStats(self.policy.max_k)
+        self.seen = len(self.state.tokens) - 1
+
+    def wanted(self, emitted: int) -> bool:
+        """Whether a round after ``emitted`` tokens is still wanted."""
+        return self.max_tokens < 0 or emitted < self.max_tokens
+
+    def plan(self, emitted: int) -> int:
+        """The next round's k: the policy's choice, capped so that a round never
+        yields past ``max_tokens`` (a round yields up to k + 1 tokens)."""
+        k = self.policy.next()
+        if self.max_tokens < 0:
+            return k
+        return max(0, min(k, self.max_tokens - emitted - 1))
+
+    def launch(self, k: int, pending: Optional[mx.array] = None) -> None:
+        """Queue a round of k drafts (see `launch`)."""
+        self.key, sub = mx.random.split(self.key)
+        rnd = launch(self.model, self.caches, self.state, k, self.params, sub, pending)
+        self.queued.append(rnd)
+
+    def queue_plain_behind(self, rnd: Round) -> Optional[int]:
+        """Before waiting for a plain round, plan the round after it and, if that one
+        is plain too, queue it now on the round's lazy token (as mlx-lm pipelines its
+        steps). Returns the k planned, or None when nothing was planned.
+
+        Planning before the plain round is observed is the same as planning after:
+        a plain round drafts nothing, so observing it tells the policy nothing. And a
+        plain round commits its one token whatever its value, so the next round's
+        inputs are known (lazily) before it is evaluated. KV quantization runs between
+        rounds, so it turns the pipelining off.
+        """
+        if (
+            self.kv.bits is not None
+            or rnd.draft.k
+            or not self.wanted(self.stats.emitted + 1)
+        ):
+            return None
+        k = self.plan(self.stats.emitted + 1)
+        if k == 0:
+            self.launch(0, pending=rnd.result.next_token)
+        return k
+
+
+def _generate(run: Run, prompt: List[int], step: int):
+    """The generator behind `mtp_generate_step` (its arguments checked): prefill, then
+    per round wait for the oldest queued round, commit it and queue the next before
+    yielding (one host sync per round); on exit leave the caches as the exit contract
+    of `mtp_generate_step` says."""
+    run.start(prompt, step)
+    stats = run.stats
     try:
-        key, sub = mx.random.split(key)
-        k = _round_k(policy.next(), max_tokens, 0)
-        queued.append(launch(model, caches, state, k, params, sub))
-        while queued:
-            rnd, k = queued[0], None
-            if pipeline and rnd.draft.k == 0 and wanted(stats.emitted + 1):
-                # a plain round commits its one token whatever it is: queue the next
-                k = _round_k(policy.next(), max_tokens, stats.emitted + 1)
-                if k == 0:
-                    key, sub = mx.random.split(key)
-                    pending = rnd.result.next_token
-                    queued.append(launch(model, caches, state, 0, params, sub, pending))
+        run.launch(run.plan(0))
+        while run.queued:
+            rnd = run.queued[0]
+            planned = run.queue_plain_behind(rnd)
             mx.eval(rnd.result.num_accepted, rnd.result.next_token, rnd.draft.tokens)
             a = rnd.result.num_accepted.item()
             new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
-            logprobs = rnd.verified.logprobs
-            commit(caches, state, rnd, a, new)
-            queued.pop(0)
-            kv.apply(caches.trunk)
+            commit(run.caches, run.state, rnd, a, new)
+            run.queued.pop(0)
+            run.kv.apply(run.caches.trunk)
             stats.record(rnd.draft.k, a)
-            policy.observe(rnd.draft.k, a)
-            if not queued and wanted(stats.emitted):
-                if k is None:
-                    k = _round_k(policy.next(), max_tokens, stats.emitted)
-                key, sub = mx.random.split(key)
-                queued.append(launch(model, caches, state, k, params, sub))
+            run.policy.observe(rnd.draft.k, a)
+            if not run.queued and run.wanted(stats.emitted):
+                k = planned if planned is not None else run.plan(stats.emitted)
+                run.launch(k)
             for i, token in enumerate(new):
-                seen += 1
-                yield StepOutput(token, logprobs[i], i < a, stats)
+                run.seen += 1
+                yield StepOutput(token, rnd.verified.logprobs[i], i < a, stats)
             if stats.rounds % 64 == 0:
                 mx.clear_cache()
     finally:
-        _settle(caches, state, queued, seen)
-
-
-def _start(model, session: Session, prompt, policy, step: int, kv):
-    """Caches and decode state after the prompt: a prefill into the session's caches,
-    or the session's state with the prompt appended."""
-    depth = min(policy.max_k, model.num_mtp_layers)
-    caches = session.caches
-    if session.state is not None:
-        state = append(model, caches, session.state, prompt, step, kv)
-    else:
-        state = prefill(model, caches, prompt, depth, step, kv)
-    session.caches, session.state = caches, state
-    return caches, state
+        _settle(run.caches, run.state, run.queued, run.seen)
 
 
 def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):
@@ -500,10 +550,3 @@ def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):
             f"num_draft_tokens must be an integer or 'auto', got {num_draft_tokens!r}"
         )
     return num_draft_tokens if layers else FixedLength(0)
-
-
-def _round_k(k: int, max_tokens: int, emitted: int) -> int:
-    """Drafts for the next round: never more than the tokens still wanted, minus one."""
-    if max_tokens < 0:
-        return k
-    return max(0, min(k, max_tokens - emitted - 1))
