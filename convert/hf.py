@@ -139,15 +139,15 @@ def _convert_folder(
     ``protect``: the user's inputs, which ``dst`` may not hold or lie in."""
     check_source(src)
     family = get_family(read_config(src))
-    trunk, config, captured = load_trunk(src, family, lazy=True)
+    trunk, config, split = load_trunk(src, family, lazy=True)
     stack = None
-    if not captured["mtp"]:
+    if not split.mtp:
         msg = f"{source} has no MTP tensors"
         if o.require_heads:
             raise MissingHeadsError(msg)
         log.warning("%s; converting the trunk only", msg)
-    elif check_declared(family, config, captured["mtp"], allow_missing_heads=False):
-        stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
+    elif check_declared(family, config, split.mtp, allow_missing_heads=False):
+        stack = build_mtp(trunk, family, split.mtp, config, split.raw)
 
     dtype = o.dtype or config.get("torch_dtype")
     dtype = dtype or config.get("text_config", {}).get("dtype")

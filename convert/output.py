@@ -318,6 +318,10 @@ def save_trunk(
     """Write the trunk as mlx-lm does (``model[-i-of-n].safetensors`` + index), evaluating
     one shard at a time and releasing the model's arrays as they are written.
 
+    mlx-lm's ``save_model(..., donate_model=True)`` writes the same files the same way,
+    but takes no shard size (the tests write several shards of a tiny model, as large
+    checkpoints have) and shows no progress, hence this version.
+
     Returns the index's weight map.
     """
     from mlx_lm.utils import get_total_parameters

@@ -60,7 +60,7 @@ def prompts(tokenizer, model, seed: int) -> Dict[str, List[int]]:
                 add_generation_prompt=True,
             )
         out[name] = tokenizer.encode(text)
-    vocab = min(model.args.vocab_size, len(tokenizer._tokenizer))
+    vocab = min(model.args.vocab_size, len(tokenizer.get_vocab()))
     out["adversarial"] = np.random.default_rng(seed).integers(0, vocab, 64).tolist()
     return out
 

@@ -9,7 +9,7 @@ the family module and loaded strictly into an `MTPStack`.
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +31,8 @@ def resolve(
 ) -> Path:
     """A local folder, or a Hugging Face repo downloaded exactly as mlx-lm does (only
     the files matching ``allow_patterns``, default mlx-lm's)."""
+    # mlx-lm's own hub download (its allow-patterns and cache layout); mlx-lm 0.32
+    # (pinned) has no public function for it.
     from mlx_lm.utils import _download
 
     path = Path(path_or_hf_repo).expanduser()
@@ -122,26 +124,42 @@ def check_config(config, path) -> None:
                 raise MTPError(f"{path}: {key} must be a number, not {v!r}")
 
 
-def _splitting_classes(family, captured: dict):
-    """A ``get_model_classes`` for mlx-lm whose model sanitize sets MTP tensors aside."""
-    from mlx_lm.utils import _get_classes
+class MTPSplit:
+    """A ``get_model_classes`` for mlx-lm's ``load_model`` whose model class sets the
+    MTP tensors aside, and the tensors it set aside.
 
-    def get_classes(config: dict):
+    mlx-lm's loader reads every weight file and hands all tensors to the model class's
+    ``sanitize`` once, before it loads them strictly (an unknown name is an error).
+    That call is the one place where the MTP tensors pass by, so the subclass's
+    sanitize takes them out there (after dequantizing FP8 checkpoints) and keeps them
+    in ``mtp``, with ``raw``, whether the family's raw Hugging Face fixes apply.
+    ``load_model``'s ``get_model_classes`` is public and documented as defaulting to
+    ``_get_classes``, the model_type -> class mapping, which mlx-lm 0.32 (pinned)
+    exposes under no public name; this wraps it.
+    """
+
+    def __init__(self, family):
+        self.family = family
+        self.mtp: Dict[str, mx.array] = {}
+        self.raw = True
+
+    def __call__(self, config: dict):
+        from mlx_lm.utils import _get_classes
+
         model_class, args_class = _get_classes(config)
+        split = self
 
         class Trunk(model_class):
             def sanitize(self, weights):
                 weights = dequantize_fp8(weights, fp8_block(config))
-                captured["raw"] = family.is_raw(weights, config)
-                weights, captured["mtp"] = family.split_weights(weights, config)
+                split.raw = split.family.is_raw(weights, config)
+                weights, split.mtp = split.family.split_weights(weights, config)
                 if hasattr(model_class, "sanitize"):
                     weights = model_class.sanitize(self, weights)
                 return weights
 
         Trunk.__name__ = Trunk.__qualname__ = model_class.__name__
         return Trunk, args_class
-
-    return get_classes
 
 
 def fp8_block(config: dict) -> Tuple[int, int]:
@@ -196,18 +214,20 @@ def config_fixes(config: dict) -> dict:
     return fixes
 
 
-def load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, dict]:
-    """Build the trunk with mlx-lm; returns ``(trunk, config, captured)`` where
-    ``captured`` holds the MTP tensors (``"mtp"``) and the raw flag (``"raw"``)."""
+def load_trunk(
+    model_path: Path, family, lazy: bool
+) -> Tuple[nn.Module, dict, MTPSplit]:
+    """Build the trunk with mlx-lm; returns ``(trunk, config, split)``, ``split``
+    holding the checkpoint's MTP tensors (see `MTPSplit`)."""
     from mlx_lm.utils import load_model
 
-    captured: Dict[str, Any] = {"mtp": {}, "raw": True}
+    split = MTPSplit(family)
     try:
         trunk, config = load_model(
             model_path,
             lazy=True,
             model_config=config_fixes(read_config(model_path)),
-            get_model_classes=_splitting_classes(family, captured),
+            get_model_classes=split,
         )
         if not lazy:
             mx.eval(trunk.parameters())
@@ -226,7 +246,7 @@ def load_trunk(model_path: Path, family, lazy: bool) -> Tuple[nn.Module, dict, d
         ) from None
     if family.prepare is not None:
         family.prepare(trunk)
-    return trunk, config, captured
+    return trunk, config, split
 
 
 def build_mtp(
@@ -282,7 +302,7 @@ def load_model(
     family = get_family(config)
     for f in sorted(model_path.glob("model*.safetensors")):
         safetensors_header(f)  # a truncated or malformed file: one line naming it
-    trunk, config, captured = load_trunk(model_path, family, lazy)
+    trunk, config, split = load_trunk(model_path, family, lazy)
     stack = MTPStack([])
     if has_heads_file(config):  # an mlx-mtp conversion
         try:
@@ -296,8 +316,8 @@ def load_model(
             stack = MTPStack([])
         if not lazy:
             mx.eval(stack.parameters())
-    elif check_declared(family, config, captured["mtp"], allow_missing_heads):
-        stack = build_mtp(trunk, family, captured["mtp"], config, captured["raw"])
+    elif check_declared(family, config, split.mtp, allow_missing_heads):
+        stack = build_mtp(trunk, family, split.mtp, config, split.raw)
         if not lazy:
             mx.eval(stack.parameters())
     model = Model(trunk, stack, family, source=model_path)
