@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mlx_mtp.models.mimo import LAYOUT
+
 CHILD = """
 import json, resource, sys, time
 from mlx_mtp.convert import convert
@@ -75,15 +77,10 @@ def write_checkpoint(out: Path, params: float, shards: int) -> int:
         shapes.update(layer(f"model.layers.{i}."))
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
-    m = "model.mtp_layers.0."
-    shapes.update(
-        {
-            f"{m}token_layernorm.weight": (hidden,),
-            f"{m}hidden_layernorm.weight": (hidden,),
-            f"{m}input_proj.weight": (hidden, 2 * hidden),
-            f"{m}final_layernorm.weight": (hidden,),
-        }
-    )
+    m = LAYOUT.prefix(config, 0)  # MiMo's MTP layer
+    for name in ("enorm", "hnorm", "norm"):
+        shapes[f"{m}{LAYOUT.name(name)}.weight"] = (hidden,)
+    shapes[f"{m}{LAYOUT.name('eh_proj')}.weight"] = (hidden, 2 * hidden)
     shapes.update(layer(m))
     keys = list(shapes)
     per = -(-len(keys) // shards)

@@ -36,6 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_blas import ensure_fast_blas  # noqa: E402
 
+from mlx_mtp.models.llama import LAYOUT  # noqa: E402  (DeepSeek-style head names)
+
 EMBED_SCALE = 8.0
 DAMPING = 0.2
 
@@ -75,7 +77,8 @@ def build_weights(config: dict, seed: int, cycle: int = 0):
     args = llama.ModelArgs.from_dict(config)
     model = llama.Model(args)
     w = {k: v for k, v in tree_flatten(model.parameters())}
-    V, H, L = config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]
+    V, H = config["vocab_size"], config["hidden_size"]
+    head = LAYOUT.prefix(config, 0)  # the MTP layer's tensors, DeepSeek-style
     embed = mx.random.normal((V, H)) * (EMBED_SCALE / np.sqrt(H))
     w["model.embed_tokens.weight"] = embed
     for k in list(w):
@@ -91,15 +94,15 @@ def build_weights(config: dict, seed: int, cycle: int = 0):
     block = dict(tree_flatten(llama.TransformerBlock(args).parameters()))
     for k, v in block.items():
         scale = DAMPING if k.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-        w[f"model.layers.{L}.{k}"] = v * scale
+        w[f"{head}{k}"] = v * scale
     for name in ("enorm", "hnorm"):
-        w[f"model.layers.{L}.{name}.weight"] = mx.ones((H,))
-    w[f"model.layers.{L}.shared_head.norm.weight"] = mx.array(w["model.norm.weight"])
+        w[f"{head}{LAYOUT.name(name)}.weight"] = mx.ones((H,))
+    w[f"{head}{LAYOUT.name('norm')}.weight"] = mx.array(w["model.norm.weight"])
     w["_noise"] = mx.random.normal((H, H)) / np.sqrt(H)
     return w, np.sort(order)
 
 
-def write_conversion(out: Path, config: dict, w: dict, L: int, vocab, info) -> None:
+def write_conversion(out: Path, config: dict, w: dict, vocab, info) -> None:
     """Rewrite ``out`` as an mlx-mtp conversion whose heads draft from ``vocab``."""
     from mlx_mtp.heads import HEADS_FILE, heads_section, save_heads
     from mlx_mtp.loading import load_model
@@ -108,7 +111,8 @@ def write_conversion(out: Path, config: dict, w: dict, L: int, vocab, info) -> N
     model = load_model(str(out))[0]
     stack = MTPStack(list(model.mtp.layers), len(vocab))
     stack.draft_vocab = mx.array(vocab, dtype=mx.int32)
-    trunk = {k: v for k, v in w.items() if not k.startswith(f"model.layers.{L}.")}
+    head = LAYOUT.prefix(config, 0)
+    trunk = {k: v for k, v in w.items() if not k.startswith(head)}
     mx.save_safetensors(str(out / "model.safetensors"), trunk, {"format": "pt"})
     save_heads(out / HEADS_FILE, stack)
     config = dict(config)
@@ -116,9 +120,9 @@ def write_conversion(out: Path, config: dict, w: dict, L: int, vocab, info) -> N
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def set_gamma(w: dict, L: int, gamma: float) -> None:
+def set_gamma(w: dict, config: dict, gamma: float) -> None:
     H = w["_noise"].shape[0]
-    w[f"model.layers.{L}.eh_proj.weight"] = mx.concatenate(
+    w[f"{LAYOUT.prefix(config, 0)}{LAYOUT.name('eh_proj')}.weight"] = mx.concatenate(
         [mx.eye(H), gamma * w["_noise"]], axis=1
     )
 
@@ -159,7 +163,6 @@ def main():
     from mlx_mtp.testing.fixtures import write_tokenizer
 
     config = llama_config(args.params, args.vocab, args.hidden)
-    L = config["num_hidden_layers"]
     w, emitted = build_weights(config, args.seed, args.draft_vocab)
     vocab = mx.array(emitted, dtype=mx.int32) if args.draft_vocab else None
     noise = w.pop("_noise")
@@ -169,7 +172,7 @@ def main():
 
     def write(gamma):
         w["_noise"] = noise
-        set_gamma(w, L, gamma)
+        set_gamma(w, config, gamma)
         w.pop("_noise")
         mx.save_safetensors(str(args.out / "model.safetensors"), w, {"format": "pt"})
         return load_model(str(args.out))[0]
@@ -201,7 +204,7 @@ def main():
     measured = agreement(model, features, vocab)
     write(gamma)
     trunk_params = sum(
-        v.size for k, v in w.items() if not k.startswith(f"model.layers.{L}.")
+        v.size for k, v in w.items() if not k.startswith(LAYOUT.prefix(config, 0))
     )
     info = {
         "target_acceptance": args.acceptance,
@@ -212,7 +215,7 @@ def main():
         "blas": blas,
     }
     if args.draft_vocab:
-        write_conversion(args.out, config, w, L, emitted, info)
+        write_conversion(args.out, config, w, emitted, info)
     (args.out / "synthetic.json").write_text(json.dumps(info, indent=2))
     print(json.dumps(info))
 

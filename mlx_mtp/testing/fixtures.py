@@ -46,8 +46,6 @@ from typing import Callable, Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
-FAMILIES = ("deepseek_v3", "glm4_moe", "mimo", "qwen3_5", "qwen3_5_moe", "qwen3_next")
-
 HIDDEN = 64
 INTERMEDIATE = 128
 MOE_INTERMEDIATE = 32
@@ -706,6 +704,7 @@ _SPECS = {
     "qwen3_5_moe": _FamilySpec(build=functools.partial(_qwen3_5, moe=True), **_QWEN3_5),
     "qwen3_next": _FamilySpec(build=_qwen3_next, unit_norm=0.0),
 }
+FAMILIES = tuple(_SPECS)  # the families with a fixture (llama's is `write_llama`)
 
 
 def _family(name: str):
