@@ -7,13 +7,17 @@ plain `KVCache` whose row i holds position i. Rollback goes through `begin_verif
 number of positions to drop). Each cache type has an adapter:
 
 - KV caches (`KVCache`, `QuantizedKVCache`) trim the rejected tail;
+- sliding-window layers (mlx-lm's ``RotatingKVCache`` without sinks, as a model's own
+  ``make_cache`` makes them) get a `WindowCache`, which gives every query of a
+  multi-token pass its own window and keeps enough history to trim the tail;
 - `RecurrentCache` asks its layer to record ``[conv_state, ssm_state]`` after every
   position of the pass (a `Capture`) and, on rewind, puts back the record at the
   accepted length: O(k) states per layer, no recomputation, and nothing at all to do
   when every draft is accepted.
 
-A cache with no adapter (a sliding-window `RotatingKVCache`, or an `ArraysCache` whose
-mixer cannot record states) makes `check_rollback` fail before decoding starts.
+A cache with no adapter (a `RotatingKVCache` with sink tokens, as ``--max-kv-size``
+makes, or an `ArraysCache` whose mixer cannot record states) makes `check_rollback`
+fail before decoding starts.
 """
 
 import logging
@@ -21,7 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    _BaseCache,
+)
 
 from .errors import MTPError, RollbackError
 
@@ -39,7 +49,7 @@ class Caches:
 def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
     """Fresh caches; ``max_kv_size`` gives attention layers a rotating window, as in
     mlx-lm (models that make their own caches ignore it there too)."""
-    trunk = model.make_trunk_cache(max_kv_size=max_kv_size)
+    trunk = with_window_caches(model.make_trunk_cache(max_kv_size=max_kv_size))
     if model.records_states:
         trunk = with_recurrent_caches(trunk)
     caches = Caches(trunk=trunk, mtp=model.make_mtp_cache())
@@ -71,7 +81,13 @@ class KVQuantization:
 
     def check(self, caches: List[Any]) -> None:
         """Refuse, before anything is quantized, a group size that does not divide the
-        width of the cached keys and values (MLX quantizes along the last axis)."""
+        width of the cached keys and values (MLX quantizes along the last axis), and
+        sliding-window layers, whose caches mlx-lm cannot quantize either."""
+        if any(isinstance(c, (WindowCache, RotatingKVCache)) for c in caches):
+            raise MTPError(
+                "--kv-bits: this model has sliding-window attention layers, whose KV "
+                "cache cannot be quantized (nor in mlx-lm); drop --kv-bits"
+            )
         for c in caches:
             for a in (getattr(c, "keys", None), getattr(c, "values", None)):
                 if isinstance(a, mx.array) and a.shape[-1] % self.group_size:
@@ -102,6 +118,130 @@ class TrimRollback:
     def rewind(cache, mark, n: int) -> None:
         if n > 0:
             cache.trim(n)
+
+
+class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its caches have
+    """A sliding-window attention layer's cache that a multi-token pass and a rollback
+    keep exact.
+
+    Each query at position q sees exactly the keys at positions q - window + 1 .. q,
+    as one-token decoding with mlx-lm's ``RotatingKVCache(max_size=window)`` gives it,
+    whatever the number of tokens in the pass. The keys are kept in temporal order in
+    a buffer that holds the last ``window - 1 + slack`` positions (memory O(window +
+    slack)), so a pass can be rolled back by up to ``slack`` positions (the drafts of
+    the rounds in flight) and every later query still finds its whole window; rolling
+    back further is a `RollbackError`, never a wrong answer.
+    """
+
+    step = 256
+
+    def __init__(self, window: int, slack: int = 64):
+        self.window = window
+        self.slack = slack
+        self.keys = self.values = None
+        self.offset = 0  # absolute position of the next token
+        self.start = 0  # absolute position of the oldest entry kept
+        self._base = 0  # its index in the buffers
+
+    @property
+    def max_size(self) -> int:
+        return self.window
+
+    def _kept(self) -> int:
+        return self.offset - self.start
+
+    def _reserve(self, keys: mx.array, values: mx.array) -> None:
+        """Room for ``keys`` after the kept entries: compact to the front and grow."""
+        n, kept = keys.shape[2], self._kept()
+        if self.keys is not None and self._base + kept + n <= self.keys.shape[2]:
+            return
+        size = self.step * ((kept + n + self.step - 1) // self.step)
+        B, H, _, dk = keys.shape
+        new_k = mx.zeros((B, H, size, dk), keys.dtype)
+        new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
+        if kept:
+            new_k[..., :kept, :] = self.keys[..., self._base : self._base + kept, :]
+            new_v[..., :kept, :] = self.values[..., self._base : self._base + kept, :]
+        self.keys, self.values, self._base = new_k, new_v, 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append a pass's keys and values; return every kept entry, oldest first
+        (`make_mask` says which of them each query sees)."""
+        self._check_window()
+        self._reserve(keys, values)
+        n, end = keys.shape[2], self._base + self._kept()
+        self.keys[..., end : end + n, :] = keys
+        self.values[..., end : end + n, :] = values
+        self.offset += n
+        out = (
+            self.keys[..., self._base : end + n, :],
+            self.values[..., self._base : end + n, :],
+        )
+        drop = max(0, self._kept() - (self.window - 1 + self.slack))
+        self.start += drop  # no later query nor rollback within slack needs them
+        self._base += drop
+        return out
+
+    def _check_window(self) -> None:
+        if self.start > max(0, self.offset - self.window + 1):
+            raise RollbackError(
+                f"a sliding-window cache was rolled back past the {self.slack} "
+                "positions it keeps for rollback"
+            )
+
+    def make_mask(
+        self, N: int, window_size: Optional[int] = None, return_array: bool = False
+    ):
+        """The mask of a pass of N queries over `update_and_fetch`'s entries: query i
+        (position offset + i) sees the positions offset + i - window + 1 .. offset + i.
+        None when every query sees every entry."""
+        window = window_size or self.window
+        kept = self._kept()
+        if N == 1 and kept + 1 <= window and not return_array:
+            return None
+        q = mx.arange(self.offset, self.offset + N)[:, None]
+        k = mx.arange(self.start, self.offset + N)[None]
+        return (k <= q) & (k > q - window)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        if self.offset < self.start:
+            raise RollbackError(
+                "a sliding-window cache was rolled back past the oldest entry it keeps"
+            )
+        return n
+
+    def size(self) -> int:
+        return min(self.offset, self.window)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def with_window_caches(caches: List[Any], slack: int = 64) -> List[Any]:
+    """Replace the fresh sliding-window caches a model makes (mlx-lm's
+    ``RotatingKVCache`` without sink tokens) with `WindowCache`; a rotating cache with
+    sinks (``--max-kv-size``) stays as it is."""
+    return [
+        (
+            WindowCache(c.max_size, slack)
+            if type(c) is RotatingKVCache and c.keep == 0 and c.empty()
+            else c
+        )
+        for c in caches
+    ]
 
 
 class RecurrentCache(ArraysCache):
@@ -154,6 +294,7 @@ class CaptureRollback:
 ADAPTERS: Dict[type, Any] = {
     KVCache: TrimRollback,
     QuantizedKVCache: TrimRollback,
+    WindowCache: TrimRollback,
     RecurrentCache: CaptureRollback,
 }
 

@@ -41,7 +41,7 @@ import functools
 import json
 import pathlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -727,7 +727,12 @@ def _mtp_prefixes(family, cfg: dict) -> List[str]:
 
 
 def _make_predictable(
-    family, spec: _FamilySpec, cfg: dict, tensors: Tensors, rng: np.random.Generator
+    family,
+    spec: _FamilySpec,
+    cfg: dict,
+    tensors: Tensors,
+    rng: np.random.Generator,
+    embed_scale: float = PREDICTABLE_EMBED_SCALE,
 ) -> None:
     """Rewire ``tensors`` in place so the MTP heads often agree with the trunk.
 
@@ -747,7 +752,7 @@ def _make_predictable(
     """
     layout = family.LAYOUT
     hidden = _text_config(cfg)["hidden_size"]
-    embed = tensors[spec.embed_key] * np.float32(PREDICTABLE_EMBED_SCALE)
+    embed = tensors[spec.embed_key] * np.float32(embed_scale)
     tensors[spec.embed_key] = embed
     for prefix in _mtp_prefixes(family, cfg):
         for copy, original in layout.copies.items():
@@ -1003,10 +1008,24 @@ def _special_tokens_map() -> dict:
     }
 
 
-def write_llama(out_dir, *, seed: int = 0, heads: bool = False) -> pathlib.Path:
+def write_llama(
+    out_dir,
+    *,
+    seed: int = 0,
+    heads: bool = False,
+    predictable: bool = False,
+    sliding_window: Optional[int] = None,
+    weight_std: Optional[float] = None,
+) -> pathlib.Path:
     """A tiny llama checkpoint (tied embeddings, hidden 64, 2 layers) with the fixture
     tokenizer; ``heads=True`` adds one DeepSeek-style MTP layer at ``model.layers.2``
-    (as llama.cpp GGUF ``nextn`` tensors or `mlx-mtp train-heads` name them)."""
+    (as llama.cpp GGUF ``nextn`` tensors or `mlx-mtp train-heads` name them), random,
+    or with ``predictable`` rewired to agree often (see `_make_predictable`).
+    ``sliding_window=W`` makes the first layer a sliding-window one (``layer_types``,
+    as Mistral-style and SmolLM3 configs have), which mlx-lm caches in a
+    ``RotatingKVCache(W)``. ``weight_std`` redraws every matrix with that deviation
+    (0.3 gives a trunk whose greedy text keeps changing instead of settling on a
+    cycle; the predictable heads then scale its embedding by 2 only)."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
@@ -1032,10 +1051,18 @@ def write_llama(out_dir, *, seed: int = 0, heads: bool = False) -> pathlib.Path:
         "torch_dtype": "float32",
         **_token_id_config(_special_token_ids(512)),
     }
+    if sliding_window:
+        config["sliding_window"] = sliding_window
+        config["layer_types"] = ["sliding_attention", "full_attention"]
     mx.random.seed(seed)
     args = llama.ModelArgs.from_dict(config)
     weights = dict(tree_flatten(llama.Model(args).parameters()))
     weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 4
+    if weight_std:
+        weights = {
+            k: mx.random.normal(v.shape) * weight_std if v.ndim == 2 else v
+            for k, v in weights.items()
+        }
     if heads:
         config["num_nextn_predict_layers"] = 1
         block = dict(tree_flatten(llama.TransformerBlock(args).parameters()))
@@ -1045,6 +1072,13 @@ def write_llama(out_dir, *, seed: int = 0, heads: bool = False) -> pathlib.Path:
         weights["model.layers.2.eh_proj.weight"] = 0.1 * mx.random.normal(
             (HIDDEN, 2 * HIDDEN)
         )
+        if predictable:
+            tensors = {k: np.array(v) for k, v in weights.items()}
+            spec = _FamilySpec(build=None)
+            rng = np.random.default_rng(seed)
+            scale = 2.0 if weight_std else PREDICTABLE_EMBED_SCALE
+            _make_predictable(_family("llama"), spec, config, tensors, rng, scale)
+            weights = {k: mx.array(v) for k, v in tensors.items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
     _write_json(out / "config.json", config)
     return out

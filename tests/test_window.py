@@ -1,0 +1,186 @@
+"""Sliding-window attention layers: `WindowCache` gives each query of a multi-token pass
+exactly the window one-token decoding gives it, rolls back exactly at every offset of
+the window, and MTP decoding of a sliding-window model equals mlx-lm's plain decoding
+long past the window."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import RotatingKVCache
+
+from mlx_mtp.cache import KVQuantization, WindowCache, make_caches
+from mlx_mtp.cli import main
+from mlx_mtp.errors import MTPError, RollbackError
+from mlx_mtp.loading import load
+from mlx_mtp.speculative import Session, mtp_generate_step
+from mlx_mtp.testing.fixtures import write_llama
+
+from .test_draft_length import RandomLength
+
+W = 8  # the fixture's window: 120 generated tokens wrap it 15 times
+HEADS, DIM = 2, 16
+PROMPTS = ([5, 77, 301], list(range(40, 60)))  # shorter and longer than the window
+
+
+def attend(q, keys, values, mask):
+    """(1, H, N, D) queries over (1, H, L, D) keys with a bool (N, L) mask or None."""
+    return mx.fast.scaled_dot_product_attention(
+        q, keys, values, scale=DIM**-0.5, mask=mask
+    )
+
+
+def stream(n, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (1, HEADS, n, DIM)
+    return [mx.array(rng.standard_normal(shape).astype(np.float32)) for _ in range(3)]
+
+
+def rotating_outputs(q, k, v):
+    """Reference: one token at a time through mlx-lm's RotatingKVCache(W)."""
+    cache, out = RotatingKVCache(max_size=W), []
+    for t in range(q.shape[2]):
+        mask = cache.make_mask(1, window_size=W)
+        keys, values = cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        out.append(attend(q[:, :, t : t + 1], keys, values, mask))
+    return mx.concatenate(out, axis=2)
+
+
+def window_pass(cache, q, k, v):
+    mask = cache.make_mask(q.shape[2], window_size=W)
+    keys, values = cache.update_and_fetch(k, v)
+    return attend(q, keys, values, mask)
+
+
+def test_every_query_of_a_pass_sees_its_own_window():
+    """Passes of 1..6 tokens (drafts and verify passes) from a cold start to far past
+    the window give what one-token decoding gives, query by query."""
+    q, k, v = stream(60)
+    expected = rotating_outputs(q, k, v)
+    cache, out, t = WindowCache(W), [], 0
+    sizes = np.random.default_rng(1).integers(1, 7, size=60)
+    for n in sizes:
+        if t >= 60:
+            break
+        n = min(int(n), 60 - t)
+        out.append(window_pass(cache, *(a[:, :, t : t + n] for a in (q, k, v))))
+        t += n
+    np.testing.assert_allclose(
+        np.array(mx.concatenate(out, axis=2)), np.array(expected), atol=1e-5
+    )
+    assert cache.keys.shape[2] <= 256 and cache._kept() <= W - 1 + cache.slack
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_rollback_parity_at_every_offset_of_the_window(k):
+    """After a verify pass of k + 1 tokens rolled back by n = 0..k, at every offset of
+    the window (positions W..2W-1), the next query is answered exactly as by a fresh
+    cache that saw only the kept tokens."""
+    total = 2 * W + k + 2
+    q, keys, values = stream(total, seed=2)
+    for p in range(W, 2 * W):
+        for n in range(k + 1):
+            cache = WindowCache(W)
+            window_pass(cache, *(a[:, :, :p] for a in (q, keys, values)))
+            window_pass(cache, *(a[:, :, p : p + k + 1] for a in (q, keys, values)))
+            cache.trim(n)
+            kept = p + k + 1 - n
+            nxt = [a[:, :, total - 1 :] for a in (q, keys, values)]
+            got = window_pass(cache, *nxt)
+            fresh = WindowCache(W)
+            window_pass(fresh, *(a[:, :, :kept] for a in (q, keys, values)))
+            want = window_pass(fresh, *nxt)
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_rolling_back_past_what_is_kept_is_an_error():
+    q, k, v = stream(40)
+    cache = WindowCache(W, slack=4)
+    window_pass(cache, q, k, v)
+    cache.trim(4)
+    window_pass(cache, *(a[:, :, :1] for a in (q, k, v)))  # still within the slack
+    cache.trim(6)
+    with pytest.raises(RollbackError, match="rolled back past"):
+        window_pass(cache, *(a[:, :, :1] for a in (q, k, v)))
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    """A llama whose first layer attends over a window of 8, with DeepSeek-style
+    retrofitted heads that agree with it part of the time."""
+    path = tmp_path_factory.mktemp("sliding")
+    write_llama(path, heads=True, predictable=True, sliding_window=W, weight_std=0.2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(sliding):
+    return load(str(sliding))[0]
+
+
+def plain(model, prompt, n):
+    return [
+        int(t) for t, _ in generate_step(mx.array(prompt), model.trunk, max_tokens=n)
+    ]
+
+
+def test_the_window_matters(sliding, tmp_path):
+    """The fixture's output depends on the window (else the tests below prove
+    nothing about it): the same weights with full attention decode otherwise."""
+    full = tmp_path / "full"
+    write_llama(full, heads=True, predictable=True, weight_std=0.2)
+    assert plain(load(str(sliding))[0], PROMPTS[1], 120) != plain(
+        load(str(full))[0], PROMPTS[1], 120
+    )
+
+
+def test_greedy_identity_long_past_the_window(model):
+    hist = {}
+    for prompt in PROMPTS:
+        expected = plain(model, prompt, 120)
+        for k in range(1, 5):
+            outs = list(
+                mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=120)
+            )
+            assert [o.token for o in outs] == expected, (len(prompt), k)
+            h = hist.setdefault(k, [0] * (k + 1))
+            hist[k] = [a + b for a, b in zip(h, outs[-1].stats.accepted_histogram)]
+        policy = RandomLength([0, 1, 2, 3, 4], seed=len(prompt))
+        outs = mtp_generate_step(prompt, model, num_draft_tokens=policy, max_tokens=120)
+        assert [o.token for o in outs] == expected
+    assert all(h[0] > 0 for h in hist.values()), hist  # reject all
+    assert any(h[-1] > 0 for h in hist.values()), hist  # accept all
+    assert any(sum(h[1:-1]) > 0 for k, h in hist.items() if k > 1), hist  # partial
+
+
+def test_caches_are_windows_and_kv_bits_is_refused(model):
+    caches = make_caches(model)
+    assert isinstance(caches.trunk[0], WindowCache) and caches.trunk[0].window == W
+    with pytest.raises(MTPError, match="sliding-window"):
+        KVQuantization(4).check(caches.trunk)
+
+
+def test_early_close_and_sessions_equal_a_fresh_prefill(model):
+    """A generation stopped early, then continued in a session, decodes the whole
+    conversation exactly as plain decoding of it does."""
+    first, second = PROMPTS[1], [11, 12, 13]
+    session = Session()
+    steps = mtp_generate_step(first, model, num_draft_tokens=3, session=session)
+    got = [next(steps).token for _ in range(37)]
+    steps.close()  # early: the round in flight is dropped
+    assert got == plain(model, first, 37)
+    reply = [
+        o.token
+        for o in mtp_generate_step(
+            second, model, num_draft_tokens=3, max_tokens=60, session=session
+        )
+    ]
+    assert reply == plain(model, first + got + second, 60)
+
+
+def test_cli_generate_k3_equals_k0(sliding):
+    args = ["generate", "--model", str(sliding), "-p", "def f(x):", "-m", "200"]
+    runs = [CliRunner().invoke(main, args + ["-k", k, "--quiet"]) for k in ("3", "0")]
+    assert all(r.exit_code == 0 for r in runs), runs[0].output
+    assert runs[0].output == runs[1].output and len(runs[0].output) > 100
