@@ -13,7 +13,8 @@ from mlx_lm.models.cache import RotatingKVCache
 from mlx_mtp.cache import KVQuantization, WindowCache, make_caches
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MTPError, RollbackError
-from mlx_mtp.loading import load
+from mlx_mtp.loading import load, load_model
+from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import Session, mtp_generate_step
 from mlx_mtp.testing.fixtures import write_llama
 
@@ -184,3 +185,65 @@ def test_cli_generate_k3_equals_k0(sliding):
     runs = [CliRunner().invoke(main, args + ["-k", k, "--quiet"]) for k in ("3", "0")]
     assert all(r.exit_code == 0 for r in runs), runs[0].output
     assert runs[0].output == runs[1].output and len(runs[0].output) > 100
+
+
+# --- sampling exactness ------------------------------------------------------------
+
+SAMPLE_PROMPT = [3, 7, 1, 9, 4, 2]  # already twice the window of 3
+
+
+@pytest.fixture(scope="module")
+def small_sliding(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small-sliding")
+    write_llama(
+        path,
+        heads=True,
+        predictable=True,
+        sliding_window=3,
+        weight_std=0.1,
+        vocab_size=16,
+    )
+    return load_model(str(path))[0]
+
+
+def sampling_fails(model, k, n=600) -> bool:
+    """The chi-square test of `tests/test_sampling.py` on the first three tokens
+    after a prompt longer than the window."""
+    from .test_sampling import chi_square_rejects
+
+    params, V, prompt = SamplingParams(temp=1.0), 16, SAMPLE_PROMPT
+    first = model(mx.array([prompt + [x] for x in range(V)]))  # (V, L + 1, V)
+    p1 = np.array(mx.softmax(first[0, -2]))
+    p2 = np.array(mx.softmax(first[:, -1], axis=-1))  # (V, V)
+    pairs = [prompt + [a, b] for a in range(V) for b in range(V)]
+    p3 = np.array(mx.softmax(model(mx.array(pairs))[:, -1], axis=-1))
+    joint = p1[:, None] * p2
+    third = (joint[..., None] * p3.reshape(V, V, V)).sum(axis=(0, 1))
+    tokens = np.zeros((n, 3), dtype=np.int64)
+    for seed in range(n):
+        steps = mtp_generate_step(
+            prompt, model, num_draft_tokens=k, params=params, max_tokens=3, seed=seed
+        )
+        tokens[seed] = [o.token for o in steps]
+    counts = np.zeros((V, V))
+    np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+    thirds = np.bincount(tokens[:, 2], minlength=V)
+    return chi_square_rejects(counts, joint) or chi_square_rejects(thirds, third)
+
+
+def test_sampling_is_exact_past_the_window(small_sliding):
+    assert not sampling_fails(small_sliding, 2)
+
+
+def test_sampling_test_catches_a_pass_wide_window(small_sliding, monkeypatch):
+    """Negative control: a cache that gives every query of a pass the window of the
+    pass's last query must fail the same test."""
+
+    def last_query_window(self, N, window_size=None, return_array=False):
+        window = window_size or self.window
+        k = mx.arange(self.start, self.offset + N)[None]
+        causal = mx.arange(self.offset, self.offset + N)[:, None] >= k
+        return causal & (k > self.offset + N - 1 - window)
+
+    monkeypatch.setattr(WindowCache, "make_mask", last_query_window)
+    assert sampling_fails(small_sliding, 2)

@@ -1016,6 +1016,7 @@ def write_llama(
     predictable: bool = False,
     sliding_window: Optional[int] = None,
     weight_std: Optional[float] = None,
+    vocab_size: Optional[int] = None,
 ) -> pathlib.Path:
     """A tiny llama checkpoint (tied embeddings, hidden 64, 2 layers) with the fixture
     tokenizer; ``heads=True`` adds one DeepSeek-style MTP layer at ``model.layers.2``
@@ -1025,15 +1026,21 @@ def write_llama(
     as Mistral-style and SmolLM3 configs have), which mlx-lm caches in a
     ``RotatingKVCache(W)``. ``weight_std`` redraws every matrix with that deviation
     (0.3 gives a trunk whose greedy text keeps changing instead of settling on a
-    cycle; the predictable heads then scale its embedding by 2 only)."""
+    cycle; the predictable heads then scale its embedding by 2 only). ``vocab_size``
+    writes no tokenizer and a vocabulary that small (for sampling statistics)."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, 512)
-    tok = json.loads((out / "tokenizer.json").read_text())
-    ids = list(tok["model"]["vocab"].values()) + [a["id"] for a in tok["added_tokens"]]
+    if vocab_size:
+        ids, token_ids = range(vocab_size), {t: vocab_size - 1 for t in SPECIAL_TOKENS}
+    else:
+        write_tokenizer(out, 512)
+        tok = json.loads((out / "tokenizer.json").read_text())
+        ids = list(tok["model"]["vocab"].values())
+        ids += [a["id"] for a in tok["added_tokens"]]
+        token_ids = _special_token_ids(512)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -1049,7 +1056,7 @@ def write_llama(
         "tie_word_embeddings": True,
         "vocab_size": 1 + max(ids),
         "torch_dtype": "float32",
-        **_token_id_config(_special_token_ids(512)),
+        **_token_id_config(token_ids),
     }
     if sliding_window:
         config["sliding_window"] = sliding_window
