@@ -16,7 +16,7 @@ from mlx_mtp.errors import MTPError, RollbackError
 from mlx_mtp.loading import load, load_model
 from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import Session, mtp_generate_step
-from mlx_mtp.testing.fixtures import write_llama
+from mlx_mtp.testing.fixtures import write_gemma3, write_llama
 
 from .test_draft_length import RandomLength
 
@@ -106,13 +106,20 @@ def test_rolling_back_past_what_is_kept_is_an_error():
         window_pass(cache, *(a[:, :, :1] for a in (q, k, v)))
 
 
-@pytest.fixture(scope="module")
-def sliding(tmp_path_factory):
-    """A llama whose first layer attends over a window of 8, with DeepSeek-style
-    retrofitted heads that agree with it part of the time."""
-    path = tmp_path_factory.mktemp("sliding")
-    write_llama(path, heads=True, predictable=True, sliding_window=W, weight_std=0.2)
-    return path
+def write_sliding(family, path, window=W):
+    """A model whose sliding-window layers attend over ``window`` positions, with
+    retrofitted heads that agree with it part of the time: a llama with a sliding
+    first layer, or Gemma 3 (two sliding layers, then a full one)."""
+    if family == "llama":
+        return write_llama(
+            path, heads=True, predictable=True, sliding_window=window, weight_std=0.2
+        )
+    return write_gemma3(path, predictable=True, sliding_window=window)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def sliding(request, tmp_path_factory):
+    return write_sliding(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -126,14 +133,11 @@ def plain(model, prompt, n):
     ]
 
 
-def test_the_window_matters(sliding, tmp_path):
+def test_the_window_matters(sliding, model, tmp_path):
     """The fixture's output depends on the window (else the tests below prove
-    nothing about it): the same weights with full attention decode otherwise."""
-    full = tmp_path / "full"
-    write_llama(full, heads=True, predictable=True, weight_std=0.2)
-    assert plain(load(str(sliding))[0], PROMPTS[1], 120) != plain(
-        load(str(full))[0], PROMPTS[1], 120
-    )
+    nothing about it): the same weights with a window past the text decode otherwise."""
+    full = write_sliding(model.model_type, tmp_path / "full", window=1024)
+    assert plain(model, PROMPTS[1], 120) != plain(load(str(full))[0], PROMPTS[1], 120)
 
 
 def test_greedy_identity_long_past_the_window(model):

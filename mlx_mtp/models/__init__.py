@@ -8,6 +8,7 @@ from .family import Family
 
 FAMILIES = (
     "deepseek_v3",
+    "gemma3_text",
     "glm4_moe",
     "llama",
     "mimo",

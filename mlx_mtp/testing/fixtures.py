@@ -688,6 +688,7 @@ class _FamilySpec:
     embed_key: str = "model.embed_tokens.weight"
     trunk_norm_key: str = "model.norm.weight"
     unit_norm: float = 1.0  # stored value of a norm weight that scales by one
+    norm_offset: float = 0.0  # added to the trunk's final norm for the MTP one
 
 
 _QWEN3_5 = dict(
@@ -769,7 +770,7 @@ def _make_predictable(
         tensors[f"{prefix}{layout.name('enorm')}.weight"] = np.full(
             hidden, spec.unit_norm, dtype=np.float32
         )
-        final_norm = tensors[spec.trunk_norm_key].copy()
+        final_norm = tensors[spec.trunk_norm_key] + np.float32(spec.norm_offset)
         tensors[f"{prefix}{layout.name('norm')}.weight"] = final_norm
         for key in tensors:
             if key.startswith(prefix) and key.endswith(
@@ -1086,6 +1087,77 @@ def write_llama(
             scale = 2.0 if weight_std else PREDICTABLE_EMBED_SCALE
             _make_predictable(_family("llama"), spec, config, tensors, rng, scale)
             weights = {k: mx.array(v) for k, v in tensors.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
+    _write_json(out / "config.json", config)
+    return out
+
+
+def write_gemma3(
+    out_dir,
+    *,
+    seed: int = 0,
+    sliding_window: int = 8,
+    predictable: bool = False,
+    weight_std: float = 0.2,
+) -> pathlib.Path:
+    """A tiny Gemma 3 text checkpoint (``gemma3_text``, Hugging Face names, hidden
+    64): 3 layers, the first two sliding-window ones (window
+    ``sliding_window``), the third full attention; matrices drawn with ``weight_std``;
+    one DeepSeek-style retrofitted MTP layer at ``model.layers.3`` whose block is
+    shaped as the last layer, random or ``predictable``. Gemma's norms are stored
+    zero-centred (``x * (1 + w)``); the MTP layer's own norms are plain."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, 512)
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": sliding_window,
+        "sliding_window_pattern": 3,
+        "max_position_embeddings": 2048,
+        "vocab_size": 512,
+        "num_nextn_predict_layers": 1,
+        "torch_dtype": "float32",
+        **_token_id_config(_special_token_ids(512)),
+    }
+    mx.random.seed(seed)
+    args = gemma3_text.ModelArgs.from_dict(config)
+    weights = dict(tree_flatten(gemma3_text.Model(args).parameters()))
+    weights = {
+        k: mx.random.normal(v.shape) * weight_std if v.ndim == 2 else v * 0
+        for k, v in weights.items()
+    }  # norms zero-centred: (1 + 0) scales by one; lm_head untied (a tied head on
+    # an embedding-dominated stream would repeat the current token)
+    head = "model.layers.3."
+    for k, v in list(weights.items()):
+        if k.startswith("model.layers.2."):  # the MTP block: shaped as the last layer
+            name = head + k[len("model.layers.2.") :]
+            weights[name] = mx.random.normal(v.shape) * weight_std if v.ndim == 2 else v
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{head}{norm}.weight"] = mx.ones((HIDDEN,))
+    weights[f"{head}eh_proj.weight"] = 0.1 * mx.random.normal((HIDDEN, 2 * HIDDEN))
+    if predictable:
+        tensors = {k: np.array(v) for k, v in weights.items()}
+        spec = _FamilySpec(build=None, norm_offset=1.0)
+        rng = np.random.default_rng(seed)
+        _make_predictable(_family("gemma3_text"), spec, config, tensors, rng, 4.0)
+        for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
+            # Gemma normalizes each block output: damp there, (1 - 0.8) = 0.2
+            tensors[f"{head}{norm}.weight"] = np.full(HIDDEN, -0.8, np.float32)
+        weights = {k: mx.array(v) for k, v in tensors.items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
     _write_json(out / "config.json", config)
     return out
