@@ -49,15 +49,16 @@ class Caches:
 def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
     """Fresh caches; ``max_kv_size`` gives attention layers a rotating window, as in
     mlx-lm (models that make their own caches ignore it there too)."""
-    trunk = with_window_caches(model.make_trunk_cache(max_kv_size=max_kv_size))
-    if model.records_states:
-        trunk = with_recurrent_caches(trunk)
-    caches = Caches(trunk=trunk, mtp=model.make_mtp_cache())
-    if max_kv_size and not any(isinstance(c, RotatingKVCache) for c in caches.trunk):
+    made = model.make_trunk_cache(max_kv_size=max_kv_size)
+    if max_kv_size and not any(isinstance(c, RotatingKVCache) for c in made):
         log.warning(
             "max_kv_size has no effect: %s makes its own caches (as in mlx-lm)",
             model.model_type,
         )
+    trunk = with_window_caches(made)
+    if model.records_states:
+        trunk = with_recurrent_caches(trunk)
+    caches = Caches(trunk=trunk, mtp=model.make_mtp_cache())
     return caches
 
 
@@ -124,31 +125,35 @@ class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its cach
     """A sliding-window attention layer's cache that a multi-token pass and a rollback
     keep exact.
 
-    Each query at position q sees exactly the keys at positions q - window + 1 .. q,
-    as one-token decoding with mlx-lm's ``RotatingKVCache(max_size=window)`` gives it,
-    whatever the number of tokens in the pass. The keys are kept in temporal order in
-    a buffer that holds the last ``window - 1 + slack`` positions (memory O(window +
-    slack)), so a pass can be rolled back by up to ``slack`` positions (the drafts of
-    the rounds in flight) and every later query still finds its whole window; rolling
-    back further is a `RollbackError`, never a wrong answer.
+    Each query at position q sees exactly what one-token decoding with mlx-lm's
+    ``RotatingKVCache(max_size=window, keep=keep)`` gives it: the ``keep`` first
+    positions (sink tokens; none for a model's own sliding-window layers) and the last
+    ``window - keep`` positions, q included, whatever the number of tokens in the pass.
+    The sinks are kept apart; the other keys are kept in temporal order in a buffer of
+    the last ``window - keep - 1 + slack`` positions (memory O(window + slack)), so a
+    pass can be rolled back by up to ``slack`` positions (the drafts of the rounds in
+    flight) and every later query still finds its whole window. Rolling back further
+    is a `RollbackError`, never a wrong answer.
     """
 
     step = 256
 
-    def __init__(self, window: int, slack: int = 64):
-        self.window = window
-        self.slack = slack
-        self.keys = self.values = None
+    def __init__(self, window: int, keep: int = 0, slack: int = 64):
+        if not 0 <= keep < window:
+            raise ValueError(f"keep must be in [0, window), got {keep}")
+        self.window, self.keep, self.slack = window, keep, slack
+        self.sinks = None  # (keys, values) of positions < keep
+        self.keys = self.values = None  # the buffer of positions >= keep
         self.offset = 0  # absolute position of the next token
-        self.start = 0  # absolute position of the oldest entry kept
-        self._base = 0  # its index in the buffers
+        self.start = keep  # absolute position of the oldest buffered entry
+        self._base = 0  # its index in the buffer
 
     @property
     def max_size(self) -> int:
         return self.window
 
     def _kept(self) -> int:
-        return self.offset - self.start
+        return max(0, self.offset - self.start)
 
     def _reserve(self, keys: mx.array, values: mx.array) -> None:
         """Room for ``keys`` after the kept entries: compact to the front and grow."""
@@ -165,25 +170,56 @@ class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its cach
         self.keys, self.values, self._base = new_k, new_v, 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Append a pass's keys and values; return every kept entry, oldest first
-        (`make_mask` says which of them each query sees)."""
+        """Append a pass's keys and values; return the sinks and every buffered entry,
+        oldest first (`make_mask` says which of them each query sees)."""
         self._check_window()
-        self._reserve(keys, values)
-        n, end = keys.shape[2], self._base + self._kept()
-        self.keys[..., end : end + n, :] = keys
-        self.values[..., end : end + n, :] = values
-        self.offset += n
-        out = (
-            self.keys[..., self._base : end + n, :],
-            self.values[..., self._base : end + n, :],
-        )
-        drop = max(0, self._kept() - (self.window - 1 + self.slack))
+        n = keys.shape[2]
+        s = min(n, max(0, self.keep - self.offset))  # new sink positions
+        if s:
+            old = self._sinks()
+            new = (keys[:, :, :s], values[:, :, :s])
+            self.sinks = (
+                new
+                if old is None
+                else tuple(mx.concatenate([o, x], axis=2) for o, x in zip(old, new))
+            )
+            self.offset += s
+            keys, values = keys[:, :, s:], values[:, :, s:]
+        if keys.shape[2]:
+            self._reserve(keys, values)
+            end = self._base + self._kept()
+            self.keys[..., end : end + keys.shape[2], :] = keys
+            self.values[..., end : end + keys.shape[2], :] = values
+            self.offset += keys.shape[2]
+        out = self._fetch()
+        drop = max(0, self._kept() - (self.window - self.keep - 1 + self.slack))
         self.start += drop  # no later query nor rollback within slack needs them
         self._base += drop
         return out
 
+    def _sinks(self):
+        """The sink entries still held (fewer than ``keep`` after an early trim)."""
+        held = min(self.keep, self.offset)
+        if self.sinks is None or not held:
+            return None
+        return tuple(a[:, :, :held] for a in self.sinks)
+
+    def _fetch(self):
+        parts = []
+        if self._kept():
+            end = self._base + self._kept()
+            buffered = (self.keys[..., self._base : end, :],)
+            parts.append(buffered + (self.values[..., self._base : end, :],))
+        sinks = self._sinks()
+        if sinks is not None:
+            parts.insert(0, sinks)
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in (0, 1))
+
     def _check_window(self) -> None:
-        if self.start > max(0, self.offset - self.window + 1):
+        needed = max(self.keep, self.offset - (self.window - self.keep) + 1)
+        if self.start > needed:
             raise RollbackError(
                 f"a sliding-window cache was rolled back past the {self.slack} "
                 "positions it keeps for rollback"
@@ -192,16 +228,17 @@ class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its cach
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
-        """The mask of a pass of N queries over `update_and_fetch`'s entries: query i
-        (position offset + i) sees the positions offset + i - window + 1 .. offset + i.
+        """The mask of a pass of N queries over `update_and_fetch`'s entries: query
+        at position q sees the sinks and the positions q - (window - keep) + 1 .. q.
         None when every query sees every entry."""
-        window = window_size or self.window
-        kept = self._kept()
-        if N == 1 and kept + 1 <= window and not return_array:
+        recent = (window_size or self.window) - self.keep
+        end = self.offset + N
+        if N == 1 and self._kept() + 1 <= recent and not return_array:
             return None
-        q = mx.arange(self.offset, self.offset + N)[:, None]
-        k = mx.arange(self.start, self.offset + N)[None]
-        return (k <= q) & (k > q - window)
+        sinks = mx.arange(min(self.keep, end))
+        k = mx.concatenate([sinks, mx.arange(self.start, max(self.start, end))])[None]
+        q = mx.arange(self.offset, end)[:, None]
+        return (k <= q) & ((k < self.keep) | (k > q - recent))
 
     def is_trimmable(self) -> bool:
         return True
@@ -209,7 +246,7 @@ class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its cach
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
         self.offset -= n
-        if self.offset < self.start:
+        if self.offset < self.start and self.start > self.keep:
             raise RollbackError(
                 "a sliding-window cache was rolled back past the oldest entry it keeps"
             )
@@ -219,25 +256,27 @@ class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its cach
         return min(self.offset, self.window)
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.offset == 0 and self.keys is None and self.sinks is None
 
     @property
     def state(self):
-        return self.keys, self.values
+        return [
+            a for a in (self.sinks or ()) + (self.keys, self.values) if a is not None
+        ]
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return sum(a.nbytes for a in self.state)
 
 
 def with_window_caches(caches: List[Any], slack: int = 64) -> List[Any]:
-    """Replace the fresh sliding-window caches a model makes (mlx-lm's
-    ``RotatingKVCache`` without sink tokens) with `WindowCache`; a rotating cache with
-    sinks (``--max-kv-size``) stays as it is."""
+    """Replace fresh ``RotatingKVCache`` entries (a model's sliding-window layers, or
+    every layer under ``--max-kv-size``, with its sink tokens) by `WindowCache`s of
+    the same window and sinks."""
     return [
         (
-            WindowCache(c.max_size, slack)
-            if type(c) is RotatingKVCache and c.keep == 0 and c.empty()
+            WindowCache(c.max_size, c.keep, slack)
+            if type(c) is RotatingKVCache and c.empty()
             else c
         )
         for c in caches

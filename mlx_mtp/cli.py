@@ -331,7 +331,8 @@ MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo mode
     "--max-kv-size",
     type=click.IntRange(min=1),
     default=None,
-    help="Rotating KV window (plain decoding only: -k 0).",
+    help="Attend over this many positions at most (4 sink tokens + the latest, as "
+    "mlx-lm's rotating cache); exact with drafting too.",
 )
 @click.option("--ignore-chat-template", is_flag=True)
 @decode_options

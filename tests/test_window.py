@@ -38,9 +38,9 @@ def stream(n, seed=0):
     return [mx.array(rng.standard_normal(shape).astype(np.float32)) for _ in range(3)]
 
 
-def rotating_outputs(q, k, v):
-    """Reference: one token at a time through mlx-lm's RotatingKVCache(W)."""
-    cache, out = RotatingKVCache(max_size=W), []
+def rotating_outputs(q, k, v, keep=0):
+    """Reference: one token at a time through mlx-lm's RotatingKVCache(W, keep)."""
+    cache, out = RotatingKVCache(max_size=W, keep=keep), []
     for t in range(q.shape[2]):
         mask = cache.make_mask(1, window_size=W)
         keys, values = cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
@@ -54,12 +54,14 @@ def window_pass(cache, q, k, v):
     return attend(q, keys, values, mask)
 
 
-def test_every_query_of_a_pass_sees_its_own_window():
+@pytest.mark.parametrize("keep", [0, 3])
+def test_every_query_of_a_pass_sees_its_own_window(keep):
     """Passes of 1..6 tokens (drafts and verify passes) from a cold start to far past
-    the window give what one-token decoding gives, query by query."""
+    the window give what one-token decoding gives, query by query, sink tokens
+    (``--max-kv-size``'s ``keep``) included."""
     q, k, v = stream(60)
-    expected = rotating_outputs(q, k, v)
-    cache, out, t = WindowCache(W), [], 0
+    expected = rotating_outputs(q, k, v, keep)
+    cache, out, t = WindowCache(W, keep), [], 0
     sizes = np.random.default_rng(1).integers(1, 7, size=60)
     for n in sizes:
         if t >= 60:
@@ -73,8 +75,9 @@ def test_every_query_of_a_pass_sees_its_own_window():
     assert cache.keys.shape[2] <= 256 and cache._kept() <= W - 1 + cache.slack
 
 
+@pytest.mark.parametrize("keep", [0, 3])
 @pytest.mark.parametrize("k", [1, 4])
-def test_rollback_parity_at_every_offset_of_the_window(k):
+def test_rollback_parity_at_every_offset_of_the_window(k, keep):
     """After a verify pass of k + 1 tokens rolled back by n = 0..k, at every offset of
     the window (positions W..2W-1), the next query is answered exactly as by a fresh
     cache that saw only the kept tokens."""
@@ -82,14 +85,14 @@ def test_rollback_parity_at_every_offset_of_the_window(k):
     q, keys, values = stream(total, seed=2)
     for p in range(W, 2 * W):
         for n in range(k + 1):
-            cache = WindowCache(W)
+            cache = WindowCache(W, keep)
             window_pass(cache, *(a[:, :, :p] for a in (q, keys, values)))
             window_pass(cache, *(a[:, :, p : p + k + 1] for a in (q, keys, values)))
             cache.trim(n)
             kept = p + k + 1 - n
             nxt = [a[:, :, total - 1 :] for a in (q, keys, values)]
             got = window_pass(cache, *nxt)
-            fresh = WindowCache(W)
+            fresh = WindowCache(W, keep)
             window_pass(fresh, *(a[:, :, :kept] for a in (q, keys, values)))
             want = window_pass(fresh, *nxt)
             np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
@@ -251,3 +254,24 @@ def test_sampling_test_catches_a_pass_wide_window(small_sliding, monkeypatch):
 
     monkeypatch.setattr(WindowCache, "make_mask", last_query_window)
     assert sampling_fails(small_sliding, 2)
+
+
+def test_max_kv_size_drafts_exactly(checkpoint):
+    """``--max-kv-size N`` (every layer a window of N with 4 sink tokens, as mlx-lm's
+    plain decoding keeps it) drafts exactly what one-token decoding gives, past the
+    window many times, with prompts shorter and longer than it."""
+    model = load(str(checkpoint("mimo", predictable=True)))[0]
+    for prompt in PROMPTS:
+        steps = generate_step(
+            mx.array(prompt),
+            model.trunk,
+            max_tokens=100,
+            max_kv_size=16,
+            prefill_step_size=1,
+        )  # one token at a time: mlx-lm's one-token semantics
+        expected = [int(t) for t, _ in steps]
+        for k in (0, 1, 3):
+            outs = mtp_generate_step(
+                prompt, model, num_draft_tokens=k, max_tokens=100, max_kv_size=16
+            )
+            assert [o.token for o in outs] == expected, (len(prompt), k)
