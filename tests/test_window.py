@@ -16,7 +16,7 @@ from mlx_mtp.errors import MTPError, RollbackError
 from mlx_mtp.loading import load, load_model
 from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import Session, mtp_generate_step
-from mlx_mtp.testing.fixtures import write_gemma3, write_llama
+from mlx_mtp.testing.fixtures import write_gemma3, write_gpt_oss, write_llama
 
 from .test_draft_length import RandomLength
 
@@ -112,15 +112,17 @@ def test_rolling_back_past_what_is_kept_is_an_error():
 def write_sliding(family, path, window=W):
     """A model whose sliding-window layers attend over ``window`` positions, with
     retrofitted heads that agree with it part of the time: a llama with a sliding
-    first layer, or Gemma 3 (two sliding layers, then a full one)."""
+    first layer, Gemma 3 (two sliding layers, then a full one) or gpt-oss (a sliding
+    layer with attention sinks, then a full one)."""
     if family == "llama":
         return write_llama(
             path, heads=True, predictable=True, sliding_window=window, weight_std=0.2
         )
-    return write_gemma3(path, predictable=True, sliding_window=window)
+    write = write_gemma3 if family == "gemma3_text" else write_gpt_oss
+    return write(path, predictable=True, sliding_window=window)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+@pytest.fixture(scope="module", params=["llama", "gemma3_text", "gpt_oss"])
 def sliding(request, tmp_path_factory):
     return write_sliding(request.param, tmp_path_factory.mktemp(request.param))
 

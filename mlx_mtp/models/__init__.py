@@ -10,6 +10,7 @@ FAMILIES = (
     "deepseek_v3",
     "gemma3_text",
     "glm4_moe",
+    "gpt_oss",
     "llama",
     "mimo",
     "qwen3_5",

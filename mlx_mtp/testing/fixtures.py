@@ -1161,3 +1161,75 @@ def write_gemma3(
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
     _write_json(out / "config.json", config)
     return out
+
+
+def write_gpt_oss(
+    out_dir,
+    *,
+    seed: int = 0,
+    sliding_window: int = 8,
+    predictable: bool = False,
+    weight_std: float = 0.2,
+) -> pathlib.Path:
+    """A tiny gpt-oss checkpoint (attention sinks, biases, an MoE MLP of 4 experts of
+    which 2 are used, an untied ``lm_head``): 2 layers, a sliding-window one (window
+    ``sliding_window``) then a full-attention one; one DeepSeek-style retrofitted MTP
+    layer at ``model.layers.2`` whose block is shaped as the last layer, random or
+    ``predictable``. The tensors carry mlx-lm's names (split ``gate_proj`` /
+    ``up_proj`` experts): releases ship MXFP4 ``*_blocks`` / ``*_scales``, which
+    mlx-lm's sanitize turns into these, and its sanitize has no path for unquantized
+    fused ``gate_up_proj`` tensors to test against."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gpt_oss
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, 512)
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": HIDDEN,
+        "intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "sliding_window": sliding_window,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "max_position_embeddings": 2048,
+        "vocab_size": 512,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+        "torch_dtype": "float32",
+        **_token_id_config(_special_token_ids(512)),
+    }
+    mx.random.seed(seed)
+    args = gpt_oss.ModelArgs.from_dict(config)
+    params = dict(tree_flatten(gpt_oss.Model(args).parameters()))
+    params = {
+        k: mx.random.normal(v.shape) * weight_std if v.ndim >= 2 else v
+        for k, v in params.items()
+    }
+    head = "model.layers.2."
+    weights = {}
+    for k, v in params.items():
+        if k.startswith("model.layers.1."):  # the MTP block: shaped as the last layer
+            name = head + k[len("model.layers.1.") :]
+            weights[name] = mx.random.normal(v.shape) * weight_std if v.ndim >= 2 else v
+        weights[k] = v
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{head}{norm}.weight"] = mx.ones((HIDDEN,))
+    weights[f"{head}eh_proj.weight"] = 0.1 * mx.random.normal((HIDDEN, 2 * HIDDEN))
+    if predictable:
+        tensors = {k: np.array(v) for k, v in weights.items()}
+        spec = _FamilySpec(build=None)
+        rng = np.random.default_rng(seed)
+        _make_predictable(_family("gpt_oss"), spec, config, tensors, rng)
+        weights = {k: mx.array(v) for k, v in tensors.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
+    _write_json(out / "config.json", config)
+    return out
