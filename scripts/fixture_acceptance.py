@@ -4,7 +4,8 @@
 
 For each family and k = 1..4: acceptance rate, acceptance per draft position and tokens
 per round, summed over three prompts; greedy runs are also checked token for token
-against plain decoding.
+against plain decoding. ``--sliding`` measures the sliding-window fixtures instead
+(window 8: llama with a sliding layer, Gemma 3, gpt-oss; retrofitted heads).
 """
 
 import argparse
@@ -13,7 +14,21 @@ import tempfile
 from mlx_mtp import load
 from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import MTPStats, mtp_generate_step
-from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
+from mlx_mtp.testing.fixtures import (
+    FAMILIES,
+    write_checkpoint,
+    write_gemma3,
+    write_gpt_oss,
+    write_llama,
+)
+
+SLIDING = {
+    "llama-swa": lambda out: write_llama(
+        out, heads=True, predictable=True, sliding_window=8, weight_std=0.2
+    ),
+    "gemma3_text": lambda out: write_gemma3(out, predictable=True),
+    "gpt_oss": lambda out: write_gpt_oss(out, predictable=True),
+}
 
 PROMPTS = ("def forward(self, x):", "The quick brown fox", "import numpy as np\n")
 
@@ -42,12 +57,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temp", type=float, default=0.0)
+    parser.add_argument("--sliding", action="store_true")
     args = parser.parse_args()
+    writers = (
+        SLIDING
+        if args.sliding
+        else {
+            f: lambda out, f=f: write_checkpoint(f, out, predictable=True)
+            for f in FAMILIES
+        }
+    )
     params = SamplingParams(temp=args.temp)
     print(f"{'family':12} k  accept  per-position            tok/round  exact")
-    for family in FAMILIES:
+    for family, write in writers.items():
         with tempfile.TemporaryDirectory() as tmp:
-            model, tok = load(str(write_checkpoint(family, tmp, predictable=True)))
+            model, tok = load(str(write(tmp)))
         for k in range(1, 5):
             total, exact = MTPStats(k), True
             for prompt in PROMPTS:
