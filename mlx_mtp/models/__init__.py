@@ -1,6 +1,8 @@
 """MTP family registry: one module per Hugging Face ``model_type``, each defining the
-hooks of `mlx_mtp.models.family.Family` (the interface and its defaults are there)."""
+hooks of `mlx_mtp.models.family.Family` (the interface and its defaults are there).
+Trunks whose checkpoints ship no heads share `retrofit` (heads from `train-heads`)."""
 
+import dataclasses
 import importlib
 
 from ..errors import UnsupportedModelError
@@ -18,6 +20,11 @@ FAMILIES = (
     "qwen3_next",
 )
 
+# Trunks with no MTP heads of their own whose family is `retrofit`: a DeepSeek-style
+# layer shaped as the trunk's last decoder layer (Gemma 3 and gpt-oss interleave
+# sliding-window layers; see `mlx_mtp.cache.WindowCache`).
+RETROFITTED = {"gemma3_text": "retrofit", "gpt_oss": "retrofit"}
+
 
 def get_family(config: dict) -> Family:
     """The family of a config, or a clear error naming the supported ones."""
@@ -27,4 +34,6 @@ def get_family(config: dict) -> Family:
             f"unsupported model_type {model_type!r}; mlx-mtp supports: "
             + ", ".join(FAMILIES)
         )
-    return Family.from_module(importlib.import_module(f"{__name__}.{model_type}"))
+    module = RETROFITTED.get(model_type, model_type)
+    family = Family.from_module(importlib.import_module(f"{__name__}.{module}"))
+    return dataclasses.replace(family, name=model_type)

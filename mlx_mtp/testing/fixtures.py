@@ -1101,17 +1101,13 @@ def write_gemma3(
     weight_std: float = 0.2,
 ) -> pathlib.Path:
     """A tiny Gemma 3 text checkpoint (``gemma3_text``, Hugging Face names, hidden
-    64): 3 layers, the first two sliding-window ones (window
-    ``sliding_window``), the third full attention; matrices drawn with ``weight_std``;
-    one DeepSeek-style retrofitted MTP layer at ``model.layers.3`` whose block is
-    shaped as the last layer, random or ``predictable``. Gemma's norms are stored
-    zero-centred (``x * (1 + w)``); the MTP layer's own norms are plain."""
-    from mlx.utils import tree_flatten
+    64): 3 layers, the first two sliding-window ones (window ``sliding_window``), the
+    third full attention; an untied ``lm_head`` (a tied one on an embedding-dominated
+    stream repeats the current token); a retrofitted MTP layer (`_retrofitted`).
+    Gemma's norms are stored zero-centred (``x * (1 + w)``); the MTP layer's own
+    norms are plain."""
     from mlx_lm.models import gemma3_text
 
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, 512)
     config = {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -1129,38 +1125,17 @@ def write_gemma3(
         "sliding_window_pattern": 3,
         "max_position_embeddings": 2048,
         "vocab_size": 512,
-        "num_nextn_predict_layers": 1,
-        "torch_dtype": "float32",
-        **_token_id_config(_special_token_ids(512)),
     }
-    mx.random.seed(seed)
-    args = gemma3_text.ModelArgs.from_dict(config)
-    weights = dict(tree_flatten(gemma3_text.Model(args).parameters()))
-    weights = {
-        k: mx.random.normal(v.shape) * weight_std if v.ndim == 2 else v * 0
-        for k, v in weights.items()
-    }  # norms zero-centred: (1 + 0) scales by one; lm_head untied (a tied head on
-    # an embedding-dominated stream would repeat the current token)
-    head = "model.layers.3."
-    for k, v in list(weights.items()):
-        if k.startswith("model.layers.2."):  # the MTP block: shaped as the last layer
-            name = head + k[len("model.layers.2.") :]
-            weights[name] = mx.random.normal(v.shape) * weight_std if v.ndim == 2 else v
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        weights[f"{head}{norm}.weight"] = mx.ones((HIDDEN,))
-    weights[f"{head}eh_proj.weight"] = 0.1 * mx.random.normal((HIDDEN, 2 * HIDDEN))
+    weights = _retrofitted(gemma3_text, config, seed, weight_std, zero_norms=True)
     if predictable:
-        tensors = {k: np.array(v) for k, v in weights.items()}
         spec = _FamilySpec(build=None, norm_offset=1.0)
-        rng = np.random.default_rng(seed)
-        _make_predictable(_family("gemma3_text"), spec, config, tensors, rng, 4.0)
+        tensors = _predictable(weights, config, spec, seed, 4.0)
+        head = f"model.layers.{config['num_hidden_layers']}."
         for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
             # Gemma normalizes each block output: damp there, (1 - 0.8) = 0.2
             tensors[f"{head}{norm}.weight"] = np.full(HIDDEN, -0.8, np.float32)
         weights = {k: mx.array(v) for k, v in tensors.items()}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
-    _write_json(out / "config.json", config)
-    return out
+    return _write_retrofitted(out_dir, config, weights)
 
 
 def write_gpt_oss(
@@ -1173,18 +1148,13 @@ def write_gpt_oss(
 ) -> pathlib.Path:
     """A tiny gpt-oss checkpoint (attention sinks, biases, an MoE MLP of 4 experts of
     which 2 are used, an untied ``lm_head``): 2 layers, a sliding-window one (window
-    ``sliding_window``) then a full-attention one; one DeepSeek-style retrofitted MTP
-    layer at ``model.layers.2`` whose block is shaped as the last layer, random or
-    ``predictable``. The tensors carry mlx-lm's names (split ``gate_proj`` /
+    ``sliding_window``) then a full-attention one; a retrofitted MTP layer
+    (`_retrofitted`). The tensors carry mlx-lm's names (split ``gate_proj`` /
     ``up_proj`` experts): releases ship MXFP4 ``*_blocks`` / ``*_scales``, which
     mlx-lm's sanitize turns into these, and its sanitize has no path for unquantized
     fused ``gate_up_proj`` tensors to test against."""
-    from mlx.utils import tree_flatten
     from mlx_lm.models import gpt_oss
 
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, 512)
     config = {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -1203,33 +1173,62 @@ def write_gpt_oss(
         "max_position_embeddings": 2048,
         "vocab_size": 512,
         "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 1,
-        "torch_dtype": "float32",
-        **_token_id_config(_special_token_ids(512)),
     }
+    weights = _retrofitted(gpt_oss, config, seed, weight_std, zero_norms=False)
+    if predictable:
+        tensors = _predictable(weights, config, _FamilySpec(build=None), seed)
+        weights = {k: mx.array(v) for k, v in tensors.items()}
+    return _write_retrofitted(out_dir, config, weights)
+
+
+def _retrofitted(module, config: dict, seed: int, std: float, zero_norms: bool):
+    """Weights of an mlx-lm ``module`` model for ``config`` (matrices drawn with
+    ``std``; 1-D tensors zeroed when ``zero_norms``, for zero-centred norms), plus one
+    DeepSeek-style MTP layer at ``model.layers.{L}`` whose block is shaped as the last
+    layer, as `train-heads` writes it. ``config`` gains the MTP and token-id keys."""
+    from mlx.utils import tree_flatten
+
+    config.update(
+        num_nextn_predict_layers=1,
+        torch_dtype="float32",
+        **_token_id_config(_special_token_ids(512)),
+    )
     mx.random.seed(seed)
-    args = gpt_oss.ModelArgs.from_dict(config)
-    params = dict(tree_flatten(gpt_oss.Model(args).parameters()))
-    params = {
-        k: mx.random.normal(v.shape) * weight_std if v.ndim >= 2 else v
+    params = dict(
+        tree_flatten(module.Model(module.ModelArgs.from_dict(config)).parameters())
+    )
+    weights = {
+        k: (
+            mx.random.normal(v.shape) * std
+            if v.ndim >= 2
+            else (v * 0 if zero_norms else v)
+        )
         for k, v in params.items()
     }
-    head = "model.layers.2."
-    weights = {}
-    for k, v in params.items():
-        if k.startswith("model.layers.1."):  # the MTP block: shaped as the last layer
-            name = head + k[len("model.layers.1.") :]
-            weights[name] = mx.random.normal(v.shape) * weight_std if v.ndim >= 2 else v
-        weights[k] = v
+    L = config["num_hidden_layers"]
+    last, head = f"model.layers.{L - 1}.", f"model.layers.{L}."
+    for k, v in list(weights.items()):
+        if k.startswith(last):
+            name = head + k[len(last) :]
+            weights[name] = mx.random.normal(v.shape) * std if v.ndim >= 2 else v
     for norm in ("enorm", "hnorm", "shared_head.norm"):
         weights[f"{head}{norm}.weight"] = mx.ones((HIDDEN,))
     weights[f"{head}eh_proj.weight"] = 0.1 * mx.random.normal((HIDDEN, 2 * HIDDEN))
-    if predictable:
-        tensors = {k: np.array(v) for k, v in weights.items()}
-        spec = _FamilySpec(build=None)
-        rng = np.random.default_rng(seed)
-        _make_predictable(_family("gpt_oss"), spec, config, tensors, rng)
-        weights = {k: mx.array(v) for k, v in tensors.items()}
+    return weights
+
+
+def _predictable(weights, config, spec, seed, scale=PREDICTABLE_EMBED_SCALE) -> Tensors:
+    """`_make_predictable` on mlx weights; returns numpy tensors."""
+    tensors = {k: np.array(v) for k, v in weights.items()}
+    rng = np.random.default_rng(seed)
+    _make_predictable(_family(config["model_type"]), spec, config, tensors, rng, scale)
+    return tensors
+
+
+def _write_retrofitted(out_dir, config: dict, weights: dict) -> pathlib.Path:
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, 512)
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
     _write_json(out / "config.json", config)
     return out
