@@ -15,15 +15,25 @@ FAMILIES = (
     "gpt_oss",
     "llama",
     "mimo",
+    "mistral",
+    "qwen2",
+    "qwen3",
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
 )
 
 # Trunks with no MTP heads of their own whose family is `retrofit`: a DeepSeek-style
-# layer shaped as the trunk's last decoder layer (Gemma 3 and gpt-oss interleave
-# sliding-window layers; see `mlx_mtp.cache.WindowCache`).
-RETROFITTED = {"gemma3_text": "retrofit", "gpt_oss": "retrofit"}
+# layer shaped as the trunk's last decoder layer (Gemma 3, gpt-oss and Mistral can
+# interleave sliding-window layers; see `mlx_mtp.cache.WindowCache`). Each is tested
+# on a fixture (`mlx_mtp.testing.fixtures.write_retrofitted`).
+RETROFITTED = {
+    "gemma3_text": "retrofit",
+    "gpt_oss": "retrofit",
+    "mistral": "retrofit",
+    "qwen2": "retrofit",
+    "qwen3": "retrofit",
+}
 
 
 def get_family(config: dict) -> Family:

@@ -38,6 +38,7 @@ Only numpy, mlx and tokenizers are used; no torch.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import pathlib
 from dataclasses import dataclass
@@ -1215,6 +1216,30 @@ def _retrofitted(module, config: dict, seed: int, std: float, zero_norms: bool):
         weights[f"{head}{norm}.weight"] = mx.ones((HIDDEN,))
     weights[f"{head}eh_proj.weight"] = 0.1 * mx.random.normal((HIDDEN, 2 * HIDDEN))
     return weights
+
+
+def write_retrofitted(
+    out_dir,
+    model_type: str,
+    config: dict,
+    *,
+    seed: int = 0,
+    weight_std: float = 0.2,
+    predictable: bool = False,
+) -> pathlib.Path:
+    """A tiny checkpoint of any plain mlx-lm decoder trunk (``model_type``, its
+    ``config`` without the MTP keys) with a retrofitted MTP layer (`_retrofitted`);
+    the mlx-lm class is the one mlx-lm maps ``model_type`` to."""
+    from mlx_lm.utils import _get_classes
+
+    config = {"model_type": model_type, "vocab_size": 512, **config}
+    model_class, _ = _get_classes(config)
+    module = importlib.import_module(model_class.__module__)
+    weights = _retrofitted(module, config, seed, weight_std, zero_norms=False)
+    if predictable:
+        tensors = _predictable(weights, config, _FamilySpec(build=None), seed)
+        weights = {k: mx.array(v) for k, v in tensors.items()}
+    return _write_retrofitted(out_dir, config, weights)
 
 
 def _predictable(weights, config, spec, seed, scale=PREDICTABLE_EMBED_SCALE) -> Tensors:
