@@ -212,3 +212,92 @@ def test_demo_model_is_built_from_a_wheel_and_shipped_heads(
     monkeypatch.setattr(demo, "HEADS", tmp_path / "none")
     with pytest.raises(Exception, match="no demo heads"):
         demo.demo_model()
+
+
+def test_gemma3_gguf_with_types_mlx_cannot_read(tmp_path):
+    """A Gemma 3 GGUF as llama.cpp writes it (``blk.*`` names, norms stored + 1, a
+    sentencepiece vocabulary, a Q5_0 tensor MLX's own reader refuses) converts to the
+    model of the Hugging Face checkpoint it came from: greedy decoding is the same,
+    long past the sliding window."""
+    import gguf
+    from gguf import quants
+    from mlx_lm.generate import generate_step
+
+    from mlx_mtp.convert.gguf import GEMMA3_BLOCK, TOP
+    from mlx_mtp.testing.fixtures import write_gemma3
+
+    hf = write_gemma3(tmp_path / "hf", pattern=6, weight_std=0.2)
+    config = json.loads((hf / "config.json").read_text())
+    weights = {
+        k: np.array(v)
+        for k, v in mx.load(str(hf / "model.safetensors")).items()
+        if not k.startswith("model.layers.6.")  # the retrofitted head: not in GGUF
+    }
+    to_gguf = {v: k for k, v in TOP.items()}
+    to_gguf.update({v: k for k, v in GEMMA3_BLOCK.items()})
+    q5 = gguf.GGMLQuantizationType.Q5_0
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    for key, value in (
+        ("context_length", 2048),
+        ("embedding_length", 64),
+        ("block_count", 6),
+        ("feed_forward_length", config["intermediate_size"]),
+        ("attention.head_count", 4),
+        ("attention.head_count_kv", 2),
+        ("attention.key_length", 16),
+        ("attention.value_length", 16),
+        ("attention.sliding_window", config["sliding_window"]),
+    ):
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32("gemma3.rope.freq_base", 1000000.0)
+    vocab = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab += [f"<0x{b:02X}>" for b in range(256)]
+    vocab += [f"\u2581w{i}" for i in range(512 - len(vocab))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(vocab)
+    writer.add_token_scores([0.0] * len(vocab))
+    writer.add_token_types([3, 3, 3, 2] + [6] * 256 + [1] * (len(vocab) - 260))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    for name, value in weights.items():
+        base, leaf = name.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            _, _, i, rest = base.split(".", 3)
+            key = f"blk.{i}.{to_gguf[rest]}.{leaf}"
+        else:
+            key = f"{to_gguf[base]}.{leaf}"
+        if name.endswith("norm.weight"):
+            writer.add_tensor(key, value + 1.0)  # llama.cpp's Gemma convention
+        elif name.endswith("mlp.down_proj.weight"):
+            data = quants.quantize(value, q5)
+            writer.add_tensor(key, data, raw_dtype=q5)
+            weights[name] = quants.dequantize(data, q5)  # what the file holds
+        else:
+            writer.add_tensor(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(RuntimeError):
+        mx.load(str(tmp_path / "g.gguf"))  # MLX alone cannot read it
+    mx.save_safetensors(
+        str(hf / "model.safetensors"),
+        {k: mx.array(v) for k, v in weights.items()},
+        {"format": "pt"},
+    )
+    config.pop("num_nextn_predict_layers")
+    (hf / "config.json").write_text(json.dumps(config))
+
+    out = convert(str(tmp_path / "g.gguf"), tmp_path / "mlx", progress=False)
+    converted, tokenizer = load(str(out))
+    reference, _ = load(str(hf))
+    assert converted.model_type == "gemma3_text"
+    assert tokenizer.encode("\u2581w7")[0] == 2  # <bos> first
+    for prompt in ([300, 301, 302], list(range(300, 320))):
+        a, b = (
+            [int(t) for t, _ in generate_step(mx.array(prompt), m.trunk, max_tokens=64)]
+            for m in (converted, reference)
+        )
+        assert a == b

@@ -1100,10 +1100,11 @@ def write_gemma3(
     sliding_window: int = 8,
     predictable: bool = False,
     weight_std: float = 0.2,
+    pattern: int = 3,
 ) -> pathlib.Path:
     """A tiny Gemma 3 text checkpoint (``gemma3_text``, Hugging Face names, hidden
-    64): 3 layers, the first two sliding-window ones (window ``sliding_window``), the
-    third full attention; an untied ``lm_head`` (a tied one on an embedding-dominated
+    64): ``pattern`` layers, all sliding-window ones (window ``sliding_window``) but
+    the last, which is full attention (Gemma 3's releases use a pattern of 6); an untied ``lm_head`` (a tied one on an embedding-dominated
     stream repeats the current token); a retrofitted MTP layer (`_retrofitted`).
     Gemma's norms are stored zero-centred (``x * (1 + w)``); the MTP layer's own
     norms are plain."""
@@ -1114,7 +1115,7 @@ def write_gemma3(
         "model_type": "gemma3_text",
         "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": 3,
+        "num_hidden_layers": pattern,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
@@ -1123,7 +1124,7 @@ def write_gemma3(
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
         "sliding_window": sliding_window,
-        "sliding_window_pattern": 3,
+        "sliding_window_pattern": pattern,
         "max_position_embeddings": 2048,
         "vocab_size": 512,
     }
