@@ -164,6 +164,17 @@ def test_greedy_identity_long_past_the_window(model):
     assert any(sum(h[1:-1]) > 0 for k, h in hist.items() if k > 1), hist  # partial
 
 
+def test_chunked_prefill_past_the_window(model):
+    """A prompt of 2.5 windows prefilled in chunks of 3 (each chunk a multi-token pass
+    over a wrapped window) decodes as plain decoding does."""
+    prompt = list(range(100, 120))
+    expected = plain(model, prompt, 40)
+    steps = mtp_generate_step(
+        prompt, model, num_draft_tokens=2, max_tokens=40, prefill_step_size=3
+    )
+    assert [o.token for o in steps] == expected
+
+
 def test_caches_are_windows_and_kv_bits_is_refused(model):
     caches = make_caches(model)
     assert isinstance(caches.trunk[0], WindowCache) and caches.trunk[0].window == W
