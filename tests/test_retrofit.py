@@ -6,13 +6,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_mtp.convert.train_heads import TrainConfig, train_heads
+from mlx_mtp.convert.train_heads import train_heads
 from mlx_mtp.loading import load
 from mlx_mtp.models import get_family
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing.fixtures import write_retrofitted
 
-from .test_train_heads import DATA
+from .test_train_heads import DATA, QUICK
 
 BASE = dict(
     hidden_size=64,
@@ -72,18 +72,7 @@ def test_retrofitted_heads_draft_exactly(trunk):
 
 def test_train_heads_on_a_retrofitted_trunk(tmp_path):
     src = write_retrofitted(tmp_path / "src", "qwen3", TRUNKS["qwen3"])
-    cfg = TrainConfig(
-        depth=1,
-        seq_len=16,
-        batch_size=2,
-        steps=2,
-        tokens=600,
-        draft_vocab=32,
-        eval_every=2,
-        save_every=2,
-        warmup=1,
-    )
-    out = train_heads(str(src), DATA[:2], str(tmp_path / "out"), cfg, progress=False)
+    out = train_heads(str(src), DATA[:2], str(tmp_path / "out"), QUICK, progress=False)
     model, _ = load(str(out))
     assert model.num_mtp_layers == 1
     assert drafted(model, PROMPTS[0], 32, 2)[0] == plain(model, PROMPTS[0], 32)

@@ -31,6 +31,18 @@ CFG = TrainConfig(
     warmup=2,
 )
 
+QUICK = TrainConfig(  # a couple of steps: enough to check what decodes exactly
+    depth=2,
+    seq_len=16,
+    batch_size=2,
+    steps=2,
+    tokens=600,
+    draft_vocab=32,
+    eval_every=2,
+    save_every=2,
+    warmup=1,
+)
+
 
 @pytest.fixture(scope="module")
 def trunk(tmp_path_factory):
@@ -155,19 +167,8 @@ def test_draft_rows_of_quantized_heads(kind):
 def test_trains_heads_for_other_families(family, checkpoint, tmp_path):
     """DeepSeek's MLA attention takes its causal mask as an array: training builds
     the mask as the runtime does (it used to fail after computing the features)."""
-    cfg = TrainConfig(
-        depth=2,
-        seq_len=16,
-        batch_size=2,
-        steps=2,
-        tokens=600,
-        draft_vocab=32,
-        eval_every=2,
-        save_every=2,
-        warmup=1,
-    )
     out = train_heads(
-        str(checkpoint(family)), DATA[:2], str(tmp_path / "out"), cfg, progress=False
+        str(checkpoint(family)), DATA[:2], str(tmp_path / "out"), QUICK, progress=False
     )
     model, _ = load(str(out))
     prompt = [5, 77, 301, 12, 9]
