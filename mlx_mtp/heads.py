@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import __version__
 from .errors import MissingHeadsError, MTPError
 from .files import safetensors_header
 from .models.mtp import MTPStack
@@ -123,8 +124,6 @@ def provenance(
     section, and the config's ``mlx_mtp`` section): the source's name, revision and
     weight fingerprint (of ``folder``, its files), this mlx-mtp's version, the heads'
     bits, and any ``extra`` fields."""
-    from . import __version__
-
     return {
         "source": source,
         "source_revision": revision,
