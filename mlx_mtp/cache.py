@@ -269,6 +269,46 @@ class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its cach
         return sum(a.nbytes for a in self.state)
 
 
+def committed_kv(cache, last: Optional[int] = None):
+    """``(keys, values)`` of the positions a KV or window cache holds, or of its
+    ``last`` positions only: views of the cache's buffers, nothing copied. (A reader
+    of a trunk's caches between rounds, such as a Gemma 4 assistant.)
+
+    Raises:
+        RollbackError: a window cache no longer holds ``last`` positions.
+    """
+    if isinstance(cache, WindowCache):
+        if cache.keep:
+            raise MTPError("cannot read a window cache with sink tokens")
+        n = cache._kept() if last is None else min(last, cache.offset)
+        if n > cache._kept():
+            raise RollbackError(
+                f"a sliding-window cache holds {cache._kept()} positions; "
+                f"{n} were asked for"
+            )
+        end = cache._base + cache._kept()
+        return cache.keys[..., end - n : end, :], cache.values[..., end - n : end, :]
+    if type(cache) is KVCache:
+        start = 0 if last is None else max(0, cache.offset - last)
+        return (
+            cache.keys[..., start : cache.offset, :],
+            cache.values[..., start : cache.offset, :],
+        )
+    raise MTPError(f"cannot read the keys and values of a {type(cache).__name__}")
+
+
+def assistant_kv(model, trunk_caches) -> dict:
+    """Layer type -> the trunk's K/V an assistant reads, in place: every committed
+    position of its full-attention layer, the last W + 1 of its sliding one."""
+    window = model.assistant.window
+    return {
+        kind: committed_kv(
+            trunk_caches[i], window if kind == "sliding_attention" else None
+        )
+        for kind, i in model.reads.items()
+    }
+
+
 def with_window_caches(caches: List[Any], slack: int = 64) -> List[Any]:
     """Replace fresh ``RotatingKVCache`` entries (a model's sliding-window layers, or
     every layer under ``--max-kv-size``, with its sink tokens) by `WindowCache`s of

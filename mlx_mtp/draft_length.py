@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import begin_verify, make_caches, rewind
+from .cache import assistant_kv, begin_verify, make_caches, rewind
 from .paths import home
 
 
@@ -72,7 +72,17 @@ def time_round(
 
     t = [median_time(lambda: verify(n)) for n in range(1, max_k + 2)]
     draft = 0.0
-    if model.num_mtp_layers:
+    if model.assistant is not None:
+        h = model.hidden(ids[None, -1:])
+        kv = assistant_kv(model, caches.trunk)
+        mx.eval(h, kv)
+
+        def step():
+            logits, _ = model.assist(ids[None, -1:], h, kv, len(ids))
+            mx.eval(mx.argmax(logits, axis=-1))
+
+        draft = median_time(step)
+    elif model.num_mtp_layers:
         h = model.hidden(ids[None, -1:])
         mx.eval(h)
 

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import assistant as assistants
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import safetensors_header
 from .heads import has_heads_file, load_heads, load_strict, quantize_like
@@ -192,15 +193,15 @@ def dequantize_fp8(weights: dict, block: Tuple[int, int] = (128, 128)) -> dict:
     return out
 
 
-def config_fixes(config: dict) -> dict:
-    """Config keys mlx-lm's ModelArgs need that a transformers-5 config only has inside
+def config_fixes(config: dict, family=None) -> dict:
+    """The family's `fix_config`, and config keys mlx-lm's ModelArgs need that a transformers-5 config only has inside
     ``rope_parameters`` (flat ``rope_theta``, ``partial_rotary_factor``, and
     ``rope_scaling`` for non-default RoPE such as DeepSeek's YaRN). Nested text configs
     (Qwen3.5) are read from ``rope_parameters`` by mlx-lm itself."""
+    fixes = family.fix_config(config) if family is not None else {}
     rope = config.get("rope_parameters")
     if not isinstance(rope, dict) or "text_config" in config:
-        return {}
-    fixes = {}
+        return fixes
     for key in ("rope_theta", "partial_rotary_factor"):
         if key in rope and key not in config:
             fixes[key] = rope[key]
@@ -226,7 +227,7 @@ def load_trunk(
         trunk, config = load_model(
             model_path,
             lazy=True,
-            model_config=config_fixes(read_config(model_path)),
+            model_config=config_fixes(read_config(model_path), family),
             get_model_classes=split,
         )
         if not lazy:
@@ -291,6 +292,7 @@ def load_model(
     revision: Optional[str] = None,
     allow_missing_heads: bool = False,
     lazy: bool = False,
+    draft_model: Optional[str] = None,
 ) -> Tuple[Model, dict, Path]:
     """Load a model with its MTP heads (no tokenizer).
 
@@ -321,8 +323,56 @@ def load_model(
         if not lazy:
             mx.eval(stack.parameters())
     model = Model(trunk, stack, family, source=model_path)
+    if draft_model is not None:
+        attach_assistant(model, config, model_path, draft_model)
+    elif assistants.has_assistant_section(config):
+        try:
+            assistant = assistants.load_section(model_path, config)
+        except MissingHeadsError as e:
+            if not allow_missing_heads:
+                raise MissingHeadsError(
+                    f"{e} (use --allow-missing-heads to decode without)"
+                ) from None
+            log.warning("%s; decoding without the assistant", e)
+        else:
+            where = f"the assistant in {model_path}"
+            assistants.check_pair(config["assistant"]["config"], config, where)
+            reads = assistants.check_layers(assistant, trunk, where)
+            model.attach(assistant, reads, model_path)
+    if model.assistant is not None and not lazy:
+        mx.eval(model.assistant.parameters())
     model.eval()
     return model, config, model_path
+
+
+# Files of an assistant checkpoint: all a draft model needs from the hub.
+ASSISTANT_PATTERNS = ["*.json", "model*.safetensors"]
+
+
+def attach_assistant(
+    model: Model,
+    config: dict,
+    model_path: Path,
+    draft_model: str,
+) -> None:
+    """Load the assistant ``draft_model`` (a folder or hub repo: a Hugging Face
+    checkpoint or an MLX conversion of it), check that it fits the target, and draft
+    with it."""
+    path = resolve(draft_model, None, ASSISTANT_PATTERNS)
+    a_config = read_config(path)
+    where = f"the draft model {path}"
+    if has_heads_file(a_config) or assistants.has_assistant_section(a_config):
+        raise MTPError(
+            f"{where} is a target's conversion, not an assistant; --draft-model takes "
+            "a Gemma 4 assistant"
+        )
+    assistants.check_config(a_config, where)
+    assistants.check_pair(a_config, config, where)
+    assistants.check_tokenizers(path, model_path)
+    weights = assistants.read_weights(path)
+    assistant = assistants.build(a_config, weights, a_config.get("quantization"))
+    reads = assistants.check_layers(assistant, model.trunk, where)
+    model.attach(assistant, reads, path)
 
 
 def load(
@@ -333,6 +383,7 @@ def load(
     lazy: bool = False,
     tokenizer_config: Optional[dict] = None,
     trust_remote_code: bool = False,
+    draft_model: Optional[str] = None,
 ):
     """Load a model with its MTP heads, and its tokenizer.
 
@@ -347,6 +398,8 @@ def load(
         trust_remote_code: Allow the tokenizer to run Python code from the model
             folder (``auto_map``). Off by default: such a folder is then an error,
             never a question on the terminal.
+        draft_model: A Gemma 4 assistant (folder or hub repo) to draft with instead
+            of MTP heads; a pair folder (`mlx_mtp.assistant`) brings its own.
 
     Returns:
         ``(model, tokenizer)``: an `mlx_mtp.models.base.Model` and mlx-lm's
@@ -362,6 +415,7 @@ def load(
         revision=revision,
         allow_missing_heads=allow_missing_heads,
         lazy=lazy,
+        draft_model=draft_model,
     )
     options = {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})}
     try:

@@ -26,6 +26,7 @@ import mlx.core as mx
 from .cache import (
     Caches,
     KVQuantization,
+    assistant_kv,
     begin_verify,
     check_rollback,
     make_caches,
@@ -158,15 +159,19 @@ def _row_tokens(state: DecodeState, drafts: List[mx.array], j: int) -> mx.array:
     return mx.concatenate([committed, *drafts[:j]])[-rows:][None]
 
 
-def draft(model, mtp_caches, state: DecodeState, k: int, params, key) -> Draft:
+def draft(model, caches: Caches, state: DecodeState, k: int, params, key) -> Draft:
     """Draft k tokens: MTP layers in order over the pending rows, then chain the last.
 
     Layer j < depth runs on every row from the frontier to the newest; a layer used past
     its own depth (k > number of layers) runs on its own output at the next position.
+    A model with an assistant drafts with it (`draft_assisted`).
     """
     rows = len(state.tokens) - 1 - state.frontier
     if k == 0 or state.depth == 0 or rows <= 0:
         return Draft(mx.zeros((0,), dtype=mx.int32), None, 0)
+    if model.assistant is not None:
+        return draft_assisted(model, caches.trunk, state, k, params, key)
+    mtp_caches = caches.mtp
     keys = mx.random.split(key, k)
     h, tokens, logprobs = state.hidden, [], []
     for j in range(k):
@@ -180,6 +185,24 @@ def draft(model, mtp_caches, state: DecodeState, k: int, params, key) -> Draft:
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)
     return Draft(mx.concatenate(tokens), q, min(k, state.depth))
+
+
+def draft_assisted(model, trunk_caches, state: DecodeState, k: int, params, key):
+    """Draft k tokens with an assistant: every step at the position n of the pending
+    token t_n, from (t_n, h_{n-1}) and then (its last draft, its own h'), reading the
+    trunk's K/V of positions < n; nothing is written to any cache."""
+    keys = mx.random.split(key, k)
+    n = len(state.tokens) - 1
+    kv = assistant_kv(model, trunk_caches)
+    token = mx.array(state.tokens[-1:], dtype=mx.int32)
+    h, tokens, logprobs = state.hidden[:, -1:], [], []  # h_{n-1}: (1, 1, H)
+    for j in range(k):
+        logits, h = model.assist(token[None], h, kv, n)  # (1, 1, V), (1, 1, H)
+        token, lp = _pick(logits[:, -1], params, keys[j])
+        tokens.append(token)
+        logprobs.append(lp)
+    q = None if params.greedy else mx.concatenate(logprobs)
+    return Draft(mx.concatenate(tokens), q, 1)
 
 
 def verify(model, trunk_cache, pending: Union[int, mx.array], d: Draft) -> Verified:
@@ -227,20 +250,22 @@ def commit(
 def extend_mtp(model, mtp_caches, state: DecodeState, step: int) -> None:
     """Write the MTP rows that need no draft token and whose hidden state is known.
 
-    Row n-1 is always left to `draft`, whose first token comes from its output.
+    Row n-1 is always left to `draft`, whose first token comes from its output. An
+    assistant keeps no rows: only h_{n-1} is kept for it.
     """
     end = min(
         state.frontier + state.hidden.shape[1],  # rows with a trunk hidden state
         len(state.tokens) - state.depth,  # rows whose tokens are all committed
         len(state.tokens) - 2,  # row n - 1
     )
-    for start in range(state.frontier, end, step):
+    layers = state.depth if model.assistant is None else 0
+    for start in range(state.frontier, end if layers else state.frontier, step):
         stop = min(start + step, end)
         h = state.hidden[:, start - state.frontier : stop - state.frontier]
-        for j in range(state.depth):
+        for j in range(layers):
             ids = mx.array(state.tokens[start + j + 1 : stop + j + 1], dtype=mx.int32)
             h = model.mtp_forward(j, h, ids[None], mtp_caches[j])
-        mx.eval([c.state for c in mtp_caches[: state.depth]])
+        mx.eval([c.state for c in mtp_caches[:layers]])
     if end > state.frontier:
         state.hidden = state.hidden[:, end - state.frontier :]
         state.frontier = end
@@ -295,7 +320,7 @@ def launch(
     token is not known yet: its commit cannot depend on that token's value.
     """
     draft_key, accept_key = mx.random.split(key)
-    d = draft(model, caches.mtp, state, k, params, draft_key)
+    d = draft(model, caches, state, k, params, draft_key)
     v = verify(model, caches.trunk, state.tokens[-1] if pending is None else pending, d)
     result = accept(d, v, params, accept_key)
     mx.async_eval(

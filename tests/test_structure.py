@@ -153,11 +153,9 @@ def test_every_family_module_has_the_interface():
     for name in FAMILIES:
         family = get_family({"model_type": name})
         assert isinstance(family.LAYOUT, Layout) and family.name == name
-        from mlx_mtp.models import RETROFITTED
+        from mlx_mtp.models import module_of
 
-        module = importlib.import_module(
-            f"mlx_mtp.models.{RETROFITTED.get(name, name)}"
-        )
+        module = importlib.import_module(module_of(name))
         flags = {k for k in vars(module) if k.startswith(("MASK_", "MTP_", "LAYOUT"))}
         assert flags <= set(Family.hooks()), (name, flags)  # no misspelt hook
     broken = types.ModuleType("mlx_mtp.models.broken")

@@ -11,6 +11,9 @@ from .family import Family
 FAMILIES = (
     "deepseek_v3",
     "gemma3_text",
+    "gemma4",
+    "gemma4_text",
+    "gemma4_unified",
     "glm4_moe",
     "gpt_oss",
     "llama",
@@ -27,6 +30,9 @@ FAMILIES = (
 # layer shaped as the trunk's last decoder layer (Gemma 3, gpt-oss and Mistral can
 # interleave sliding-window layers; see `mlx_mtp.cache.WindowCache`). Each is tested
 # on a fixture (`mlx_mtp.testing.fixtures.write_retrofitted`).
+# Model types that share another's module.
+SHARED = {"gemma4_text": "gemma4", "gemma4_unified": "gemma4"}
+
 RETROFITTED = {
     "gemma3_text": "retrofit",
     "gpt_oss": "retrofit",
@@ -44,6 +50,11 @@ def get_family(config: dict) -> Family:
             f"unsupported model_type {model_type!r}; mlx-mtp supports: "
             + ", ".join(FAMILIES)
         )
-    module = RETROFITTED.get(model_type, model_type)
-    family = Family.from_module(importlib.import_module(f"{__name__}.{module}"))
+    family = Family.from_module(importlib.import_module(module_of(model_type)))
     return dataclasses.replace(family, name=model_type)
+
+
+def module_of(model_type: str) -> str:
+    """The family module of a supported model type."""
+    name = RETROFITTED.get(model_type, SHARED.get(model_type, model_type))
+    return f"{__name__}.{name}"

@@ -8,7 +8,10 @@
 - ``logits(h)``: the shared head, ``(..., H) -> (..., V)``;
 - ``mtp_forward(j, hidden, tokens, cache)``: MTP layer j over rows (hidden at i, token at
   i+1), returning its ``(B, L, H)`` post-norm outputs;
-- ``__call__(inputs, cache)``: plain trunk logits, so mlx-lm's loops run on it unchanged.
+- ``__call__(inputs, cache)``: plain trunk logits, so mlx-lm's loops run on it unchanged;
+- ``assist(tokens, hidden, kv, position)``: with a separate drafter (a Gemma 4
+  assistant, `mlx_mtp.models.gemma4_assistant`) instead of MTP layers, one draft step
+  of it, reading the target's K/V ``kv``.
 
 A family module supplies what differs: which tensors are MTP tensors, how their Hugging
 Face names map to `layers.{j}.*`, which decoder block the heads use, and whether the
@@ -16,7 +19,7 @@ embedding of the first MTP row is zeroed (vLLM's convention for DeepSeek, GLM an
 """
 
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -82,6 +85,8 @@ class Model(nn.Module):
         mtp: The MTP layers (possibly empty: plain decoding only).
         family: The family's hooks (`mlx_mtp.models.family.Family`).
         source: The folder the weights were loaded from, if any.
+        assistant: A separate drafter reading the trunk's caches, and ``reads``, layer
+            type -> the trunk cache index whose K/V it reads (see `attach`).
     """
 
     def __init__(
@@ -94,10 +99,22 @@ class Model(nn.Module):
         self.source = source
         self.model_type = trunk.model_type
         self.round_costs = None  # measured by `mlx_mtp.draft_length.model_costs`
+        self.assistant = None
+        self.reads: Dict[str, int] = {}
+        self.assistant_source: Optional[Path] = None
+
+    def attach(self, assistant: nn.Module, reads: Dict[str, int], source=None):
+        """Draft with ``assistant`` (it replaces any MTP layers)."""
+        self.assistant, self.reads = assistant, dict(reads)
+        self.assistant_source = source
+        self.mtp = MTPStack([])
+        self.round_costs = None
 
     @property
     def num_mtp_layers(self) -> int:
-        return len(self.mtp.layers)
+        """Draft layers with a cache row each; an assistant counts as one (it chains
+        itself and keeps no rows)."""
+        return 1 if self.assistant is not None else len(self.mtp.layers)
 
     @property
     def args(self):
@@ -151,6 +168,21 @@ class Model(nn.Module):
         from mlx_lm.models.cache import KVCache
 
         return [KVCache() for _ in self.mtp.layers]
+
+    def assist(
+        self,
+        tokens: mx.array,
+        hidden: mx.array,
+        kv: Dict[str, Tuple[mx.array, mx.array]],
+        position: int,
+        masks: Optional[Dict[str, mx.array]] = None,
+    ) -> Tuple[mx.array, mx.array]:
+        """Assistant steps for tokens ``(B, L)`` at positions ``position ..``, with
+        ``hidden`` ``(B, L, H)`` the trunk's hidden state before each token (or the
+        previous step's ``h'``); ``kv`` maps layer type to the trunk's K/V, as
+        `mlx_mtp.models.gemma4_assistant.Assistant` takes them. Returns ``(B, L, V)``
+        logits and ``(B, L, H)`` ``h'``."""
+        return self.assistant(self.embed(tokens), hidden, kv, position, masks)
 
     def mtp_forward(
         self, j: int, hidden: mx.array, tokens: mx.array, cache: Optional[Any] = None

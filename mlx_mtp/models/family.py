@@ -35,7 +35,9 @@ Optional (default in brackets):
 - ``logits(trunk, h)`` [`trunk_logits`]: the shared head;
 - ``head(trunk)`` [None: `trunk_head`, or no draft-vocabulary rows when ``logits`` is
   the family's own]: the module whose ``(V, H)`` weight ``logits`` projects with;
-- ``embed(trunk, ids)`` [`trunk_embed`]: token embeddings.
+- ``embed(trunk, ids)`` [`trunk_embed`]: token embeddings;
+- ``fix_config(config) -> dict`` [no fixes]: config values mlx-lm's ``ModelArgs``
+  need to build the trunk as transformers would (merged over ``config.json``).
 """
 
 from dataclasses import MISSING, dataclass, field, fields
@@ -74,6 +76,10 @@ def _trunk_args(trunk):
     return trunk.args
 
 
+def _no_fixes(config: dict) -> dict:
+    return {}
+
+
 def _always_raw(weights: dict, config: dict) -> bool:
     return True
 
@@ -99,6 +105,7 @@ class Family:
     logits: Callable = trunk_logits
     head: Optional[Callable] = None
     embed: Callable = trunk_embed
+    fix_config: Callable[[dict], dict] = _no_fixes
 
     @classmethod
     def hooks(cls) -> Tuple[str, ...]:
