@@ -53,7 +53,7 @@ DAMPING = {"e2b": 1.5, "dense": 3.0}
 Tensors = Dict[str, np.ndarray]
 
 
-def target_text_config(kind: str, sliding_window: int) -> dict:
+def target_text_config(kind: str, sliding_window: int, vocab_size: int = VOCAB) -> dict:
     """The ``text_config`` of a tiny target of shape ``kind`` ("e2b" or "dense")."""
     common = {
         "model_type": "gemma4_text",
@@ -66,7 +66,7 @@ def target_text_config(kind: str, sliding_window: int) -> dict:
         "rope_parameters": ROPE,
         "sliding_window": sliding_window,
         "max_position_embeddings": 4096,
-        "vocab_size": VOCAB,
+        "vocab_size": vocab_size,
         "final_logit_softcapping": 30.0,
         "tie_word_embeddings": True,
         "hidden_activation": "gelu_pytorch_tanh",
@@ -80,7 +80,7 @@ def target_text_config(kind: str, sliding_window: int) -> dict:
             "layer_types": [s, s, f, s, s, s, f],
             "num_kv_shared_layers": 3,
             "hidden_size_per_layer_input": 8,
-            "vocab_size_per_layer_input": VOCAB,
+            "vocab_size_per_layer_input": vocab_size,
             "use_double_wide_mlp": True,
             "attention_k_eq_v": False,
             "enable_moe_block": False,
@@ -216,11 +216,12 @@ def write_gemma4(
     predictable: bool = False,
     weight_std: float = 0.1,
     damping: Optional[float] = None,
+    vocab_size: int = VOCAB,
 ) -> pathlib.Path:
     """A tiny Gemma 4 target (``kind`` "e2b" or "dense", see the module docstring).
     ``damping`` scales the blocks' output norms of a predictable target (default:
     the kind's, which gives rounds of every kind with a predictable assistant)."""
-    text = target_text_config(kind, sliding_window)
+    text = target_text_config(kind, sliding_window, vocab_size)
     config = {
         "architectures": ["Gemma4ForConditionalGeneration"],
         "model_type": "gemma4",
@@ -231,11 +232,11 @@ def write_gemma4(
             "num_hidden_layers": 1,
         },
         "audio_config": None,
-        "image_token_id": VOCAB - 4,
+        "image_token_id": vocab_size - 4,
         "tie_word_embeddings": True,
-        "eos_token_id": [VOCAB - 3, VOCAB - 1],
-        "pad_token_id": VOCAB - 3,
-        "bos_token_id": VOCAB - 3,
+        "eos_token_id": [vocab_size - 3, vocab_size - 1],
+        "pad_token_id": vocab_size - 3,
+        "bos_token_id": vocab_size - 3,
     }
     embed_std = 1.0 if predictable else 0.5
     tensors = _target_tensors(text, seed, weight_std, embed_std)
@@ -254,8 +255,10 @@ def write_gemma4_assistant(
     weight_std: float = 0.1,
     num_centroids: int = 16,
     top_k: int = 4,
+    embed_std: float = 0.5,
 ) -> pathlib.Path:
-    """A tiny assistant for the target in ``target_dir`` (see the module docstring)."""
+    """A tiny assistant for the target in ``target_dir`` (see the module docstring);
+    ``embed_std`` sets the scale of its logits."""
     target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
     t_text = target["text_config"]
     text = assistant_text_config(t_text)
@@ -271,7 +274,7 @@ def write_gemma4_assistant(
     }
     init = _Init(seed, weight_std)
     H, Hd, V = t_text["hidden_size"], text["hidden_size"], text["vocab_size"]
-    t = {"model.embed_tokens.weight": init.normal(V, Hd, std=0.5)}
+    t = {"model.embed_tokens.weight": init.normal(V, Hd, std=embed_std)}
     for i in range(text["num_hidden_layers"]):
         t.update(_layer(init, f"model.layers.{i}.", text, i))
     t["model.norm.weight"] = init.norm(Hd)
@@ -315,7 +318,9 @@ def _damp(t: Tensors, scale: float) -> None:
 def _write(out_dir, config: dict, tensors: Tensors) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, VOCAB)
+    vocab_size = (config.get("text_config") or config)["vocab_size"]
+    if vocab_size >= VOCAB:  # smaller ones are for tests that need no tokenizer
+        write_tokenizer(out, VOCAB)
     arrays = {k: mx.array(v) for k, v in tensors.items()}
     mx.save_safetensors(str(out / "model.safetensors"), arrays, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,188 @@
+"""Gemma 4 targets with their assistant drafters: the pair decodes exactly as plain
+decoding of the target (greedy token for token, sampling in distribution), long past
+the sliding window, through the same loop as MTP heads; mismatched pairs are refused
+in one line."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_mtp.cache import WindowCache, assistant_kv, make_caches
+from mlx_mtp.errors import MTPError
+from mlx_mtp.loading import load, load_model
+from mlx_mtp.sampling import SamplingParams
+from mlx_mtp.speculative import Session, mtp_generate_step
+from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
+
+from .test_draft_length import RandomLength
+
+W = 8  # the fixtures' sliding window: 120 tokens wrap it 15 times
+PROMPTS = ([5, 77, 301], list(range(40, 60)))  # shorter and longer than the window
+PAIRS = {"e2b": True, "dense": False}  # target kind -> centroid head
+
+
+def write_pair(root, kind, predictable=True, **options):
+    target = write_gemma4(root / kind, kind, predictable=predictable, **options)
+    assistant = write_gemma4_assistant(
+        root / f"{kind}-assistant",
+        target,
+        centroids=PAIRS[kind],
+        predictable=predictable,
+    )
+    return target, assistant
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def pair(request, tmp_path_factory):
+    return write_pair(tmp_path_factory.mktemp("gemma4"), request.param)
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    target, assistant = pair
+    return load_model(str(target), draft_model=str(assistant))[0]
+
+
+def plain(model, prompt, n):
+    steps = generate_step(mx.array(prompt), model.trunk, max_tokens=n)
+    return [int(t) for t, _ in steps]
+
+
+def test_pair_loads_with_the_assistant_reading_the_last_unshared_layers(model):
+    text = model.trunk.language_model.args
+    first_shared = text.num_hidden_layers - text.num_kv_shared_layers
+    for kind, i in model.reads.items():
+        assert text.layer_types[i] == kind and i < first_shared
+        assert kind not in text.layer_types[i + 1 : first_shared]
+    caches = make_caches(model)
+    assert isinstance(caches.trunk[model.reads["sliding_attention"]], WindowCache)
+    assert caches.mtp == [] and model.num_mtp_layers == 1
+
+
+def test_greedy_identity_long_past_the_window(model):
+    hist = {}
+    for prompt in PROMPTS:
+        expected = plain(model, prompt, 120)
+        for k in range(1, 5):
+            outs = list(
+                mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=120)
+            )
+            assert [o.token for o in outs] == expected, (len(prompt), k)
+            h = hist.setdefault(k, [0] * (k + 1))
+            hist[k] = [a + b for a, b in zip(h, outs[-1].stats.accepted_histogram)]
+        policy = RandomLength([0, 1, 2, 3, 4], seed=len(prompt))
+        outs = mtp_generate_step(prompt, model, num_draft_tokens=policy, max_tokens=120)
+        assert [o.token for o in outs] == expected
+        outs = mtp_generate_step(prompt, model, num_draft_tokens="auto", max_tokens=120)
+        assert [o.token for o in outs] == expected
+    assert all(h[0] > 0 for h in hist.values()), hist  # reject all
+    assert all(h[-1] > 0 for h in hist.values()), hist  # accept all
+    assert any(sum(h[1:-1]) > 0 for k, h in hist.items() if k > 1), hist  # partial
+
+
+def test_chunked_prefill_and_sessions(model):
+    """A prompt prefilled in chunks of 3 past the window, a generation stopped early
+    and a session going on from it decode as plain decoding of the conversation."""
+    first, second = list(range(100, 120)), [11, 12, 13]
+    session = Session()
+    steps = mtp_generate_step(
+        first, model, num_draft_tokens=3, session=session, prefill_step_size=3
+    )
+    got = [next(steps).token for _ in range(37)]
+    steps.close()
+    assert got == plain(model, first, 37)
+    steps = mtp_generate_step(
+        second, model, num_draft_tokens=2, max_tokens=60, session=session
+    )
+    assert [o.token for o in steps] == plain(model, first + got + second, 60)
+
+
+def test_drafting_reads_the_caches_in_place_and_writes_nothing(model):
+    """The assistant's K/V are views of the trunk's cache buffers (the last W + 1
+    positions of the sliding layer, every position of the full one), and a draft
+    leaves every cache as it was."""
+    caches = make_caches(model)
+    prompt = list(range(30, 60))
+    mx.eval(model.hidden(mx.array(prompt)[None], caches.trunk))
+    kv = assistant_kv(model, caches.trunk)
+    sliding = caches.trunk[model.reads["sliding_attention"]]
+    full = caches.trunk[model.reads["full_attention"]]
+    assert kv["sliding_attention"][0].shape[2] == W + 1
+    assert kv["full_attention"][0].shape[2] == len(prompt)
+    before = [(c.offset, np.array(c.state[0])) for c in (sliding, full)]
+    from mlx_mtp.speculative import DecodeState, draft
+
+    h = model.hidden(mx.array(prompt[-2:-1])[None])
+    state = DecodeState(prompt + [7], h, frontier=len(prompt) - 1, depth=1)
+    d = draft(model, caches, state, 4, SamplingParams(), mx.random.key(0))
+    mx.eval(d.tokens)
+    assert d.k == 4
+    for c, (offset, keys) in zip((sliding, full), before):
+        assert c.offset == offset and np.array_equal(np.array(c.state[0]), keys)
+
+
+# --- sampling exactness ------------------------------------------------------------
+
+V = 16
+SAMPLE_PROMPT = [3, 7, 1, 9, 4, 2, 8, 5, 6, 11]  # longer than the window of 4
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma4-small")
+    target = write_gemma4(root / "t", "e2b", sliding_window=4, vocab_size=V)
+    assistant = write_gemma4_assistant(
+        root / "a", target, centroids=True, num_centroids=4, top_k=2, embed_std=0.1
+    )  # flat logits: the tokens outside the chosen centroids keep some mass
+    return load_model(str(target), draft_model=str(assistant))[0]
+
+
+def sampling_fails(model, k, n=600) -> bool:
+    from .test_sampling import chi_square_rejects
+
+    params, prompt = SamplingParams(temp=1.0), SAMPLE_PROMPT
+    first = model(mx.array([prompt + [x] for x in range(V)]))  # (V, L + 1, V)
+    p1 = np.array(mx.softmax(first[0, -2]))
+    p2 = np.array(mx.softmax(first[:, -1], axis=-1))  # (V, V)
+    pairs = [prompt + [a, b] for a in range(V) for b in range(V)]
+    p3 = np.array(mx.softmax(model(mx.array(pairs))[:, -1], axis=-1))
+    joint = p1[:, None] * p2
+    third = (joint[..., None] * p3.reshape(V, V, V)).sum(axis=(0, 1))
+    tokens = np.zeros((n, 3), dtype=np.int64)
+    for seed in range(n):
+        steps = mtp_generate_step(
+            prompt, model, num_draft_tokens=k, params=params, max_tokens=3, seed=seed
+        )
+        tokens[seed] = [o.token for o in steps]
+    counts = np.zeros((V, V))
+    np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+    thirds = np.bincount(tokens[:, 2], minlength=V)
+    return chi_square_rejects(counts, joint) or chi_square_rejects(thirds, third)
+
+
+def test_sampling_is_exact_with_the_centroid_head(small):
+    assert not sampling_fails(small, 2)
+
+
+def test_sampling_test_catches_a_draft_distribution_cut_to_the_centroids(
+    small, monkeypatch
+):
+    """Negative control: drafts sampled from the centroid head's logits (every other
+    token at the smallest selected logit minus 1) but reported as if the other tokens
+    had no mass must fail the same test."""
+    from mlx_mtp import speculative
+
+    pick = speculative._pick
+
+    def cut(logits, params, key):
+        token, logprobs = pick(logits, params, key)
+        floor = logits.min(axis=-1, keepdims=True)
+        cut = mx.where(logits > floor, logits, -mx.inf)
+        return token, cut - mx.logsumexp(cut, axis=-1, keepdims=True)
+
+    monkeypatch.setattr(speculative, "_pick", cut)
+    assert sampling_fails(small, 2)
