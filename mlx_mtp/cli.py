@@ -199,6 +199,12 @@ def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bo
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
 
 
+DRAFT_MODEL = click.option(
+    "--draft-model",
+    default=None,
+    help="A Gemma 4 assistant (folder or Hugging Face repo) to draft with.",
+)
+
 TRUST_REMOTE_CODE = click.option(
     "--trust-remote-code",
     is_flag=True,
@@ -268,6 +274,7 @@ def decode_options(fn):
             is_flag=True,
             help="Decode without MTP when the heads are missing.",
         ),
+        DRAFT_MODEL,
         TRUST_REMOTE_CODE,
         click.option(
             "--verbose/--quiet",
@@ -311,6 +318,7 @@ def _load_for_decoding(model, options: dict):
         model,
         allow_missing_heads=options["allow_missing_heads"],
         trust_remote_code=options["trust_remote_code"],
+        draft_model=options["draft_model"],
     )
 
 
@@ -747,9 +755,12 @@ def train_heads(model, data, mlx_path, **options):
     type=click.Choice(["code", "chat", "prose", "adversarial"]),
 )
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
+@DRAFT_MODEL
 @TRUST_REMOTE_CODE
 @friendly_errors
-def bench(model, tokens, reps, ks, temps, workloads, json_path, trust_remote_code):
+def bench(
+    model, tokens, reps, ks, temps, workloads, json_path, draft_model, trust_remote_code
+):
     """Speed against mlx-lm plain decoding, interleaved in one process (see
     scripts/bench.py for CPU timing with a fast BLAS)."""
     import json
@@ -768,7 +779,10 @@ def bench(model, tokens, reps, ks, temps, workloads, json_path, trust_remote_cod
         model = str(demo_model())
     click.echo(f"device {mx.default_device()}; model {model}")
     mdl, tokenizer = load(
-        model, allow_missing_heads=True, trust_remote_code=trust_remote_code
+        model,
+        allow_missing_heads=True,
+        trust_remote_code=trust_remote_code,
+        draft_model=draft_model,
     )
     result = run(
         mdl,

@@ -301,6 +301,11 @@ def load_model(
     """
     model_path = resolve(path_or_hf_repo, revision)
     config = read_config(model_path)
+    if assistants.is_assistant(config):
+        raise MTPError(
+            f"{model_path} is a Gemma 4 assistant, a drafter for a Gemma 4 model: load "
+            f"the model and pass this as its draft model (--draft-model {model_path})"
+        )
     family = get_family(config)
     for f in sorted(model_path.glob("model*.safetensors")):
         safetensors_header(f)  # a truncated or malformed file: one line naming it

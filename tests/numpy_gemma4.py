@@ -380,7 +380,13 @@ def assistant_step(assistant_dir, target_dir, token: int, hidden, kv: dict, posi
         previous step's ``projected_hidden``).
     kv: {"full_attention": (K, V), "sliding_attention": (K, V)}, each
         (n_kv_heads, T, head_dim): the target's keys (after k_norm and RoPE) and
-        values (after v_norm) of its last non-shared layer of that type.
+        values (after v_norm) of its last non-shared layer of that type. Used as
+        given: full layers see all T entries, sliding layers the last W + 1.
+        (Note: HF's candidate generator does not pass exactly positions 0..p-1: it
+        cuts the target's returned states to ``[:p + 1]`` from the front, which
+        can keep a rejected draft's entry at index p, and the target's sliding
+        layer returns only its last W - 1 cached + new entries. This function
+        computes the assistant's forward on whatever K/V it is handed.)
     position: p, the query's RoPE position (constant over a round).
 
     Returns (logits (V,), projected_hidden (H_target,)). The logits are never

@@ -186,3 +186,37 @@ def test_sampling_test_catches_a_draft_distribution_cut_to_the_centroids(
 
     monkeypatch.setattr(speculative, "_pick", cut)
     assert sampling_fails(small, 2)
+
+
+# --- one draft step against the independent numpy reference -----------------------
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_draft_steps_match_the_numpy_reference(kind, tmp_path):
+    """Two chained assistant steps after a prompt past the window, reading the trunk's
+    window caches, equal transformers' math in float64 (`tests/numpy_gemma4.py`), fed
+    every committed position of the same layers (it applies the window itself)."""
+    from mlx_lm.models.cache import KVCache
+
+    from .numpy_gemma4 import assistant_step
+
+    target, assistant = write_pair(tmp_path, kind, predictable=False)
+    model = load_model(str(target), draft_model=str(assistant))[0]
+    prompt = list(range(30, 50))
+    history = [KVCache() for _ in model.trunk.make_cache()]
+    h = model.hidden(mx.array(prompt)[None], history)  # (1, 20, H)
+    kv_all = {
+        kind: tuple(np.array(a[0], np.float64) for a in history[i].keys_and_values())
+        for kind, i in model.reads.items()
+    }
+    caches = make_caches(model)
+    mx.eval(model.hidden(mx.array(prompt)[None], caches.trunk))
+    kv = assistant_kv(model, caches.trunk)
+    hidden, ref_hidden = h[:, -1:], np.array(h[0, -1], np.float64)
+    for token in (7, 300):  # the pending token, then a draft
+        logits, hidden = model.assist(mx.array([[token]]), hidden, kv, len(prompt))
+        ref_logits, ref_hidden = assistant_step(
+            assistant, target, token, ref_hidden, kv_all, len(prompt)
+        )
+        np.testing.assert_allclose(np.array(logits[0, 0]), ref_logits, atol=1e-4)
+        np.testing.assert_allclose(np.array(hidden[0, 0]), ref_hidden, atol=1e-4)
