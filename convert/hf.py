@@ -17,6 +17,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_map_with_path
 
+from mlx_mtp import assistant as assistants
+from mlx_mtp.assistant import is_assistant
 from mlx_mtp.errors import MissingHeadsError, MTPError
 from mlx_mtp.heads import (
     HEADS_FILE,
@@ -28,6 +30,7 @@ from mlx_mtp.heads import (
 from mlx_mtp.loading import build_mtp, check_declared, load_trunk, read_config
 from mlx_mtp.models import get_family
 
+from .assistant import convert_assistant, pair_section
 from .gguf import gguf_to_hf, is_gguf
 from .output import (
     check_destination,
@@ -93,14 +96,18 @@ def convert(
     *,
     revision: Optional[str] = None,
     upload_repo: Optional[str] = None,
+    draft_hf_path: Optional[str] = None,
     **options,
 ) -> Path:
     """Convert ``hf_path`` (folder, hub repo, or llama-family ``.gguf`` file) into the
-    MLX folder ``mlx_path``.
+    MLX folder ``mlx_path``. A Gemma 4 assistant checkpoint becomes an MLX assistant
+    (quantized at ``head_bits``).
 
     Args:
         revision: Hub revision of the source.
         upload_repo: Upload the result to this hub repo.
+        draft_hf_path: A Gemma 4 assistant (folder or hub repo) to write beside the
+            target, so that the folder runs the pair (`mlx_mtp.assistant`).
         options: What to write, the fields of `Options`.
 
     Returns:
@@ -118,7 +125,7 @@ def convert(
         tmp.mkdir()
         try:
             src = gguf_to_hf(gguf, tmp, dtype or "float32")
-            _convert_folder(src, str(gguf), None, dst, options, [gguf])
+            _convert_folder(src, str(gguf), None, dst, options, [gguf], draft_hf_path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -126,31 +133,54 @@ def convert(
         check_destination(dst, overwrite, sources=[src])
         source = str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
         revision = revision or snapshot_revision(src)
-        _convert_folder(src, source, revision, dst, options, [src])
+        if draft_hf_path is not None:
+            draft = Path(draft_hf_path).expanduser()
+            protect = [src] + ([draft.resolve()] if draft.exists() else [])
+            check_destination(dst, overwrite, sources=protect)
+        else:
+            protect = [src]
+        _convert_folder(src, source, revision, dst, options, protect, draft_hf_path)
     if upload_repo:
         _upload(dst, upload_repo, hf_path)
     return dst
 
 
 def _convert_folder(
-    src: Path, source: str, revision, dst: Path, o: Options, protect
+    src: Path, source: str, revision, dst: Path, o: Options, protect, draft=None
 ) -> None:
-    """Convert the checkpoint folder ``src`` (named ``source`` in the provenance);
-    ``protect``: the user's inputs, which ``dst`` may not hold or lie in."""
+    """Convert the checkpoint folder ``src`` (named ``source`` in the provenance), with
+    the assistant ``draft`` beside it if given; ``protect``: the user's inputs, which
+    ``dst`` may not hold or lie in."""
     check_source(src)
-    family = get_family(read_config(src))
+    src_config = read_config(src)
+    if is_assistant(src_config):
+        if draft is not None:
+            raise MTPError(f"{source} is an assistant itself: it takes no assistant")
+        return convert_assistant(src, source, revision, dst, o, protect)
+    family = get_family(src_config)
     trunk, config, split = load_trunk(src, family, lazy=True)
     stack = None
-    if not split.mtp:
+    if not split.mtp and draft is None:
         msg = f"{source} has no MTP tensors"
         if o.require_heads:
             raise MissingHeadsError(msg)
-        log.warning("%s; converting the trunk only", msg)
+        hint = " (Gemma 4 drafts with an assistant: --draft-hf-path)"
+        log.warning(
+            "%s; converting the trunk only%s",
+            msg,
+            hint if family.name.startswith("gemma4") else "",
+        )
     elif check_declared(family, config, split.mtp, allow_missing_heads=False):
         stack = build_mtp(trunk, family, split.mtp, config, split.raw)
 
-    dtype = o.dtype or config.get("torch_dtype")
+    dtype = o.dtype or config.get("torch_dtype") or config.get("dtype")
     dtype = dtype or config.get("text_config", {}).get("dtype")
+    assistant = None
+    if draft is not None:
+        float_dtype = dtype if dtype in DTYPES else None
+        assistant, section = pair_section(
+            draft, None, trunk, config, src, float_dtype, o.head_bits
+        )
     if dtype in DTYPES:
         _cast(trunk, getattr(mx, dtype), getattr(trunk, "cast_predicate", None))
         if stack is not None:
@@ -182,6 +212,9 @@ def _convert_folder(
         if stack is not None:
             save_heads(tmp / HEADS_FILE, stack)
             config["mtp"] = heads_section(stack, heads_quant, record)
+        if assistant is not None:
+            assistants.save(tmp / assistants.ASSISTANT_FILE, assistant)
+            config["assistant"] = section
         save_trunk(tmp, trunk, o.shard_gb, o.progress)
         _save_config(config, tmp)
         copy_side_files(src, tmp, code=o.copy_code)

@@ -542,6 +542,11 @@ def head_bits_option(default: str):
     is_flag=True,
     help="Copy the source's *.py files (custom tokenizer code) into the output.",
 )
+@click.option(
+    "--draft-hf-path",
+    default=None,
+    help="A Gemma 4 assistant to write beside the target (the folder runs the pair).",
+)
 @click.option("--graft-heads-from", "graft_from", hidden=True)
 @click.option("--check", "check_path", hidden=True)
 @click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, hidden=True)
@@ -551,6 +556,8 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
 
     \b
     mlx-mtp convert --hf-path Qwen/Qwen3.6-27B --mlx-path q36-4bit -q
+    mlx-mtp convert --hf-path google/gemma-4-E4B-it \\
+        --draft-hf-path google/gemma-4-E4B-it-assistant --mlx-path g4 -q
     (--graft-heads-from and --check are the old spellings of `mlx-mtp graft` and
     `mlx-mtp check`; they still work, with a note, until the next release.)
     """
@@ -574,13 +581,13 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
     click.echo(f"wrote {run(hf_path, mlx_path, **options)}")
 
 
-@main.command(short_help="Add MTP heads to an existing MLX conversion.")
+@main.command(short_help="Add MTP heads (or a Gemma 4 assistant) to an MLX model.")
 @click.option(
     "--from",
     "source",
     required=True,
-    help="Hugging Face checkpoint whose MTP heads to add (folder or hub repo; only "
-    "the shards that hold them are downloaded).",
+    help="Hugging Face checkpoint whose MTP heads to add, or a Gemma 4 assistant "
+    "(folder or hub repo; only the files they need are downloaded).",
 )
 @click.option(
     "--mlx-path", required=True, help="The MLX conversion (without heads) to add to."
@@ -594,24 +601,28 @@ def graft(source, mlx_path, **options):
 
     \b
     mlx-mtp graft --from Qwen/Qwen3.6-27B --mlx-path ~/models/Qwen3.6-27B-4bit
+    mlx-mtp graft --from google/gemma-4-E4B-it-assistant --mlx-path ~/models/g4-4bit
     """
     _quiet_transformers()
     _graft(source, mlx_path, options)
 
 
 def _graft(source, mlx_path, options: dict) -> None:
-    from .convert import graft_heads
+    from .convert import graft_assistant, graft_heads
+    from .convert.assistant import is_assistant_source
 
     if not mlx_path:
         raise click.UsageError("--mlx-path is required")
-    out = graft_heads(
+    assistant = is_assistant_source(source, options["revision"])
+    out = (graft_assistant if assistant else graft_heads)(
         source,
         mlx_path,
         revision=options["revision"],
         head_bits=options["head_bits"] or 8,
         overwrite=options["overwrite"],
     )
-    click.echo(f"grafted MTP heads from {source} onto {out}")
+    what = "the assistant" if assistant else "MTP heads"
+    click.echo(f"grafted {what} from {source} onto {out}")
 
 
 @main.command(short_help="What a conversion holds; its heads against the source.")
