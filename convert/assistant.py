@@ -25,14 +25,18 @@ from .output import locked, replace_files, staged_folder
 from .source import copy_side_files, resolve_source, snapshot_revision
 
 
-def read_assistant(src: Path, where: str) -> Tuple[dict, Assistant]:
-    """The assistant checkpoint in ``src``: its config and the `Assistant`, float."""
+def read_assistant_config(src: Path, where: str) -> dict:
+    """The config of the assistant checkpoint in ``src``, checked."""
     config = read_config(src)
     assistants.check_config(config, where)
     if config.get("quantization"):
         raise MTPError(f"{where} is already an MLX conversion; use it as it is")
-    weights = assistants.read_weights(src)
-    return config, assistants.build(config, weights, None)
+    return config
+
+
+def read_assistant(src: Path, config: dict) -> Assistant:
+    """The `Assistant` of the checkpoint in ``src``, float."""
+    return assistants.build(config, assistants.read_weights(src), None)
 
 
 def _prepare(assistant: Assistant, dtype, bits: int) -> Optional[dict]:
@@ -62,7 +66,8 @@ def convert_assistant(
     src: Path, source: str, revision, dst: Path, options, protect
 ) -> None:
     """Write the MLX conversion of the assistant checkpoint ``src`` to ``dst``."""
-    config, assistant = read_assistant(src, source)
+    config = read_assistant_config(src, source)
+    assistant = read_assistant(src, config)
     bits = options.head_bits
     quantization = _prepare(assistant, options.dtype, bits)
     config = {k: v for k, v in config.items() if not k.startswith("_")}
@@ -89,9 +94,10 @@ def pair_section(
     errors on a mismatch."""
     src = resolve_source(draft_path, revision, ASSISTANT_PATTERNS)
     where = f"the assistant {draft_path}"
-    config, assistant = read_assistant(src, where)
+    config = read_assistant_config(src, where)
     assistants.check_pair(config, target_config, where)
     assistants.check_tokenizers(src, target_dir)
+    assistant = read_assistant(src, config)
     assistants.check_layers(assistant, trunk, where)
     quantization = _prepare(assistant, dtype, bits)
     record = provenance(

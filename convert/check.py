@@ -141,8 +141,12 @@ def check(
     path = Path(mlx_path)
     config = read_config(path)
     section = config.get("mtp")
+    if isinstance(config.get("assistant"), dict) and not isinstance(section, dict):
+        return check_assistant(path, config, source, threshold, text, trust_remote_code)
     if not isinstance(section, dict):
-        raise MTPError(f"{path} has no mlx-mtp MTP heads (not converted by mlx-mtp?)")
+        raise MTPError(
+            f"{path} has no mlx-mtp MTP heads nor assistant (not converted by mlx-mtp?)"
+        )
     model, tokenizer = load(str(path), trust_remote_code=trust_remote_code)
     trunk_quant = config.get("quantization")
     report = CheckReport(
@@ -189,4 +193,114 @@ def check(
     report.source = source
     report.trunk_agreement = agree(ours)[0]
     report.head_agreement, report.end_to_end = agree(isolated)[1:], agree(ours)[1:]
+    return report
+
+
+@dataclass
+class AssistantReport:
+    """What `check_assistant` found (``passed`` as `CheckReport`'s)."""
+
+    path: Path
+    model_type: str
+    layers: int
+    head: str
+    quantization: Optional[dict]
+    parameters: int
+    threshold: float
+    tokens: int = 0
+    self_agreement: float = 0.0  # its first draft vs its own target's greedy token
+    source: Optional[str] = None
+    agreement: Optional[float] = None  # vs the source assistant, on this target
+    missing_source: Optional[str] = None
+
+    @property
+    def passed(self) -> bool:
+        return self.agreement is not None and self.agreement >= self.threshold
+
+    def lines(self) -> List[str]:
+        out = [
+            f"{self.path}:",
+            f"  assistant: {self.model_type}, {self.layers} layers, {self.head} head, "
+            f"{_bits(self.quantization)}, {self.parameters / 1e6:.2f}M parameters",
+            f"  first draft vs the target's greedy token (teacher-forced, acceptance "
+            f"proxy, {self.tokens} tokens): {self.self_agreement:.3f}",
+        ]
+        if self.missing_source:
+            return out + [
+                f"  the recorded source {self.missing_source} is not there any more: "
+                "agreement with it not checked (pass --hf-path SOURCE)"
+            ]
+        if self.source is None:
+            return out + ["  no source recorded: agreement with it not checked"]
+        verdict = "ok" if self.passed else "FAIL"
+        return out + [
+            f"  top-1 agreement with {self.source} on this target over {self.tokens} "
+            f"tokens: {self.agreement:.3f} (threshold {self.threshold:.2f}) {verdict}"
+        ]
+
+
+def assistant_predictions(model, tokens: List[int]) -> np.ndarray:
+    """Top-1 of an assistant's first draft at every position, teacher-forced, in one
+    pass: row i drafts from (t_{i+1}, h_i) at position i + 1, reading the trunk's K/V
+    of positions <= i (the last W + 1 of them in sliding layers), and predicts
+    t_{i+2}, as decoding does when t_{i+1} is the pending token."""
+    from mlx_lm.models.cache import KVCache
+
+    caches = [KVCache() for _ in model.make_trunk_cache()]
+    seq = mx.array(tokens)[None]
+    h = model.hidden(seq, caches)  # (1, n, H)
+    kv = {kind: caches[i].keys_and_values() for kind, i in model.reads.items()}
+    q = mx.arange(1, len(tokens))[:, None]  # query positions
+    k = mx.arange(len(tokens))[None]
+    past = k < q
+    masks = {
+        "full_attention": past,
+        "sliding_attention": past & (k >= q - model.assistant.window),
+    }
+    logits, _ = model.assist(seq[:, 1:], h[:, :-1], kv, 1, masks)
+    return np.array(mx.argmax(logits, axis=-1)[0])
+
+
+def check_assistant(
+    path: Path,
+    config: dict,
+    source: Optional[str],
+    threshold: float,
+    text: str,
+    trust_remote_code: bool,
+) -> AssistantReport:
+    """`check` for a pair folder: the assistant against its target, and against the
+    source assistant it was converted from, run on the same target."""
+    from mlx_mtp.loading import attach_assistant
+
+    model, tokenizer = load(str(path), trust_remote_code=trust_remote_code)
+    if model.assistant is None:
+        raise MTPError(f"{path}: the assistant could not be loaded")
+    section = config["assistant"]
+    assistant = model.assistant
+    report = AssistantReport(
+        path=path,
+        model_type=assistant.model_type,
+        layers=len(assistant.model.layers),
+        head="centroid" if "masked_embedding" in assistant else "tied",
+        quantization=section.get("quantization"),
+        parameters=_parameters(assistant),
+        threshold=threshold,
+    )
+    tokens = tokenizer.encode(text)[:MAX_TOKENS]
+    report.tokens = len(tokens)
+    ours = assistant_predictions(model, tokens)
+    greedy = np.array(mx.argmax(model.logits(model.hidden(mx.array(tokens)[None])), -1))
+    report.self_agreement = float((ours == greedy[0, 1:]).mean())
+    if not source:
+        source = section.get("provenance", {}).get("source")
+        if source and _moved(source):
+            report.missing_source = source
+            return report
+    if not source:
+        return report
+    reference = Model(model.trunk, model.mtp, model.family)
+    attach_assistant(reference, config, path, source)
+    report.source = source
+    report.agreement = float((assistant_predictions(reference, tokens) == ours).mean())
     return report

@@ -177,9 +177,7 @@ def build(config: dict, weights: dict, quantization: Optional[dict]) -> Assistan
     try:
         load_strict(assistant, weights)
     except MissingHeadsError as e:
-        raise MissingHeadsError(
-            str(e).replace("MTP weights", "assistant weights")
-        ) from None
+        raise MissingHeadsError(str(e).replace("MTP ", "assistant ")) from None
     return assistant
 
 

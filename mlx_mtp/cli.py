@@ -663,7 +663,7 @@ def _check(path, source, min_agreement, trust_remote_code):
     for line in report.lines():
         click.echo(line)
     if report.source is not None and not report.passed:
-        _fail("MTP heads disagree with the source (see above)")
+        _fail("the conversion disagrees with its source (see above)")
 
 
 @main.command("train-heads", short_help="Train MTP heads for a model that has none.")

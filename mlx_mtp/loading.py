@@ -350,8 +350,15 @@ def load_model(
     return model, config, model_path
 
 
-# Files of an assistant checkpoint: all a draft model needs from the hub.
-ASSISTANT_PATTERNS = ["*.json", "model*.safetensors"]
+# Files of an assistant checkpoint: all a draft model needs from the hub (not its
+# tokenizer, tens of MB for Gemma's 262k tokens: a local one is compared with the
+# target's, the vocabulary size always).
+ASSISTANT_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+]
 
 
 def attach_assistant(

@@ -21,7 +21,7 @@ LAYERS = [
         "paths",
     ],  # the root imports its names lazily
     ["models"],
-    ["heads", "loading"],
+    ["heads", "assistant", "loading"],
     ["sampling", "rejection", "cache", "draft_length"],
     ["speculative"],
     ["generate", "bench"],

@@ -217,11 +217,14 @@ def write_gemma4(
     weight_std: float = 0.1,
     damping: Optional[float] = None,
     vocab_size: int = VOCAB,
+    layer_types: Optional[list] = None,
 ) -> pathlib.Path:
     """A tiny Gemma 4 target (``kind`` "e2b" or "dense", see the module docstring).
     ``damping`` scales the blocks' output norms of a predictable target (default:
     the kind's, which gives rounds of every kind with a predictable assistant)."""
     text = target_text_config(kind, sliding_window, vocab_size)
+    if layer_types is not None:  # a target of another layout, for refusals
+        text["layer_types"] = list(layer_types)
     config = {
         "architectures": ["Gemma4ForConditionalGeneration"],
         "model_type": "gemma4",
