@@ -5,7 +5,9 @@
 For each family and k = 1..4: acceptance rate, acceptance per draft position and tokens
 per round, summed over three prompts; greedy runs are also checked token for token
 against plain decoding. ``--sliding`` measures the sliding-window fixtures instead
-(window 8: llama with a sliding layer, Gemma 3, gpt-oss; retrofitted heads).
+(window 8: llama with a sliding layer, Gemma 3, gpt-oss; retrofitted heads);
+``--gemma4`` the Gemma 4 pairs (E2B-shaped target with a centroid-head assistant,
+31B-shaped target with a tied-head one; window 8).
 """
 
 import argparse
@@ -29,6 +31,24 @@ SLIDING = {
     "gemma3_text": lambda out: write_gemma3(out, predictable=True),
     "gpt_oss": lambda out: write_gpt_oss(out, predictable=True),
 }
+
+
+def gemma4(kind):
+    def write(out):
+        from pathlib import Path
+
+        from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
+
+        target = write_gemma4(Path(out) / "t", kind, predictable=True)
+        assistant = write_gemma4_assistant(
+            Path(out) / "a", target, centroids=kind == "e2b", predictable=True
+        )
+        return target, assistant
+
+    return write
+
+
+GEMMA4 = {"gemma4-e2b": gemma4("e2b"), "gemma4-dense": gemma4("dense")}
 
 PROMPTS = ("def forward(self, x):", "The quick brown fox", "import numpy as np\n")
 
@@ -58,20 +78,29 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--sliding", action="store_true")
+    parser.add_argument("--gemma4", action="store_true")
     args = parser.parse_args()
     writers = (
         SLIDING
         if args.sliding
-        else {
-            f: lambda out, f=f: write_checkpoint(f, out, predictable=True)
-            for f in FAMILIES
-        }
+        else (
+            GEMMA4
+            if args.gemma4
+            else {
+                f: lambda out, f=f: write_checkpoint(f, out, predictable=True)
+                for f in FAMILIES
+            }
+        )
     )
     params = SamplingParams(temp=args.temp)
     print(f"{'family':12} k  accept  per-position            tok/round  exact")
     for family, write in writers.items():
         with tempfile.TemporaryDirectory() as tmp:
-            model, tok = load(str(write(tmp)))
+            written = write(tmp)
+            if isinstance(written, tuple):  # a target and its assistant
+                model, tok = load(str(written[0]), draft_model=str(written[1]))
+            else:
+                model, tok = load(str(written))
         for k in range(1, 5):
             total, exact = MTPStats(k), True
             for prompt in PROMPTS:

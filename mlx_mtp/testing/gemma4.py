@@ -287,6 +287,11 @@ def write_gemma4_assistant(
         _copying(t, target_dir, init, H)
     if centroids:
         order = init.rng.permutation(V).astype(np.int64)
+        if predictable:  # clusters of similar head rows: the chosen ones hold t
+            table = t["model.embed_tokens.weight"]
+            _, _, vt = np.linalg.svd(table - table.mean(0), full_matrices=False)
+            angle = np.arctan2(table @ vt[1], table @ vt[0])
+            order = np.argsort(angle, kind="stable").astype(np.int64)
         t["masked_embedding.token_ordering"] = order
         table = t["model.embed_tokens.weight"][order].reshape(num_centroids, -1, Hd)
         t["masked_embedding.centroids.weight"] = table.mean(axis=1) * 4
