@@ -118,17 +118,30 @@ def _costs_file() -> Path:
 
 
 def _cost_key(model) -> Optional[str]:
-    """Model folder and its files' sizes and times, device, MLX version, and preloaded
-    libraries (a BLAS swapped in changes the costs)."""
-    folder = model.source
-    if folder is None:
+    """Model folder (and a separate assistant's) and their files' sizes and times,
+    device, MLX version, and preloaded libraries (a BLAS swapped in changes the
+    costs)."""
+    if model.source is None:
         return None
-    files = sorted(Path(folder).glob("*.safetensors")) + [Path(folder, "config.json")]
-    stamp = [
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()
-    ]
+    folders = [model.source]
+    if model.assistant is not None and model.assistant_source not in (
+        None,
+        model.source,
+    ):
+        folders.append(model.assistant_source)
+    stamps = []
+    for folder in folders:
+        files = sorted(Path(folder).glob("*.safetensors")) + [
+            Path(folder, "config.json")
+        ]
+        stamp = [
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in files
+            if f.exists()
+        ]
+        stamps += [str(folder), stamp]
     machine = [str(mx.default_device()), mx.__version__, os.environ.get("LD_PRELOAD")]
-    return json.dumps([str(folder), stamp, *machine])
+    return json.dumps([*stamps, *machine])
 
 
 def _stored_costs() -> dict:

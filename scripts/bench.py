@@ -2,7 +2,7 @@
 `mlx_mtp.bench`). On Linux CPUs it first switches MLX's float32 matmuls to OpenBLAS
 (fast_blas.py) and says when it cannot: timing needs float32 weights and a fast BLAS.
 
-    python scripts/bench.py --model PATH [--tokens 128] [--reps 5] [--k 0 1 2 3 4 auto]
+    python scripts/bench.py --model PATH [--draft-model ASSISTANT] [--tokens 128] [--reps 5] [--k 0 1 2 3 4 auto]
         [--temp 0 0.7] [--workloads code chat prose adversarial] [--json out.json]
 """
 
@@ -22,6 +22,7 @@ def _draft_length(value: str):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
+    p.add_argument("--draft-model", default=None, help="a Gemma 4 assistant")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument(
@@ -38,7 +39,9 @@ def main():
     from mlx_mtp.bench import bench
 
     print(f"BLAS: {blas}; device {mx.default_device()}; model {args.model}", flush=True)
-    model, tokenizer = load(args.model, allow_missing_heads=True)
+    model, tokenizer = load(
+        args.model, allow_missing_heads=True, draft_model=args.draft_model
+    )
     result = bench(
         model,
         tokenizer,

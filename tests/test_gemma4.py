@@ -220,3 +220,18 @@ def test_draft_steps_match_the_numpy_reference(kind, tmp_path):
         )
         np.testing.assert_allclose(np.array(logits[0, 0]), ref_logits, atol=1e-4)
         np.testing.assert_allclose(np.array(hidden[0, 0]), ref_hidden, atol=1e-4)
+
+
+def test_round_costs_are_kept_per_assistant(pair, tmp_path, monkeypatch):
+    """``-k auto``'s measured costs are stored per target and assistant: another
+    assistant for the same target is measured anew."""
+    from mlx_mtp import draft_length
+
+    monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path))
+    target, assistant = pair
+    other = shutil.copytree(assistant, tmp_path / "other")
+    keys = set()
+    for a in (assistant, other, assistant):
+        model = load_model(str(target), draft_model=str(a))[0]
+        keys.add(draft_length._cost_key(model))
+    assert len(keys) == 2
