@@ -109,6 +109,18 @@ def _moved(source: str) -> bool:
     return Path(source).is_absolute() and not Path(source).exists()
 
 
+def _source(source: Optional[str], section: dict, report) -> Optional[str]:
+    """The source to compare with: the one given, else the one the section records
+    (None, noted in ``report``, when that was a local folder that has moved)."""
+    if source:
+        return source
+    source = section.get("provenance", {}).get("source")
+    if source and _moved(source):
+        report.missing_source = source
+        return None
+    return source
+
+
 def predictions(model, tokens: List[int]) -> List[np.ndarray]:
     """Top-1 of the trunk (next token) and of each MTP layer (chained, teacher-forced)."""
     seq = mx.array(tokens)[None]
@@ -170,11 +182,7 @@ def check(
         float((p == ours[0][j : j + len(p)]).mean())  # head j row i: token i+j+1
         for j, p in enumerate(ours[1:], start=1)
     ]
-    if not source:
-        source = section.get("provenance", {}).get("source")
-        if source and _moved(source):
-            report.missing_source = source
-            return report
+    source = _source(source, section, report)
     if not source:
         return report
     reference, _ = load(source, trust_remote_code=trust_remote_code)
@@ -292,11 +300,7 @@ def check_assistant(
     ours = assistant_predictions(model, tokens)
     greedy = np.array(mx.argmax(model.logits(model.hidden(mx.array(tokens)[None])), -1))
     report.self_agreement = float((ours == greedy[0, 1:]).mean())
-    if not source:
-        source = section.get("provenance", {}).get("source")
-        if source and _moved(source):
-            report.missing_source = source
-            return report
+    source = _source(source, section, report)
     if not source:
         return report
     reference = Model(model.trunk, model.mtp, model.family)

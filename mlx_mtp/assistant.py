@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import safetensors_header
-from .heads import FORMAT, load_strict, quantize_like
+from .heads import FORMAT, load_strict, quantize_like, read_section_file
 from .models.gemma4 import text_model
 from .models.gemma4_assistant import (
     ASSISTANT_TYPES,
@@ -184,19 +184,8 @@ def build(config: dict, weights: dict, quantization: Optional[dict]) -> Assistan
 def load_section(model_path: Path, config: dict) -> Assistant:
     """The assistant of a pair folder."""
     section = config["assistant"]
-    if section.get("format") != FORMAT:
-        raise MTPError(
-            f"{model_path}: an assistant in format {section.get('format')!r}; this "
-            f"mlx-mtp reads {FORMAT!r} (upgrade mlx-mtp or convert again)"
-        )
+    weights = read_section_file(model_path, section, ASSISTANT_FILE, "an assistant")
     path = model_path / section.get("file", ASSISTANT_FILE)
-    if not path.is_file():
-        raise MissingHeadsError(f"{path} is missing (the config names an assistant)")
-    safetensors_header(path)
-    try:
-        weights = mx.load(str(path))
-    except (RuntimeError, ValueError, OSError) as e:
-        raise MTPError(f"cannot read {path}: {one_line(e)}") from None
     check_config(section.get("config") or {}, path)
     return build(section["config"], weights, section.get("quantization"))
 

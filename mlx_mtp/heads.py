@@ -147,21 +147,28 @@ def heads_section(stack: MTPStack, quantization, provenance: dict) -> dict:
     return section
 
 
+def read_section_file(model_path: Path, section: dict, default: str, what: str):
+    """The tensors of the file a config section names (``what``: "MTP heads", "an
+    assistant"), its format checked; one-line errors for the rest."""
+    if section.get("format") != FORMAT:
+        raise MTPError(
+            f"{model_path}: {what} in format {section.get('format')!r}; this "
+            f"mlx-mtp reads {FORMAT!r} (upgrade mlx-mtp or convert again)"
+        )
+    path = model_path / section.get("file", default)
+    if not path.is_file():
+        raise MissingHeadsError(f"{path} is missing (the config names {what})")
+    safetensors_header(path)
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise MTPError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+
+
 def load_heads(model_path: Path, config: dict, family, trunk) -> MTPStack:
     """Rebuild the heads of a conversion exactly as they were written."""
     section = config["mtp"]
-    if section.get("format") != FORMAT:
-        raise MTPError(
-            f"{model_path}: MTP heads in format {section.get('format')!r}; this "
-            f"mlx-mtp reads {FORMAT!r} (upgrade mlx-mtp or convert again)"
-        )
-    path = model_path / section.get("file", HEADS_FILE)
-    if not path.is_file():
-        raise MissingHeadsError(f"{path} is missing (the config names MTP heads)")
-    try:
-        weights = mx.load(str(path))
-    except (RuntimeError, ValueError, OSError) as e:
-        raise MTPError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    weights = read_section_file(model_path, section, HEADS_FILE, "MTP heads")
     layers = [family.make_layer(trunk, j) for j in range(section["num_layers"])]
     stack = MTPStack(layers, section.get("draft_vocab_size", 0))
     quantize_like(stack, weights, section.get("quantization"))

@@ -315,11 +315,7 @@ def load_model(
         try:
             stack = load_heads(model_path, config, family, trunk)
         except MissingHeadsError as e:
-            if not allow_missing_heads:
-                raise MissingHeadsError(
-                    f"{e} (use --allow-missing-heads to decode without)"
-                ) from None
-            log.warning("%s; decoding without MTP heads", e)
+            _without(e, allow_missing_heads, "MTP heads")
             stack = MTPStack([])
         if not lazy:
             mx.eval(stack.parameters())
@@ -334,11 +330,7 @@ def load_model(
         try:
             assistant = assistants.load_section(model_path, config)
         except MissingHeadsError as e:
-            if not allow_missing_heads:
-                raise MissingHeadsError(
-                    f"{e} (use --allow-missing-heads to decode without)"
-                ) from None
-            log.warning("%s; decoding without the assistant", e)
+            _without(e, allow_missing_heads, "the assistant")
         else:
             where = f"the assistant in {model_path}"
             assistants.check_pair(config["assistant"]["config"], config, where)
@@ -348,6 +340,16 @@ def load_model(
         mx.eval(model.assistant.parameters())
     model.eval()
     return model, config, model_path
+
+
+def _without(e: MissingHeadsError, allowed: bool, what: str) -> None:
+    """Decode without ``what`` (with a warning) when allowed; else the error, with
+    the flag that allows it."""
+    if not allowed:
+        raise MissingHeadsError(
+            f"{e} (use --allow-missing-heads to decode without)"
+        ) from None
+    log.warning("%s; decoding without %s", e, what)
 
 
 # Files of an assistant checkpoint: all a draft model needs from the hub (not its

@@ -113,20 +113,13 @@ def assistant_config(target: dict, centroids: bool) -> dict:
     }
 
 
-def _damp(weights: dict, scale: float) -> None:
-    for k in weights:
-        if k.endswith(
-            ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
-        ):
-            weights[k] = weights[k] * scale
-
-
 def build(config: dict, a_config: dict, seed: int):
     """The target's and the assistant's weights (gamma 0), pi, and the noise map."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import gemma4_text
 
     from mlx_mtp.models.gemma4_assistant import Assistant
+    from mlx_mtp.testing.gemma4 import damp
 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
@@ -136,7 +129,7 @@ def build(config: dict, a_config: dict, seed: int):
     groups = mx.random.normal((V // GROUP, H))
     embed = 0.6 * mx.repeat(groups, GROUP, axis=0) + 0.8 * mx.random.normal((V, H))
     w["model.embed_tokens.weight"] = embed
-    _damp(w, DAMPING)
+    damp(w, DAMPING)
     order = rng.permutation(V)
     inverse = np.zeros(V, dtype=np.int64)  # lm_head row pi(x) = direction of x
     inverse[order] = np.roll(order, 1)  # pi(order[i]) = order[i + 1]
@@ -151,7 +144,7 @@ def build(config: dict, a_config: dict, seed: int):
     head = mapped / mx.linalg.norm(mapped, axis=-1, keepdims=True)
     a["model.embed_tokens.weight"] = 4.0 * head[mx.array(inverse)]  # row pi(x)
     a["pre_projection.weight"] = mx.concatenate([A, mx.zeros((Hd, H))], axis=1)
-    _damp(a, ASSISTANT_DAMPING)
+    damp(a, ASSISTANT_DAMPING)
     if "masked_embedding.token_ordering" in a:
         # cluster c: the tokens pi(x) of the x in embedding group c
         ordering = np.argsort(inverse // GROUP, kind="stable")

@@ -3,7 +3,6 @@ decoding of the target (greedy token for token, sampling in distribution), long 
 the sliding window, through the same loop as MTP heads; mismatched pairs are refused
 in one line."""
 
-import json
 import shutil
 
 import mlx.core as mx
@@ -12,8 +11,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlx_mtp.cache import WindowCache, assistant_kv, make_caches
-from mlx_mtp.errors import MTPError
-from mlx_mtp.loading import load, load_model
+from mlx_mtp.loading import load_model
 from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import Session, mtp_generate_step
 from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
@@ -142,26 +140,11 @@ def small(tmp_path_factory):
 
 
 def sampling_fails(model, k, n=600) -> bool:
-    from .test_sampling import chi_square_rejects
+    """The chi-square test of `tests/test_sampling.py` on the first three tokens
+    after a prompt longer than the window."""
+    from .test_sampling import sampling_after_prompt_fails
 
-    params, prompt = SamplingParams(temp=1.0), SAMPLE_PROMPT
-    first = model(mx.array([prompt + [x] for x in range(V)]))  # (V, L + 1, V)
-    p1 = np.array(mx.softmax(first[0, -2]))
-    p2 = np.array(mx.softmax(first[:, -1], axis=-1))  # (V, V)
-    pairs = [prompt + [a, b] for a in range(V) for b in range(V)]
-    p3 = np.array(mx.softmax(model(mx.array(pairs))[:, -1], axis=-1))
-    joint = p1[:, None] * p2
-    third = (joint[..., None] * p3.reshape(V, V, V)).sum(axis=(0, 1))
-    tokens = np.zeros((n, 3), dtype=np.int64)
-    for seed in range(n):
-        steps = mtp_generate_step(
-            prompt, model, num_draft_tokens=k, params=params, max_tokens=3, seed=seed
-        )
-        tokens[seed] = [o.token for o in steps]
-    counts = np.zeros((V, V))
-    np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
-    thirds = np.bincount(tokens[:, 2], minlength=V)
-    return chi_square_rejects(counts, joint) or chi_square_rejects(thirds, third)
+    return sampling_after_prompt_fails(model, SAMPLE_PROMPT, V, k, n)
 
 
 def test_sampling_is_exact_with_the_centroid_head(small):

@@ -85,6 +85,30 @@ def fails_exactness(model, params, k, n=600) -> bool:
     return chi_square_rejects(pairs, joint) or chi_square_rejects(thirds, third)
 
 
+def sampling_after_prompt_fails(model, prompt, vocab, k, n=600) -> bool:
+    """The chi-square test on the first three tokens sampled (temperature 1) after
+    ``prompt``, against the model's exact distributions, over a ``vocab``-token
+    vocabulary."""
+    V, params = vocab, SamplingParams(temp=1.0)
+    first = model(mx.array([prompt + [x] for x in range(V)]))  # (V, L + 1, V)
+    p1 = np.array(mx.softmax(first[0, -2]))
+    p2 = np.array(mx.softmax(first[:, -1], axis=-1))  # (V, V)
+    pairs = [prompt + [a, b] for a in range(V) for b in range(V)]
+    p3 = np.array(mx.softmax(model(mx.array(pairs))[:, -1], axis=-1))
+    joint = p1[:, None] * p2
+    third = (joint[..., None] * p3.reshape(V, V, V)).sum(axis=(0, 1))
+    tokens = np.zeros((n, 3), dtype=np.int64)
+    for seed in range(n):
+        steps = mtp_generate_step(
+            prompt, model, num_draft_tokens=k, params=params, max_tokens=3, seed=seed
+        )
+        tokens[seed] = [o.token for o in steps]
+    counts = np.zeros((V, V))
+    np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+    thirds = np.bincount(tokens[:, 2], minlength=V)
+    return chi_square_rejects(counts, joint) or chi_square_rejects(thirds, third)
+
+
 def chi_square_rejects(counts, probs) -> bool:
     """Chi-square goodness of fit at 1e-4, pooling cells expected below 5."""
     n = counts.sum()

@@ -14,7 +14,6 @@ from mlx_mtp.cache import KVQuantization, WindowCache, make_caches
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MTPError, RollbackError
 from mlx_mtp.loading import load, load_model
-from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import Session, mtp_generate_step
 from mlx_mtp.testing.fixtures import write_gemma3, write_gpt_oss, write_llama
 
@@ -229,26 +228,9 @@ def small_sliding(tmp_path_factory):
 def sampling_fails(model, k, n=600) -> bool:
     """The chi-square test of `tests/test_sampling.py` on the first three tokens
     after a prompt longer than the window."""
-    from .test_sampling import chi_square_rejects
+    from .test_sampling import sampling_after_prompt_fails
 
-    params, V, prompt = SamplingParams(temp=1.0), 16, SAMPLE_PROMPT
-    first = model(mx.array([prompt + [x] for x in range(V)]))  # (V, L + 1, V)
-    p1 = np.array(mx.softmax(first[0, -2]))
-    p2 = np.array(mx.softmax(first[:, -1], axis=-1))  # (V, V)
-    pairs = [prompt + [a, b] for a in range(V) for b in range(V)]
-    p3 = np.array(mx.softmax(model(mx.array(pairs))[:, -1], axis=-1))
-    joint = p1[:, None] * p2
-    third = (joint[..., None] * p3.reshape(V, V, V)).sum(axis=(0, 1))
-    tokens = np.zeros((n, 3), dtype=np.int64)
-    for seed in range(n):
-        steps = mtp_generate_step(
-            prompt, model, num_draft_tokens=k, params=params, max_tokens=3, seed=seed
-        )
-        tokens[seed] = [o.token for o in steps]
-    counts = np.zeros((V, V))
-    np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
-    thirds = np.bincount(tokens[:, 2], minlength=V)
-    return chi_square_rejects(counts, joint) or chi_square_rejects(thirds, third)
+    return sampling_after_prompt_fails(model, SAMPLE_PROMPT, 16, k, n)
 
 
 def test_sampling_is_exact_past_the_window(small_sliding):

@@ -244,7 +244,7 @@ def write_gemma4(
     embed_std = 1.0 if predictable else 0.5
     tensors = _target_tensors(text, seed, weight_std, embed_std)
     if predictable:
-        _damp(tensors, damping or DAMPING[kind])
+        damp(tensors, damping or DAMPING[kind])
     return _write(out_dir, config, tensors)
 
 
@@ -310,10 +310,10 @@ def _copying(t: Tensors, target_dir, init: _Init, H: int) -> None:
     pre[:, H:] = init.normal(Hd, H, std=0.02)
     t["pre_projection.weight"] = pre
     t["model.embed_tokens.weight"] = (E @ A.T).astype(np.float32)
-    _damp(t, 0.05)
+    damp(t, 0.05)
 
 
-def _damp(t: Tensors, scale: float) -> None:
+def damp(t: Tensors, scale: float) -> None:
     """Scale the norms of the blocks' outputs (Gemma normalizes each block output, so
     this is where a block's share of the residual stream is set)."""
     for key in list(t):
