@@ -301,3 +301,29 @@ def test_damaged_or_missing_assistant_file(pair, tmp_path):
         load_model(str(out))
     model = load_model(str(out), allow_missing_heads=True)[0]
     assert model.assistant is None and tokens(model, 2) == plain(model)
+
+
+def test_unified_pair_with_transformers_defaults(pair, tmp_path):
+    """A ``gemma4_unified`` target with a ``gemma4_unified_assistant``, their configs
+    leaving out what equals transformers' unified defaults (no per-layer inputs, a
+    window of 1024, no double-wide MLP, no soft-capping): read as transformers
+    reads them, the pair decodes as plain decoding."""
+    target = write_gemma4(tmp_path / "t", "dense", predictable=True)
+    assistant = write_gemma4_assistant(tmp_path / "a", target, predictable=True)
+    for folder, model_type in ((target, "gemma4_unified"), (assistant, None)):
+        config = json.loads((folder / "config.json").read_text())
+        text = config["text_config"]
+        text["model_type"] = "gemma4_unified_text"
+        for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
+            text.pop(key)
+        text.pop("use_double_wide_mlp")
+        text["sliding_window"] = 1024
+        config["model_type"] = model_type or "gemma4_unified_assistant"
+        (folder / "config.json").write_text(json.dumps(config))
+    model = load_model(str(target), draft_model=str(assistant))[0]
+    assert model.trunk.language_model.args.hidden_size_per_layer_input == 0
+    assert model.assistant.args.sliding_window == 1024
+    assert tokens(model, 3) == plain(model)
+    with pytest.raises(MTPError, match="drafts for gemma4 or gemma4_text"):
+        edit_config(assistant, model_type="gemma4_assistant")
+        load_model(str(target), draft_model=str(assistant))

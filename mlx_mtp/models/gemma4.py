@@ -30,14 +30,25 @@ HF_TEXT_DEFAULTS = {
     "hidden_size_per_layer_input": 256,
     "vocab_size_per_layer_input": 262144,
 }
+# Gemma4UnifiedTextConfig's defaults where they differ again (no per-layer inputs).
+HF_UNIFIED_TEXT_DEFAULTS = {
+    "sliding_window": 1024,
+    "max_position_embeddings": 262144,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 0,
+}
 HF_SLIDING_PATTERN = 6  # transformers' default layer_types: 5 sliding, 1 full
 
 
 def hf_text_config(text_config: dict) -> dict:
     """A Gemma 4 text config as transformers reads it, with every value mlx-lm's
     ``ModelArgs`` would otherwise default differently written out (layer types
-    included: transformers' default pattern, last layer full attention)."""
-    cfg = {**HF_TEXT_DEFAULTS, **text_config}
+    included: transformers' default pattern, last layer full attention). A
+    ``gemma4_unified_text`` config has the unified model's defaults."""
+    defaults = dict(HF_TEXT_DEFAULTS)
+    if text_config.get("model_type") == "gemma4_unified_text":
+        defaults.update(HF_UNIFIED_TEXT_DEFAULTS)
+    cfg = {**defaults, **text_config}
     if not cfg.get("layer_types"):
         n = cfg["num_hidden_layers"]
         cfg["layer_types"] = [
