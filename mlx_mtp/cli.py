@@ -728,6 +728,94 @@ def train_heads(model, data, mlx_path, **options):
     click.echo(f"wrote {run(model, list(data), mlx_path, cfg, **options)}")
 
 
+@main.command(short_help="An OpenAI-compatible server, decoding with MTP.")
+@click.option("--model", default=None, help=MODEL_HELP)
+@DRAFT_MODEL
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option(
+    "--api-key",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' (all endpoints but /health) "
+    "[default: $MLX_MTP_API_KEY, else none].",
+)
+@click.option(
+    "--num-draft-tokens",
+    "-k",
+    type=DraftLength(),
+    default="auto",
+    show_default=True,
+    help="Drafts per round, unless a request sets num_draft_tokens.",
+)
+@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Tokens per reply when a request does not say.",
+)
+@click.option(
+    "--max-tokens-limit",
+    type=click.IntRange(min=1),
+    default=32768,
+    show_default=True,
+    help="The most a request may ask for.",
+)
+@click.option(
+    "--prompt-cache-size",
+    type=click.IntRange(min=0),
+    default=8,
+    show_default=True,
+    help="Conversations whose caches are kept for prompt reuse.",
+)
+@click.option(
+    "--chat-template-args",
+    default="{}",
+    help="JSON object passed to the chat template (e.g. '{\"enable_thinking\": false}').",
+)
+@TRUST_REMOTE_CODE
+@friendly_errors
+def serve(model, chat_template_args, **options):
+    """Serve the model over the OpenAI API (chat and text completions, streaming).
+
+    \b
+    mlx-mtp serve --model Qwen/Qwen3.6-27B-4bit
+    curl localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    import json
+
+    from .errors import MTPError
+    from .server import Server, server_args
+
+    _quiet_transformers()
+    try:
+        template_args = json.loads(chat_template_args)
+    except ValueError as e:
+        raise MTPError(f"--chat-template-args is not JSON: {e}") from None
+    if not isinstance(template_args, dict):
+        raise MTPError("--chat-template-args must be a JSON object")
+    if model is None:
+        from .demo import demo_model
+
+        model = str(demo_model())
+    if options["api_key"] is None:
+        options.pop("api_key")
+    args = server_args(model=model, chat_template_args=template_args, **options)
+    server = Server(args)
+    click.echo(f"serving {model} at {server.url} (Ctrl-C to stop)", err=True)
+    server.serve_forever()
+
+
 @main.command(short_help="Speed against mlx-lm plain decoding.")
 @click.option(
     "--model",

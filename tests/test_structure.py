@@ -24,7 +24,7 @@ LAYERS = [
     ["heads", "assistant", "loading"],
     ["sampling", "rejection", "cache", "draft_length"],
     ["speculative"],
-    ["generate", "bench"],
+    ["generate", "bench", "server"],
     ["convert", "demo", "testing"],
     ["cli", "_entry", "__main__"],
 ]
