@@ -76,6 +76,7 @@ def stream_generate(
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
     session: Optional[Session] = None,
+    on_prefill=None,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a generation, one `GenerationResponse` per token.
 
@@ -94,6 +95,7 @@ def stream_generate(
             in mlx-lm (a rotating window is refused when drafting).
         session: A `Session` to go on from (multi-turn chat): ``prompt`` is then what
             follows the tokens of earlier calls, whose caches are reused.
+        on_prefill: Called with the session once the prompt is in its caches.
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
@@ -120,6 +122,7 @@ def stream_generate(
         max_kv_size=max_kv_size,
         kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
         session=session,
+        on_prefill=on_prefill,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()

@@ -242,6 +242,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             seed=args.seed,
             prefill_step_size=self.cli_args.prefill_step_size,
             session=session,
+            on_prefill=lambda s: self.sessions.put(s.snapshot()),
         )
         matcher = stop_sequences.matcher()
         try:
@@ -493,6 +494,11 @@ class MTPHandler(lm_server.APIHandler):
             super().handle_completion(request, stop_words)
         except (BrokenPipeError, ConnectionResetError):
             log.info("client went away; its generation stopped")
+        except Exception as e:  # after the reply started: end it, keep serving
+            log.exception("request failed mid-reply")
+            if self.stream:
+                error = RequestError(500, one_line(e), "server_error")
+                self.wfile.write(b"data: " + error.body() + b"\n\n")
         finally:
             self.response_generator = self._generator
 

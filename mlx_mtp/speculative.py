@@ -366,6 +366,36 @@ class Session:
         """Every token so far: prompts and yielded tokens."""
         return list(self.state.tokens) if self.state else []
 
+    def snapshot(self) -> "Session":
+        """An independent copy to go on from later: the same caches and state as new
+        array objects (MLX copies a buffer only when one side writes to it)."""
+        state = replace(self.state, tokens=list(self.state.tokens), marks=None)
+        if state.hidden is not None:
+            state.hidden = mx.array(state.hidden)
+        caches = Caches(
+            [_copy_cache(c) for c in self.caches.trunk],
+            [_copy_cache(c) for c in self.caches.mtp],
+        )
+        return Session(caches, state)
+
+
+def _copy_cache(cache):
+    """A cache object whose arrays are new array objects (their writes, in place on
+    the array objects, then stay apart); no rollback record is kept."""
+    import copy
+
+    def fresh(v):
+        if isinstance(v, mx.array):
+            return mx.array(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(fresh(x) for x in v)
+        return v
+
+    out = copy.copy(cache)
+    for name, value in vars(cache).items():
+        setattr(out, name, None if name == "capture" else fresh(value))
+    return out
+
 
 def mtp_generate_step(
     prompt,
@@ -381,6 +411,7 @@ def mtp_generate_step(
     max_kv_size: Optional[int] = None,
     kv: KVQuantization = KVQuantization(),
     session: Optional[Session] = None,
+    on_prefill: Optional[Any] = None,
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
 
@@ -402,6 +433,8 @@ def mtp_generate_step(
         kv: KV-cache quantization of the trunk, as mlx-lm's ``kv_bits`` options.
         session: Go on from earlier calls with this `Session` (``prompt`` is then what
             follows them); a new one is filled in. Not with a rotating window.
+        on_prefill: Called with the session once the prompt is in its caches, before
+            the first round (a server keeps a `Session.snapshot` of the prompt).
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -429,7 +462,7 @@ def mtp_generate_step(
         check_rollback(session.caches.trunk)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     run = Run(model, session, policy, params, max_tokens, kv, mx.random.key(seed))
-    return _generate(run, prompt, prefill_step_size)
+    return _generate(run, prompt, prefill_step_size, on_prefill)
 
 
 @dataclass
@@ -514,12 +547,14 @@ class Run:
         return k
 
 
-def _generate(run: Run, prompt: List[int], step: int):
+def _generate(run: Run, prompt: List[int], step: int, on_prefill=None):
     """The generator behind `mtp_generate_step` (its arguments checked): prefill, then
     per round wait for the oldest queued round, commit it and queue the next before
     yielding (one host sync per round); on exit leave the caches as the exit contract
     of `mtp_generate_step` says."""
     run.start(prompt, step)
+    if on_prefill is not None:
+        on_prefill(run.session)
     stats = run.stats
     try:
         run.launch(run.plan(0))

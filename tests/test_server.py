@@ -1,0 +1,331 @@
+"""``mlx-mtp serve`` through the official ``openai`` client and raw HTTP: replies equal
+`mlx_mtp.generate`, sessions run only new tokens, tools reach the template and tool
+calls are parsed, bad requests get OpenAI-style errors, a client going away stops its
+generation, and a burst of concurrent clients is answered as sequential runs are."""
+
+import http.client
+import json
+import shutil
+import threading
+
+import openai
+import pytest
+
+from mlx_mtp import generate as mtp_generate
+from mlx_mtp import server as server_module
+from mlx_mtp.loading import load
+from mlx_mtp.server import Server, server_args
+from mlx_mtp.testing.fixtures import write_checkpoint
+
+KEY = "sekret"
+MESSAGES = [{"role": "user", "content": "Write a function."}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # a hybrid trunk: sessions must keep its recurrent state exact
+    return write_checkpoint(
+        "qwen3_5", tmp_path_factory.mktemp("served"), predictable=True
+    )
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    server = Server(server_args(model=str(checkpoint), port=0, api_key=KEY)).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def local(checkpoint):
+    return load(str(checkpoint))
+
+
+def expected(local, messages, max_tokens, **kw):
+    model, tokenizer = local
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return mtp_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kw)
+
+
+def test_chat_equals_generate_with_usage_and_mtp(client, local):
+    """(Replies here end by length: at EOS mlx-lm's server drops the detokenizer's
+    final flush, an incomplete UTF-8 tail, which `generate` returns.)"""
+    r = client.chat.completions.create(
+        model="default_model", messages=MESSAGES, max_tokens=12
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content == expected(local, MESSAGES, 12)
+    usage, mtp = r.usage, r.model_extra["mtp"]
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert mtp["drafted"] >= mtp["accepted"] > 0
+    assert mtp["rounds"] * mtp["tokens_per_round"] >= usage.completion_tokens
+    assert len(mtp["acceptance_per_position"]) == mtp["num_draft_tokens"]
+
+
+def test_streaming_chat_and_text_completions(client, local):
+    chunks = list(
+        client.chat.completions.create(
+            model="default_model",
+            messages=MESSAGES,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"num_draft_tokens": 2},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected(local, MESSAGES, 12, num_draft_tokens=2)
+    last = chunks[-1]
+    assert last.usage.completion_tokens > 0
+    assert last.model_extra["mtp"]["num_draft_tokens"] == 2
+    model, tokenizer = local
+    r = client.completions.create(
+        model="default_model", prompt="def forward(self, x):", max_tokens=6
+    )
+    want = mtp_generate(model, tokenizer, "def forward(self, x):", max_tokens=6)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text == want
+    assert [m.id for m in client.models.list().data] == [
+        server_module.model_id(str(model.source))
+    ]
+
+
+def test_a_second_turn_runs_only_its_new_tokens(client, local):
+    """Turn 2 extends turn 1's conversation: only the new tokens are run (usage's
+    cached tokens), and the reply equals a fresh decode of the whole conversation."""
+    first = [{"role": "user", "content": "Count with me."}]
+    r1 = client.chat.completions.create(
+        model="default_model", messages=first, max_tokens=12
+    )
+    reply = r1.choices[0].message.content
+    second = first + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Again."},
+    ]
+    r2 = client.chat.completions.create(
+        model="default_model", messages=second, max_tokens=12
+    )
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r1.usage.prompt_tokens  # the first prompt was not run again
+    assert r2.choices[0].message.content == expected(local, second, 12)
+
+
+def test_tools_reach_the_template_and_tool_calls_are_parsed(
+    checkpoint, tmp_path, monkeypatch
+):
+    """With a template that renders tools (Hermes/Qwen style, mlx-lm's json_tools
+    parser), the prompt holds the tool, and a reply that is a tool call comes back as
+    OpenAI ``tool_calls``."""
+    folder = shutil.copytree(checkpoint, tmp_path / "tools")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}<|im_start|>system\n{% for t in tools %}"
+        "{{ t.function.name }}: {{ t.function.description }}\n{% endfor %}"
+        'Call tools as <tool_call>{"name": .., "arguments": ..}</tool_call>'
+        "{# tool_call.name #}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    _, tokenizer = load(str(folder))
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    reply = tokenizer.encode(call + "</tool_call>", add_special_tokens=False)
+    prompts = []
+
+    def fake_stream_generate(model, tok, prompt, **kw):
+        prompts.append(tok.decode(prompt))
+        yield from real(model, tok, prompt, **kw)
+
+    real = scripted(reply + [min(tokenizer.eos_token_ids)])
+    monkeypatch.setattr(server_module, "stream_generate", fake_stream_generate)
+    server = Server(server_args(model=str(folder), port=0)).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "Weather in a city",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+        ]
+        r = client.chat.completions.create(
+            model="default_model", messages=MESSAGES, tools=tools, max_tokens=64
+        )
+    finally:
+        server.close()
+    assert "get_weather: Weather in a city" in prompts[0]
+    (tool_call,) = r.choices[0].message.tool_calls
+    assert tool_call.function.name == "get_weather"
+    assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def scripted(tokens):
+    """A stand-in for `stream_generate` that replies ``tokens`` (the last one EOS)."""
+    import mlx.core as mx
+
+    from mlx_mtp.generate import GenerationResponse
+
+    def run(model, tokenizer, prompt, max_tokens=256, session=None, **kw):
+        detok = tokenizer.detokenizer
+        detok.reset()
+        for i, t in enumerate(tokens):
+            last = i + 1 == len(tokens)
+            if not last:
+                detok.add_token(t)
+            else:
+                detok.finalize()
+            yield GenerationResponse(
+                text=detok.last_segment,
+                token=t,
+                logprobs=mx.zeros((tokenizer.vocab_size,)),
+                from_draft=False,
+                prompt_tokens=len(prompt),
+                prompt_tps=1.0,
+                generation_tokens=i + 1,
+                generation_tps=1.0,
+                peak_memory=0.0,
+                finish_reason="stop" if last else None,
+            )
+
+    return run
+
+
+# --- bad requests ------------------------------------------------------------------
+
+
+def post(served, path, body, key=KEY, raw=None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    data = raw if raw is not None else json.dumps(body).encode()
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    conn.request("POST", path, body=data, headers=h)
+    r = conn.getresponse()
+    return r.status, r.read()
+
+
+BAD = [
+    ("malformed JSON", {"raw": b"{not json"}, 400, None),
+    ("not an object", {"raw": b"[1, 2]"}, 400, None),
+    ("unknown model", {"model": "someone/else"}, 404, "model_not_found"),
+    ("model path", {"model": "/etc"}, 404, "model_not_found"),
+    ("temperature type", {"temperature": "hot"}, 400, None),
+    ("max_tokens type", {"max_tokens": "many"}, 400, None),
+    ("max_tokens bound", {"max_tokens": 10**9}, 400, None),
+    ("num_draft_tokens", {"num_draft_tokens": "lots"}, 400, None),
+    ("stop type", {"stop": 5}, 400, None),
+    ("unsupported option", {"frequency_penalty": 0.5}, 400, None),
+    ("n > 1", {"n": 3}, 400, None),
+    ("no messages", {"messages": None}, 400, None),
+    ("empty messages", {"messages": []}, 400, None),
+    ("over-long prompt", {"long": True}, 400, "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("what,change,status,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(served, what, change, status, code):
+    body = {"messages": MESSAGES, "max_tokens": 4}
+    raw = change.pop("raw", None) if "raw" in change else None
+    if change.pop("long", False):
+        body["messages"] = [{"role": "user", "content": "hello " * 3000}]
+    for k, v in change.items():
+        if v is None:
+            body.pop(k, None)
+        else:
+            body[k] = v
+    got, data = post(served, "/v1/chat/completions", body, raw=raw)
+    assert got == status, data
+    error = json.loads(data)["error"]
+    assert isinstance(error["message"], str) and error["type"]
+    if code:
+        assert error["code"] == code
+    ok, _ = post(served, "/v1/completions", {"prompt": "a", "max_tokens": 2})
+    assert ok == 200  # the server keeps serving
+
+
+def test_auth_body_bound_and_endpoints(served):
+    assert post(served, "/v1/chat/completions", {}, key=None)[0] == 401
+    assert post(served, "/v1/chat/completions", {}, key="wrong")[0] == 401
+    conn = http.client.HTTPConnection("127.0.0.1", served.port)
+    conn.putrequest("POST", "/v1/chat/completions")  # announces 1 GB, sends none
+    conn.putheader("Authorization", f"Bearer {KEY}")
+    conn.putheader("Content-Length", str(1 << 30))
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 413 and json.loads(r.read())["error"]["message"]
+    assert post(served, "/v1/nothing", {})[0] == 404
+    conn = http.client.HTTPConnection("127.0.0.1", served.port)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200  # no key needed
+    conn = http.client.HTTPConnection("127.0.0.1", served.port)
+    conn.request("GET", "/v1/models")
+    r = conn.getresponse()
+    assert (
+        r.status == 401 and json.loads(r.read())["error"]["code"] == "invalid_api_key"
+    )
+
+
+def test_a_client_going_away_stops_its_generation(checkpoint):
+    """A streaming client that disconnects after a few chunks: its generation stops
+    within a round (EOS is made unreachable, so nothing else would stop it before
+    5000 tokens), its conversation stays consistent, and the server goes on."""
+    import socket
+
+    server = Server(server_args(model=str(checkpoint), port=0)).start()
+    try:
+        tokenizer = server.generator.model_provider.tokenizer
+        tokenizer._eos_token_ids = {-1}
+        body = json.dumps({"prompt": "def f(x):", "max_tokens": 5000, "stream": True})
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body.encode()
+        )
+        received = b""
+        while received.count(b"data:") < 3:
+            received += sock.recv(4096)
+        sock.close()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        r = client.completions.create(model="default_model", prompt="Hi", max_tokens=3)
+        assert r.choices[0].text is not None
+        sessions = server.generator.sessions
+        longest = max(len(s.tokens) for s in sessions._items.values())
+        assert longest < 200, longest  # stopped soon after the client left
+    finally:
+        server.close()
+
+
+def test_a_burst_of_concurrent_clients(served, local):
+    """8 clients x 3 requests at once: all answered, no error, greedy replies equal
+    to sequential ones."""
+    prompts = [[{"role": "user", "content": f"Item {i}."}] for i in range(8)]
+    want = [expected(local, p, 8) for p in prompts]
+    errors, got = [], {}
+
+    def client_run(i):
+        c = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
+        try:
+            for j in range(3):
+                r = c.chat.completions.create(
+                    model="default_model", messages=prompts[i], max_tokens=8
+                )
+                got[(i, j)] = r.choices[0].message.content
+        except Exception as e:  # collected and reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client_run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert all(got[(i, j)] == want[i] for i in range(8) for j in range(3))
