@@ -39,6 +39,8 @@ from .speculative import Session
 log = logging.getLogger("mlx_mtp")
 
 API_KEY_ENV = "MLX_MTP_API_KEY"
+STICKY = 2.0  # seconds of batching after requests last overlapped
+GRACE = 0.02  # seconds a lone request waits for company before it decodes alone
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
 # Request fields of mlx_lm.server whose features the MTP loop does not implement:
 # refused when set to anything but their neutral value.
@@ -161,9 +163,13 @@ class MTPModelProvider(lm_server.ModelProvider):
         self.model, self.tokenizer = model, tokenizer
         self.processor = None
         self.draft_model = None
-        self.is_batchable = False
+        self.is_batchable = all(
+            hasattr(c, "merge") for c in lm_server.make_prompt_cache(model.trunk)
+        )
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
+        """The trunk (what mlx-lm's batched plain decoding runs) and the tokenizer;
+        single requests decode with MTP through ``self.model``."""
         if model_path not in self.aliases:
             raise RequestError(
                 404,
@@ -175,7 +181,7 @@ class MTPModelProvider(lm_server.ModelProvider):
             )
         if self.model is None:
             self._load(self.cli_args.model)
-        return self.model, self.tokenizer
+        return self.model.trunk, self.tokenizer
 
 
 def model_id(path: str) -> str:
@@ -191,15 +197,37 @@ def model_id(path: str) -> str:
 
 
 class MTPResponseGenerator(lm_server.ResponseGenerator):
-    """mlx-lm's generation thread, serving every request alone through the MTP loop,
-    first come first served (MTP pays at batch 1), with `Sessions` for prompt reuse."""
+    """mlx-lm's generation thread. A request alone is served through the MTP loop
+    (MTP pays at batch 1), with `Sessions` for prompt reuse; while other requests
+    are in flight, requests join mlx-lm's batched plain decoding of the trunk, which
+    serves several at once faster than MTP serves them in turn (measured:
+    scripts/serve_bench.py). Seeded requests are always served alone."""
 
     def __init__(self, model_provider: MTPModelProvider, sessions: Sessions):
         self.sessions = sessions
-        super().__init__(model_provider, lm_server.LRUPromptCache(1))
+        self._in_flight, self._overlapped = 0, -STICKY
+        self._count_lock = threading.Lock()
+        super().__init__(model_provider, lm_server.LRUPromptCache(8))
 
     def _is_batchable(self, args) -> bool:
-        return False
+        """Batch while requests overlap, and for `STICKY` seconds after they last
+        did (clients that take turns would otherwise flip between the two modes,
+        each request waiting out another's MTP generation). A request arriving
+        alone waits `GRACE` for others (clients that start together) first."""
+        if not self.model_provider.is_batchable or args.seed is not None:
+            return False
+        if time.monotonic() - self._overlapped < STICKY:
+            return True
+        deadline = time.monotonic() + GRACE  # clients that start together
+        while self._in_flight < 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self._in_flight > 1
+
+    def _count(self, n: int) -> None:
+        with self._count_lock:
+            self._in_flight += n
+            if self._in_flight > 1:
+                self._overlapped = time.monotonic()
 
     def _serve_single(self, request, stream):
         rqueue, request, args = request
@@ -281,22 +309,30 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         response_queue = lm_server.Queue()
         if not self.generation_available():
             raise RuntimeError("generation thread died")
+        self._count(1)
         self.requests.put((response_queue, request, generation_args))
-        first = self._await_response(response_queue)
-        while isinstance(first, tuple):  # prompt progress
+        try:
             first = self._await_response(response_queue)
-        if isinstance(first, Exception):
-            raise first
+            while isinstance(first, tuple):  # prompt progress
+                first = self._await_response(response_queue)
+            if isinstance(first, Exception):
+                raise first
+        except BaseException:
+            self._count(-1)
+            raise
 
         def responses():
-            while True:
-                response = self._await_response(response_queue)
-                if response is None:
-                    return
-                if isinstance(response, Exception):
-                    raise response
-                if not isinstance(response, tuple):
-                    yield response
+            try:
+                while True:
+                    response = self._await_response(response_queue)
+                    if response is None:
+                        return
+                    if isinstance(response, Exception):
+                        raise response
+                    if not isinstance(response, tuple):
+                        yield response
+            finally:
+                self._count(-1)
 
         return first, responses()
 
@@ -486,7 +522,7 @@ class MTPHandler(lm_server.APIHandler):
                     error = RequestError(500, one_line(e), "server_error")
                     handler._refuse(error)
                     raise error from None
-                handler._ctx = ctx
+                handler._ctx, handler._responses = ctx, responses
                 return ctx, responses
 
         self._generator, self.response_generator = self.response_generator, Generator()
@@ -501,6 +537,9 @@ class MTPHandler(lm_server.APIHandler):
                 self.wfile.write(b"data: " + error.body() + b"\n\n")
         finally:
             self.response_generator = self._generator
+            responses = getattr(self, "_responses", None)
+            if responses is not None:
+                responses.close()  # counted out of the in-flight requests now
 
     def generate_response(self, text, finish_reason, *args, **kwargs):
         response = super().generate_response(text, finish_reason, *args, **kwargs)
@@ -512,9 +551,14 @@ class MTPHandler(lm_server.APIHandler):
         return self._add_mtp(super().completion_usage_response(*args, **kwargs))
 
     def _add_mtp(self, response: dict) -> dict:
-        stats = getattr(getattr(self, "_ctx", None), "mtp", None)
-        if stats is not None:
-            response["mtp"] = mtp_block(stats)
+        ctx = getattr(self, "_ctx", None)
+        if ctx is None:
+            return response
+        if hasattr(ctx, "mtp"):
+            if ctx.mtp is not None:
+                response["mtp"] = mtp_block(ctx.mtp)
+        else:  # served in mlx-lm's batch, plainly
+            response["mtp"] = {"num_draft_tokens": 0, "batched": True}
         return response
 
 
@@ -580,8 +624,8 @@ def server_args(**options) -> argparse.Namespace:
         max_tokens_limit=32768,
         max_body_bytes=8 << 20,
         chat_template_args={},
-        decode_concurrency=1,
-        prompt_concurrency=1,
+        decode_concurrency=32,  # mlx-lm's batched decoding, when requests overlap
+        prompt_concurrency=8,
         prefill_step_size=2048,
         prompt_cache_size=8,
         prompt_cache_bytes=None,

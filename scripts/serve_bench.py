@@ -4,6 +4,7 @@ against `mlx_lm.server` on the same model, in one run (greedy, text completions,
 every request a different prompt of about 40 tokens).
 
     python scripts/serve_bench.py --model PATH [--tokens 64] [--requests 4]
+        [--clients 1 2 4]
 
 PATH: a model both load, e.g. an MLX conversion with heads from
 make_synthetic_model.py (mlx-lm ignores the heads file). On Linux CPUs it first
@@ -108,6 +109,7 @@ def main():
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
     args = p.parse_args()
     blas = ensure_fast_blas()
     from mlx_mtp import generate, load
@@ -147,7 +149,7 @@ def main():
             flush=True,
         )
         results = {}
-        for clients in (1, 2, 4):
+        for clients in args.clients:
             rate = {}
             for name, port in (("mlx-mtp", ours.port), ("mlx_lm.server", lm_port)):
                 rate[name] = aggregate(port, clients, args.requests, args.tokens)
