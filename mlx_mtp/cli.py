@@ -778,6 +778,17 @@ def train_heads(model, data, mlx_path, **options):
     help="Conversations whose caches are kept for prompt reuse.",
 )
 @click.option(
+    "--prompt-cache-bytes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Bound the kept conversations' cache memory [no bound].",
+)
+@click.option(
+    "--allow-missing-heads",
+    is_flag=True,
+    help="Serve without MTP when the heads are missing.",
+)
+@click.option(
     "--chat-template-args",
     default="{}",
     help="JSON object passed to the chat template (e.g. '{\"enable_thinking\": false}').",

@@ -153,6 +153,7 @@ class MTPModelProvider(lm_server.ModelProvider):
         self.reset()
         model, tokenizer = load(
             self.cli_args.model,
+            allow_missing_heads=self.cli_args.allow_missing_heads,
             draft_model=self.cli_args.draft_model,
             trust_remote_code=self.cli_args.trust_remote_code,
             tokenizer_config=self._tokenizer_config,
@@ -629,6 +630,7 @@ def server_args(**options) -> argparse.Namespace:
         prefill_step_size=2048,
         prompt_cache_size=8,
         prompt_cache_bytes=None,
+        allow_missing_heads=False,
         kv_bits=None,
         kv_group_size=64,
         quantized_kv_start=5000,
@@ -652,25 +654,24 @@ class Server:
     def __init__(self, args: argparse.Namespace):
         from http.server import ThreadingHTTPServer
 
-        self.args = args
-        provider = MTPModelProvider(args)
-        provider.load(DEFAULT_MODEL)  # load errors now, before binding
-        sessions = Sessions(args.prompt_cache_size, args.prompt_cache_bytes)
-        self.generator = MTPResponseGenerator(provider, sessions)
-
         class HTTPServer(ThreadingHTTPServer):
             daemon_threads = True  # a slow client never holds the server up
 
+        self.args = args
+        provider = MTPModelProvider(args)
+        provider.load(DEFAULT_MODEL)  # load errors now, before binding
+        self.generator = None
         self.httpd = HTTPServer((args.host, args.port), self._handler())
+        sessions = Sessions(args.prompt_cache_size, args.prompt_cache_bytes)
+        self.generator = MTPResponseGenerator(provider, sessions)
         self.port = self.httpd.server_address[1]
         self._thread = None
 
     def _handler(self):
-        generator = self.generator
         fingerprint = lm_server.get_system_fingerprint()
 
         def make(*a, **kw):
-            return MTPHandler(generator, *a, system_fingerprint=fingerprint, **kw)
+            return MTPHandler(self.generator, *a, system_fingerprint=fingerprint, **kw)
 
         return make
 

@@ -332,3 +332,23 @@ def test_a_burst_of_concurrent_clients(served, local):
         t.join(timeout=300)
     assert not errors, errors
     assert all(got[(i, j)] == want[i] for i in range(8) for j in range(3))
+
+
+def test_serve_command_bad_inputs_are_one_line(tmp_path, served):
+    from click.testing import CliRunner
+
+    from mlx_mtp.cli import main
+
+    for args, words in (
+        (["--model", str(tmp_path / "nothing")], "does not exist"),
+        (["--model", "x", "--chat-template-args", "{oops"], "not JSON"),
+        (["--model", "x", "--port", "70000"], "70000"),
+    ):
+        r = CliRunner().invoke(main, ["serve", *args])
+        assert r.exit_code != 0 and words in r.output, r.output
+        assert "Traceback" not in r.output
+    busy = CliRunner().invoke(
+        main, ["serve", "--model", str(served.args.model), "--port", str(served.port)]
+    )
+    assert busy.exit_code == 1 and "Traceback" not in busy.output
+    assert busy.output.count("\n") == 1, busy.output
