@@ -212,40 +212,49 @@ TRUST_REMOTE_CODE = click.option(
 )
 
 
+# Drafting and sampling options shared by ``generate``, ``chat`` and ``serve``.
+SAMPLING_OPTIONS = [
+    click.option(
+        "--num-draft-tokens",
+        "-k",
+        type=DraftLength(),
+        default="auto",
+        show_default=True,
+        help="MTP drafts per round (0: plain decoding; auto: the fastest k, "
+        "each round).",
+    ),
+    click.option(
+        "--max-draft-tokens",
+        type=click.IntRange(0, MAX_DRAFT_TOKENS),
+        default=DEFAULT_MAX_DRAFT_TOKENS,
+        show_default=True,
+        help="The largest k that auto picks.",
+    ),
+    click.option(
+        "--temp", type=click.FloatRange(min=0), default=0.0, show_default=True
+    ),
+    click.option(
+        "--top-p",
+        type=click.FloatRange(0, 1, min_open=True),
+        default=1.0,
+        show_default=True,
+    ),
+    click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True),
+    click.option(
+        "--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True
+    ),
+]
+
+
+def sampling_options(fn):
+    for option in reversed(SAMPLING_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
 def decode_options(fn):
     """Drafting, sampling and KV-cache options shared by ``generate`` and ``chat``."""
-    options = [
-        click.option(
-            "--num-draft-tokens",
-            "-k",
-            type=DraftLength(),
-            default="auto",
-            show_default=True,
-            help="MTP drafts per round (0: plain decoding; auto: the fastest k, "
-            "each round).",
-        ),
-        click.option(
-            "--max-draft-tokens",
-            type=click.IntRange(0, MAX_DRAFT_TOKENS),
-            default=DEFAULT_MAX_DRAFT_TOKENS,
-            show_default=True,
-            help="The largest k that auto picks.",
-        ),
-        click.option(
-            "--temp", type=click.FloatRange(min=0), default=0.0, show_default=True
-        ),
-        click.option(
-            "--top-p",
-            type=click.FloatRange(0, 1, min_open=True),
-            default=1.0,
-            show_default=True,
-        ),
-        click.option(
-            "--top-k", type=click.IntRange(min=0), default=0, show_default=True
-        ),
-        click.option(
-            "--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True
-        ),
+    options = SAMPLING_OPTIONS + [
         click.option(
             "--seed", type=int, default=None, help="Seed for reproducible sampling."
         ),
@@ -739,23 +748,7 @@ def train_heads(model, data, mlx_path, **options):
     help="Require 'Authorization: Bearer KEY' (all endpoints but /health) "
     "[default: $MLX_MTP_API_KEY, else none].",
 )
-@click.option(
-    "--num-draft-tokens",
-    "-k",
-    type=DraftLength(),
-    default="auto",
-    show_default=True,
-    help="Drafts per round, unless a request sets num_draft_tokens.",
-)
-@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True)
-@click.option(
-    "--top-p",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=1.0,
-    show_default=True,
-)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@sampling_options
 @click.option(
     "--max-tokens",
     type=click.IntRange(min=1),

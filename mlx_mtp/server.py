@@ -264,6 +264,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             rest,
             max_tokens=args.max_tokens,
             num_draft_tokens=args.num_draft_tokens,
+            max_draft_tokens=self.cli_args.max_draft_tokens,
             temp=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -614,6 +615,7 @@ def server_args(**options) -> argparse.Namespace:
         port=8080,
         allowed_origins=["*"],
         num_draft_tokens="auto",  # the server's default; mlx-lm's field is 0
+        max_draft_tokens=4,
         trust_remote_code=False,
         chat_template="",
         use_default_chat_template=False,
