@@ -47,6 +47,7 @@ from safetensors.numpy import load_file
 
 FAMILIES = (
     "deepseek_v3",
+    "glm4_moe_lite",
     "glm4_moe",
     "mimo",
     "qwen3_5",
@@ -54,8 +55,10 @@ FAMILIES = (
     "qwen3_next",
 )
 
-# DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed eps in mlx-lm and HF.
+# DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed eps in mlx-lm and HF;
+# GLM-4.7-Flash's (glm4_moe_lite, the same MLA + MoE layers otherwise) use rms_norm_eps.
 MLA_NORM_EPS = 1e-6
+MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
 
 
 # ---------------------------------------------------------------------------
@@ -256,6 +259,8 @@ def moe(W, prefix, cfg, x):
 def mla_attention(W, prefix, cfg, x, positions):
     """DeepSeek-V3 multi-head latent attention (no cache, causal)."""
     n, n_heads = x.shape[0], cfg["num_attention_heads"]
+    norm_eps = cfg["rms_norm_eps"] if cfg["model_type"] == "glm4_moe_lite" else None
+    norm_eps = norm_eps or MLA_NORM_EPS
     d_nope, d_rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
     d_v, rank = cfg["v_head_dim"], cfg["kv_lora_rank"]
     if cfg.get("rope_scaling") is not None:
@@ -267,14 +272,14 @@ def mla_attention(W, prefix, cfg, x, positions):
         q = linear(W, prefix + ".q_proj", x)
     else:
         q_a = linear(W, prefix + ".q_a_proj", x)
-        q_a = rmsnorm(q_a, W[prefix + ".q_a_layernorm.weight"], MLA_NORM_EPS)
+        q_a = rmsnorm(q_a, W[prefix + ".q_a_layernorm.weight"], norm_eps)
         q = linear(W, prefix + ".q_b_proj", q_a)
     q = q.reshape(n, n_heads, d_nope + d_rope).transpose(1, 0, 2)  # (H, n, dq)
     q_nope, q_pe = q[..., :d_nope], q[..., d_nope:]
 
     kv_a = linear(W, prefix + ".kv_a_proj_with_mqa", x)
     latent, k_pe = kv_a[:, :rank], kv_a[:, rank:]
-    latent = rmsnorm(latent, W[prefix + ".kv_a_layernorm.weight"], MLA_NORM_EPS)
+    latent = rmsnorm(latent, W[prefix + ".kv_a_layernorm.weight"], norm_eps)
     kv = linear(W, prefix + ".kv_b_proj", latent)
     kv = kv.reshape(n, n_heads, d_nope + d_v).transpose(1, 0, 2)  # (H, n, .)
     k_nope, v = kv[..., :d_nope], kv[..., d_nope:]
@@ -336,7 +341,7 @@ def is_moe_layer(cfg, family, layer_idx):
         return False
     if layer_idx < cfg.get("first_k_dense_replace", 0):
         return False
-    if family == "deepseek_v3":
+    if family in MLA_FAMILIES:
         return layer_idx % cfg.get("moe_layer_freq", 1) == 0
     return True
 
@@ -345,7 +350,7 @@ def decoder_layer(W, prefix, cfg, family, layer_idx, x, positions):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
     eps = cfg["rms_norm_eps"]
     a_in = rmsnorm(x, W[prefix + ".input_layernorm.weight"], eps)
-    if family == "deepseek_v3":
+    if family in MLA_FAMILIES:
         attn = mla_attention(W, prefix + ".self_attn", cfg, a_in, positions)
     else:
         attn = gqa_attention(W, prefix + ".self_attn", cfg, a_in, positions, family)

@@ -19,12 +19,13 @@ V = 512
 MTP_PREFIX = {
     "deepseek_v3": ("model.layers.3.",),
     "glm4_moe": ("model.layers.2.",),
+    "glm4_moe_lite": ("model.layers.3.",),
     "mimo": ("model.mtp_layers.0.", "model.mtp_layers.1."),
     "qwen3_5": ("mtp.",),
     "qwen3_5_moe": ("mtp.",),
     "qwen3_next": ("mtp.",),
 }
-ORIGINAL = ("deepseek_v3", "glm4_moe", "mimo")
+ORIGINAL = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo")
 QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 NEXTN_FUSION = {
     "enorm.weight": (H,),
@@ -80,6 +81,7 @@ MOE_SHAPES = {
 PREDICTABLE_NAMES = {
     "deepseek_v3": ("eh_proj.weight", "enorm.weight", "shared_head.norm.weight"),
     "glm4_moe": ("eh_proj.weight", "enorm.weight", "shared_head.norm.weight"),
+    "glm4_moe_lite": ("eh_proj.weight", "enorm.weight", "shared_head.norm.weight"),
     "mimo": ("input_proj.weight", "token_layernorm.weight", "final_layernorm.weight"),
 }
 
@@ -171,7 +173,7 @@ def _expected_mtp_shapes(family: str) -> dict:
             for p in MTP_PREFIX[family]
             for k, s in {**MIMO_FUSION, **layer}.items()
         }
-    attn = MLA_SHAPES if family == "deepseek_v3" else GLM_ATTN_SHAPES
+    attn = GLM_ATTN_SHAPES if family == "glm4_moe" else MLA_SHAPES
     layer = {
         "input_layernorm.weight": (H,),
         "post_attention_layernorm.weight": (H,),
@@ -204,12 +206,17 @@ def test_mtp_tensor_names_and_shapes(checkpoints, family):
 @pytest.mark.parametrize("family", ORIGINAL)
 def test_config_keys(checkpoints, family):
     config = json.loads((checkpoints[family, False] / "config.json").read_text())
-    arch = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+    arch = {
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+        "glm4_moe": "Glm4MoeForCausalLM",
+        "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    }
     assert config["architectures"] == [arch.get(family, "MiMoForCausalLM")]
     assert config["hidden_size"] == H and config["vocab_size"] == V
     assert config["tie_word_embeddings"] is False
     assert config["torch_dtype"] == "float32"
-    layers = {"deepseek_v3": (3, 1), "glm4_moe": (2, 1), "mimo": (2, 2)}[family]
+    layers = {"deepseek_v3": (3, 1), "glm4_moe": (2, 1), "mimo": (2, 2)}
+    layers = {**layers, "glm4_moe_lite": (3, 1)}[family]
     assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == layers
     tok_cfg = json.loads(
         (checkpoints[family, False] / "tokenizer_config.json").read_text()

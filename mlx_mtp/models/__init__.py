@@ -15,6 +15,7 @@ FAMILIES = (
     "gemma4_text",
     "gemma4_unified",
     "glm4_moe",
+    "glm4_moe_lite",
     "gpt_oss",
     "llama",
     "mimo",

@@ -355,6 +355,24 @@ def _deepseek_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, tensors
 
 
+def _glm4_moe_lite(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's tensors and MTP layout; its own
+    config (MLA norms at ``rms_norm_eps``, one expert group, partial RoPE key)."""
+    cfg, tensors = _deepseek_v3(init, vocab_size)
+    cfg.update(
+        architectures=["Glm4MoeLiteForCausalLM"],
+        model_type="glm4_moe_lite",
+        rms_norm_eps=1e-5,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.8,
+        partial_rotary_factor=1.0,
+        rope_theta=1000000.0,
+        pad_token_id=vocab_size - 1,
+    )
+    return cfg, tensors
+
+
 def _glm4_moe(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     """GLM-4.5 (glm4_moe): 2 GQA layers (0 dense, 1 MoE) + MTP at ``model.layers.2``."""
     cfg = {
@@ -701,6 +719,7 @@ _QWEN3_5 = dict(
 _SPECS = {
     "deepseek_v3": _FamilySpec(build=_deepseek_v3),
     "glm4_moe": _FamilySpec(build=_glm4_moe),
+    "glm4_moe_lite": _FamilySpec(build=_glm4_moe_lite),
     "mimo": _FamilySpec(build=_mimo),
     "qwen3_5": _FamilySpec(build=_qwen3_5, **_QWEN3_5),
     "qwen3_5_moe": _FamilySpec(build=functools.partial(_qwen3_5, moe=True), **_QWEN3_5),
