@@ -85,7 +85,12 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family,prefix", [("qwen3_5", "mtp."), ("deepseek_v3", "model.layers.3.")]
+    "family,prefix",
+    [
+        ("qwen3_5", "mtp."),
+        ("deepseek_v3", "model.layers.3."),
+        ("glm4_moe_lite", "model.layers.3."),
+    ],
 )
 def test_graft_onto_conversion_without_heads(
     family, prefix, checkpoint, tmp_path, caplog
