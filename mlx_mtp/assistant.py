@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import safetensors_header
-from .heads import FORMAT, load_strict, quantize_like, read_section_file
+from .heads import FORMAT, load_strict, quantize_like, read_section_file, save_heads
 from .models.gemma4 import text_model
 from .models.gemma4_assistant import (
     ASSISTANT_TYPES,
@@ -205,9 +204,4 @@ def section(
 
 def save(path: Path, assistant: Assistant) -> None:
     """Write the assistant's tensors to exactly ``path``."""
-    weights = dict(tree_flatten(assistant.parameters()))
-    path = Path(path)
-    written = path if path.suffix == ".safetensors" else Path(f"{path}.safetensors")
-    mx.save_safetensors(str(written), weights, metadata={"format": "mlx"})
-    if written != path:
-        written.replace(path)
+    save_heads(path, assistant)

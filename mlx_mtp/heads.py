@@ -102,9 +102,10 @@ def _names(keys, limit: int = 3) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def save_heads(path: Path, stack: MTPStack) -> None:
-    """Write the heads' tensors to the file ``path`` (MLX appends ``.safetensors`` to a
-    name without it; the file is renamed back to exactly ``path``)."""
+def save_heads(path: Path, stack: nn.Module) -> None:
+    """Write the heads' (or an assistant's) tensors to the file ``path`` (MLX appends
+    ``.safetensors`` to a name without it; the file is renamed back to exactly
+    ``path``)."""
     weights = dict(tree_flatten(stack.parameters()))
     path = Path(path)
     written = path if path.suffix == ".safetensors" else Path(f"{path}.safetensors")

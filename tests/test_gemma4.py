@@ -16,8 +16,6 @@ from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import Session, mtp_generate_step
 from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
 
-from .test_draft_length import RandomLength
-
 W = 8  # the fixtures' sliding window: 120 tokens wrap it 15 times
 PROMPTS = ([5, 77, 301], list(range(40, 60)))  # shorter and longer than the window
 PAIRS = {"e2b": True, "dense": False}  # target kind -> centroid head
@@ -62,21 +60,9 @@ def test_pair_loads_with_the_assistant_reading_the_last_unshared_layers(model):
 
 
 def test_greedy_identity_long_past_the_window(model):
-    hist = {}
-    for prompt in PROMPTS:
-        expected = plain(model, prompt, 120)
-        for k in range(1, 5):
-            outs = list(
-                mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=120)
-            )
-            assert [o.token for o in outs] == expected, (len(prompt), k)
-            h = hist.setdefault(k, [0] * (k + 1))
-            hist[k] = [a + b for a, b in zip(h, outs[-1].stats.accepted_histogram)]
-        policy = RandomLength([0, 1, 2, 3, 4], seed=len(prompt))
-        outs = mtp_generate_step(prompt, model, num_draft_tokens=policy, max_tokens=120)
-        assert [o.token for o in outs] == expected
-        outs = mtp_generate_step(prompt, model, num_draft_tokens="auto", max_tokens=120)
-        assert [o.token for o in outs] == expected
+    from .test_window import greedy_identity
+
+    hist = greedy_identity(model, PROMPTS, policies=("auto",))
     assert all(h[0] > 0 for h in hist.values()), hist  # reject all
     assert all(h[-1] > 0 for h in hist.values()), hist  # accept all
     assert any(sum(h[1:-1]) > 0 for k, h in hist.items() if k > 1), hist  # partial

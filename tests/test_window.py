@@ -144,20 +144,29 @@ def test_the_window_matters(sliding, model, tmp_path):
     assert plain(model, PROMPTS[1], 120) != plain(load(str(full))[0], PROMPTS[1], 120)
 
 
-def test_greedy_identity_long_past_the_window(model):
+def greedy_identity(model, prompts, n=120, ks=(1, 2, 3, 4), policies=()):
+    """Assert that every k, a random-k policy and ``policies`` decode each prompt as
+    plain decoding does; returns the accepted-count histograms per k, summed."""
     hist = {}
-    for prompt in PROMPTS:
-        expected = plain(model, prompt, 120)
-        for k in range(1, 5):
+    for prompt in prompts:
+        expected = plain(model, prompt, n)
+        for k in ks:
             outs = list(
-                mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=120)
+                mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=n)
             )
             assert [o.token for o in outs] == expected, (len(prompt), k)
             h = hist.setdefault(k, [0] * (k + 1))
             hist[k] = [a + b for a, b in zip(h, outs[-1].stats.accepted_histogram)]
-        policy = RandomLength([0, 1, 2, 3, 4], seed=len(prompt))
-        outs = mtp_generate_step(prompt, model, num_draft_tokens=policy, max_tokens=120)
-        assert [o.token for o in outs] == expected
+        for policy in (RandomLength([0, 1, 2, 3, 4], seed=len(prompt)), *policies):
+            outs = mtp_generate_step(
+                prompt, model, num_draft_tokens=policy, max_tokens=n
+            )
+            assert [o.token for o in outs] == expected, (len(prompt), policy)
+    return hist
+
+
+def test_greedy_identity_long_past_the_window(model):
+    hist = greedy_identity(model, PROMPTS)
     assert all(h[0] > 0 for h in hist.values()), hist  # reject all
     assert any(h[-1] > 0 for h in hist.values()), hist  # accept all
     assert any(sum(h[1:-1]) > 0 for k, h in hist.items() if k > 1), hist  # partial
