@@ -336,10 +336,24 @@ def load_model(
             assistants.check_pair(config["assistant"]["config"], config, where)
             reads = assistants.check_layers(assistant, trunk, where)
             model.attach(assistant, reads, model_path)
-    if model.assistant is not None and not lazy:
-        mx.eval(model.assistant.parameters())
+    if not lazy:
+        evaluate_all(model)
     model.eval()
     return model, config, model_path
+
+
+def evaluate_all(module: nn.Module) -> None:
+    """Evaluate every array of a module, parameters and private ones (precomputed RoPE
+    frequencies, say): a lazy array left behind would be evaluated later on the
+    loading thread's stream, which another thread (a server's) cannot use."""
+    arrays = []
+    for m in module.modules():
+        for value in m.values():
+            if isinstance(value, mx.array):
+                arrays.append(value)
+            elif isinstance(value, (list, tuple)):
+                arrays.extend(v for v in value if isinstance(v, mx.array))
+    mx.eval(arrays)
 
 
 def _without(e: MissingHeadsError, allowed: bool, what: str) -> None:

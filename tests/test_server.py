@@ -352,3 +352,29 @@ def test_serve_command_bad_inputs_are_one_line(tmp_path, served):
     )
     assert busy.exit_code == 1 and "Traceback" not in busy.output
     assert busy.output.count("\n") == 1, busy.output
+
+
+def test_serving_a_gemma4_pair(tmp_path):
+    """``serve --model TARGET --draft-model ASSISTANT``: the pair drafts, exactly."""
+    from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
+
+    target = write_gemma4(tmp_path / "t", "e2b", predictable=True)
+    assistant = write_gemma4_assistant(
+        tmp_path / "a", target, centroids=True, predictable=True
+    )
+    args = server_args(model=str(target), draft_model=str(assistant), port=0)
+    server = Server(args).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        r = client.completions.create(
+            model="default_model",
+            prompt="def f(x):",
+            max_tokens=12,
+            extra_body={"num_draft_tokens": 3},
+        )
+    finally:
+        server.close()
+    model, tokenizer = load(str(target), draft_model=str(assistant))
+    want = mtp_generate(model, tokenizer, "def f(x):", max_tokens=12)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text == want
+    assert r.model_extra["mtp"]["drafted"] > 0
