@@ -9,16 +9,19 @@
   (``graft --from ASSISTANT``), fetching only the assistant's config and weights.
 """
 
+import json
 from pathlib import Path
 from typing import Optional, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
 from mlx_mtp import assistant as assistants
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import provenance, quantize_heads
 from mlx_mtp.loading import ASSISTANT_PATTERNS, load_trunk, read_config
 from mlx_mtp.models import get_family
+from mlx_mtp.models.gemma4 import text_model
 from mlx_mtp.models.gemma4_assistant import Assistant
 
 from .output import locked, replace_files, staged_folder
@@ -49,8 +52,6 @@ def _prepare(assistant: Assistant, dtype, bits: int) -> Optional[dict]:
 
 
 def _cast(params, dtype):
-    from mlx.utils import tree_map
-
     def cast(v):
         return v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
 
@@ -144,15 +145,11 @@ def graft_assistant(
 
 
 def _float_dtype(trunk) -> str:
-    from mlx_mtp.models.gemma4 import text_model
-
     dtype = text_model(trunk).model.norm.weight.dtype
     return {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(dtype, "float32")
 
 
 def _write_json(path: Path, config: dict) -> None:
-    import json
-
     path.write_text(json.dumps(config, indent=4, sort_keys=True) + "\n")
 
 

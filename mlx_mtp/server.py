@@ -21,12 +21,15 @@ session it used is left consistent (`mtp_generate_step`'s exit contract).
 """
 
 import argparse
+import io
 import json
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
+from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import List, Optional
 
 import mlx.core as mx
@@ -34,6 +37,7 @@ from mlx_lm import server as lm_server
 
 from .errors import MTPError, one_line
 from .generate import stream_generate
+from .loading import load
 from .speculative import Session
 
 log = logging.getLogger("mlx_mtp")
@@ -148,8 +152,6 @@ class MTPModelProvider(lm_server.ModelProvider):
         self.aliases = {DEFAULT_MODEL, self.served, cli_args.model}
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        from .loading import load
-
         self.reset()
         model, tokenizer = load(
             self.cli_args.model,
@@ -188,8 +190,6 @@ class MTPModelProvider(lm_server.ModelProvider):
 def model_id(path: str) -> str:
     """The id `/v1/models` lists for the served model: a hub id as given, a local
     folder by its absolute path."""
-    from pathlib import Path
-
     p = Path(path).expanduser()
     return str(p.resolve()) if p.exists() else path
 
@@ -287,11 +287,13 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
                 if matcher.advance(gen.token):
                     finish = "stop"
                 ctx.mtp = gen.mtp
+                # the token's logprob only when asked: .item() is a sync per token
+                logprob = gen.logprobs[gen.token].item() if args.logprobs else 0.0
                 rqueue.put(
                     lm_server.Response(
                         gen.text,
                         gen.token,
-                        gen.logprobs[gen.token].item(),
+                        logprob,
                         finish,
                         lm_server._format_top_logprobs(
                             gen.logprobs, args.top_logprobs, tokenizer
@@ -591,8 +593,6 @@ class _Replay:
     """The request body, already read, for mlx-lm's handler to read again."""
 
     def __init__(self, data: bytes):
-        import io
-
         self._io = io.BytesIO(data)
 
     def read(self, n=-1):
@@ -654,8 +654,6 @@ class Server:
     `serve_forever` in the caller's."""
 
     def __init__(self, args: argparse.Namespace):
-        from http.server import ThreadingHTTPServer
-
         class HTTPServer(ThreadingHTTPServer):
             daemon_threads = True  # a slow client never holds the server up
 
@@ -696,21 +694,6 @@ class Server:
         self.httpd.shutdown() if self._thread else None
         self.httpd.server_close()
         self.generator.stop_and_join()
-
-
-def wait_healthy(url: str, timeout: float = 30.0) -> None:
-    from urllib.request import urlopen
-
-    deadline = time.time() + timeout
-    while True:
-        try:
-            with urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            if time.time() > deadline:
-                raise
-        time.sleep(0.05)
 
 
 __all__ = ["Server", "Sessions", "server_args", "mtp_block"]

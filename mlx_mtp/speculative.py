@@ -17,6 +17,7 @@ The next round is queued (``mx.async_eval``) before this round's tokens are yiel
 there is one host sync per round.
 """
 
+import copy
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Generator, List, Optional, Union
@@ -258,14 +259,15 @@ def extend_mtp(model, mtp_caches, state: DecodeState, step: int) -> None:
         len(state.tokens) - state.depth,  # rows whose tokens are all committed
         len(state.tokens) - 2,  # row n - 1
     )
-    layers = state.depth if model.assistant is None else 0
-    for start in range(state.frontier, end if layers else state.frontier, step):
-        stop = min(start + step, end)
-        h = state.hidden[:, start - state.frontier : stop - state.frontier]
-        for j in range(layers):
-            ids = mx.array(state.tokens[start + j + 1 : stop + j + 1], dtype=mx.int32)
-            h = model.mtp_forward(j, h, ids[None], mtp_caches[j])
-        mx.eval([c.state for c in mtp_caches[:layers]])
+    if model.assistant is None:
+        for start in range(state.frontier, end, step):
+            stop = min(start + step, end)
+            h = state.hidden[:, start - state.frontier : stop - state.frontier]
+            for j in range(state.depth):
+                ids = state.tokens[start + j + 1 : stop + j + 1]
+                ids = mx.array(ids, dtype=mx.int32)[None]
+                h = model.mtp_forward(j, h, ids, mtp_caches[j])
+            mx.eval([c.state for c in mtp_caches[: state.depth]])
     if end > state.frontier:
         state.hidden = state.hidden[:, end - state.frontier :]
         state.frontier = end
@@ -382,7 +384,6 @@ class Session:
 def _copy_cache(cache):
     """A cache object whose arrays are new array objects (their writes, in place on
     the array objects, then stay apart); no rollback record is kept."""
-    import copy
 
     def fresh(v):
         if isinstance(v, mx.array):

@@ -75,7 +75,7 @@ def test_pair_folder_round_trip(pair, precision, tmp_path):
     if precision == "float":
         source = load_model(str(target), draft_model=str(assistant))[0]
         assert expected == plain(source)
-        ours, theirs = assistant_predictions(model, PROMPT * 4), None
+        ours = assistant_predictions(model, PROMPT * 4)
         theirs = assistant_predictions(source, PROMPT * 4)
         assert np.array_equal(ours, theirs)
     lm_model, _ = lm_load(str(out))
@@ -144,7 +144,7 @@ def test_check_reports_agreement_and_catches_a_broken_assistant(pair, tmp_path):
     assert 0 < report.self_agreement <= 1
     text = "\n".join(report.lines())
     assert "centroid head" in text and "acceptance proxy" in text
-    # a post_projection written transposed-and-scaled: the drafts go elsewhere
+    # a pre_projection written with its rows reversed: the drafts go elsewhere
     from mlx_mtp import assistant as assistants
 
     weights = mx.load(str(out / assistants.ASSISTANT_FILE))

@@ -64,6 +64,17 @@ def test_chat_equals_generate_with_usage_and_mtp(client, local):
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.content == expected(local, MESSAGES, 12)
     usage, mtp = r.usage, r.model_extra["mtp"]
+    assert r.choices[0].logprobs is None  # not asked for: not computed
+    with_logprobs = client.chat.completions.create(
+        model="default_model",
+        messages=MESSAGES,
+        max_tokens=12,
+        logprobs=True,
+        extra_body={"num_draft_tokens": 3},
+    )
+    content = with_logprobs.choices[0].logprobs.content
+    assert len(content) == usage.completion_tokens
+    assert all(c.logprob <= 0 and c.logprob > -50 for c in content)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert mtp["drafted"] >= mtp["accepted"] > 0
     assert mtp["rounds"] * mtp["tokens_per_round"] >= usage.completion_tokens
