@@ -81,7 +81,7 @@ def graft_heads(
     trunk, config, _ = load_trunk(dst, family, lazy=True)
     _, mtp = family.split_weights(tensors, src_config)
     stack = build_mtp(trunk, family, mtp, src_config, raw=True)
-    _cast(stack, _float_dtype(trunk), None)
+    _cast(stack, _float_dtype(trunk, family), None)
     quantization = quantize_heads(stack, head_bits)
     mx.eval(stack.parameters())
 
@@ -189,6 +189,7 @@ def _mtp_files(hf_path, src: Path, config: dict, family, revision):
     return [src / s for s in shards]
 
 
-def _float_dtype(trunk):
-    """The trunk's float dtype (that of its final norm), so the heads match it."""
-    return trunk.model.norm.weight.dtype
+def _float_dtype(trunk, family):
+    """The trunk's float dtype (that of its token embeddings, dequantized if need be),
+    so the heads match it."""
+    return family.embed(trunk, mx.array([0])).dtype

@@ -181,7 +181,7 @@ def _stored_prefix(path: Path, tokens: np.ndarray) -> bool:
 def init_head(model, family, draft_vocab: np.ndarray) -> MTPStack:
     """One MTP layer: block = copy of the trunk's last layer, ``eh_proj`` passing the
     hidden state through, norms from the trunk."""
-    layer: MTPLayer = family.make_layer(model.trunk, 0)
+    layer: MTPLayer = family.make_layer(model.trunk, 0, read_config(model.source))
     last = model.trunk.layers[-1]
     layer.block.update(tree_map(lambda x: x, last.parameters()))
     H = model.args.hidden_size

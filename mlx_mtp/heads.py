@@ -170,10 +170,13 @@ def load_heads(model_path: Path, config: dict, family, trunk) -> MTPStack:
     """Rebuild the heads of a conversion exactly as they were written."""
     section = config["mtp"]
     weights = read_section_file(model_path, section, HEADS_FILE, "MTP heads")
-    layers = [family.make_layer(trunk, j) for j in range(section["num_layers"])]
+    layers = [family.make_layer(trunk, j, config) for j in range(section["num_layers"])]
     stack = MTPStack(layers, section.get("draft_vocab_size", 0))
     quantize_like(stack, weights, section.get("quantization"))
     return load_strict(stack, weights)
+
+
+EMBEDDINGS = ("embed_tokens.weight", "backbone.embeddings.weight")  # Nemotron-H's
 
 
 def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
@@ -195,7 +198,8 @@ def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
     except (OSError, KeyError, TypeError, ValueError):  # MTPError is a ValueError
         return None
     names = sorted(
-        (k for k in weight_map if k.endswith("embed_tokens.weight")), key=len
+        (k for k in weight_map if k.endswith(EMBEDDINGS)),
+        key=lambda k: (not k.endswith(EMBEDDINGS[0]), len(k)),
     )
     if not names or not (folder / weight_map[names[0]]).is_file():
         return None

@@ -260,7 +260,7 @@ def build_mtp(
     """
     weights = family.sanitize(tensors, config, trunk, raw=raw)
     n = 1 + max(int(k.split(".")[1]) for k in weights)
-    stack = MTPStack([family.make_layer(trunk, j) for j in range(n)])
+    stack = MTPStack([family.make_layer(trunk, j, config) for j in range(n)])
     quantize_like(stack, weights, config.get("quantization"))
     return load_strict(stack, weights)
 

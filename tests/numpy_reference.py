@@ -50,6 +50,7 @@ FAMILIES = (
     "glm4_moe_lite",
     "glm4_moe",
     "mimo",
+    "nemotron_h",
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
@@ -755,7 +756,15 @@ def reference_logits(ckpt_dir, tokens):
     if family not in FAMILIES:
         raise NotImplementedError(f"model_type {family!r} is not in the reference")
     tokens = [int(t) for t in tokens]
-    if family in QWEN_FAMILIES:
+    if family == "nemotron_h":
+        from . import numpy_nemotron_h as nemotron
+
+        cfg = config
+        head = W["lm_head.weight"]
+        hidden = nemotron.trunk_hidden(W, cfg, tokens)
+        n_mtp = nemotron.num_mtp_layers(W, cfg)
+        layer_fn = nemotron.mtp_layer
+    elif family in QWEN_FAMILIES:
         cfg = qwen_text_config(config)
         head = qwen_lm_head(W, cfg, family)
         hidden = qwen_trunk_hidden(W, cfg, family, tokens)

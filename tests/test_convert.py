@@ -90,6 +90,7 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
         ("qwen3_5", "mtp."),
         ("deepseek_v3", "model.layers.3."),
         ("glm4_moe_lite", "model.layers.3."),
+        ("nemotron_h", "mtp."),
     ],
 )
 def test_graft_onto_conversion_without_heads(

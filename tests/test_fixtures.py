@@ -21,6 +21,7 @@ MTP_PREFIX = {
     "glm4_moe": ("model.layers.2.",),
     "glm4_moe_lite": ("model.layers.3.",),
     "mimo": ("model.mtp_layers.0.", "model.mtp_layers.1."),
+    "nemotron_h": ("mtp.",),
     "qwen3_5": ("mtp.",),
     "qwen3_5_moe": ("mtp.",),
     "qwen3_next": ("mtp.",),
@@ -130,7 +131,7 @@ def test_trunk_loads_with_plain_mlx_lm(checkpoints, tmp_path, family, predictabl
     assert float(mx.std(logits[0, -1])) > 0.3  # not degenerate
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "mimo", *QWEN])
+@pytest.mark.parametrize("family", ["glm4_moe", "mimo", "nemotron_h", *QWEN])
 def test_mlx_lm_sanitize_drops_mtp_itself(checkpoints, family):
     model, _ = load_model(checkpoints[family, False])
     assert model(mx.array([[7, 8]])).shape == (1, 2, V)
@@ -394,3 +395,70 @@ def test_qwen_predictable_construction(checkpoints, family):
     np.testing.assert_array_equal(w["mtp.norm.weight"], w[prefix + "norm.weight"])
     o = "mtp.layers.0.self_attn.o_proj.weight"
     np.testing.assert_allclose(w[o], 0.2 * base[o], rtol=1e-6)
+
+
+def _nemotron_block_shapes(kind: str) -> dict:
+    if kind == "*":
+        mixer = {"q_proj": (64, H), "k_proj": (32, H), "v_proj": (32, H)}
+        mixer = {f"{k}.weight": v for k, v in mixer.items()}
+        mixer["o_proj.weight"] = (H, 64)
+    else:  # E: latent MoE (latent 32, expert width 32, shared expert 64)
+        mixer = {
+            "gate.weight": (4, H),
+            "gate.e_score_correction_bias": (4,),
+            "fc1_latent_proj.weight": (32, H),
+            "fc2_latent_proj.weight": (H, 32),
+            "shared_experts.up_proj.weight": (64, H),
+            "shared_experts.down_proj.weight": (H, 64),
+        }
+        for e in range(4):
+            mixer[f"experts.{e}.up_proj.weight"] = (32, 32)
+            mixer[f"experts.{e}.down_proj.weight"] = (32, 32)
+    return {"norm.weight": (H,), **{f"mixer.{k}": v for k, v in mixer.items()}}
+
+
+def test_nemotron_h_names_shapes_and_config(checkpoints):
+    path = checkpoints["nemotron_h", False]
+    weights = _weights(path)
+    mtp = {k: tuple(v.shape) for k, v in weights.items() if k.startswith("mtp.")}
+    expected = {
+        "mtp.layers.0.enorm.weight": (H,),
+        "mtp.layers.0.hnorm.weight": (H,),
+        "mtp.layers.0.eh_proj.weight": (H, 2 * H),
+        "mtp.layers.1.final_layernorm.weight": (H,),
+    }
+    for s, kind in enumerate("*E"):
+        expected.update(
+            {f"mtp.layers.{s}.{k}": v for k, v in _nemotron_block_shapes(kind).items()}
+        )
+    assert mtp == expected
+    assert weights["backbone.embeddings.weight"].shape == (V, H)
+    assert weights["lm_head.weight"].shape == (V, H)
+    mamba = "backbone.layers.0.mixer."
+    assert weights[mamba + "in_proj.weight"].shape == (128 + 192 + 8, H)
+    assert weights[mamba + "conv1d.weight"].shape == (192, 1, 4)  # HF (C, 1, K)
+    assert weights["backbone.layers.3.mixer.up_proj.weight"].shape == (128, H)
+    config = json.loads((path / "config.json").read_text())
+    assert config["hybrid_override_pattern"] == "M*E-M"
+    assert config["mtp_hybrid_override_pattern"] == "*E"
+    assert config["num_nextn_predict_layers"] == 1
+    assert config["architectures"] == ["NemotronHForCausalLM"]
+
+
+def test_nemotron_h_predictable_construction(checkpoints):
+    w = {k: np.array(v) for k, v in _weights(checkpoints["nemotron_h", True]).items()}
+    base = {
+        k: np.array(v) for k, v in _weights(checkpoints["nemotron_h", False]).items()
+    }
+    embed = "backbone.embeddings.weight"
+    np.testing.assert_allclose(w[embed], 30 * base[embed], rtol=1e-6)
+    np.testing.assert_array_equal(w["mtp.layers.0.eh_proj.weight"][:, :H], np.eye(H))
+    np.testing.assert_array_equal(w["mtp.layers.0.enorm.weight"], np.ones(H))
+    np.testing.assert_array_equal(
+        w["mtp.layers.1.final_layernorm.weight"], w["backbone.norm_f.weight"]
+    )
+    for key in (
+        "mtp.layers.0.mixer.o_proj.weight",
+        "mtp.layers.1.mixer.experts.2.down_proj.weight",
+    ):
+        np.testing.assert_allclose(w[key], 0.2 * base[key], rtol=1e-6)

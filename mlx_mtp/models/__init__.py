@@ -20,6 +20,7 @@ FAMILIES = (
     "llama",
     "mimo",
     "mistral",
+    "nemotron_h",
     "qwen2",
     "qwen3",
     "qwen3_5",

@@ -62,7 +62,9 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     return sanitize_layers(trunk, weights, config, mtp_layer_of, LAYOUT)
 
 
-def make_layer(trunk, j: int, block_class=lm.DeepseekV3DecoderLayer) -> MTPLayer:
+def make_layer(
+    trunk, j: int, config: dict, block_class=lm.DeepseekV3DecoderLayer
+) -> MTPLayer:
     """MTP layer j: the trunk's decoder layer class at index L + j (an MoE layer)."""
     args = trunk.args
     block = block_class(args, args.num_hidden_layers + j)

@@ -18,8 +18,9 @@ Required:
   (duplicated embedding / head copies checked and dropped);
 - ``sanitize(mtp, config, trunk, raw) -> dict``: the MTP tensors in the schema
   ``layers.{j}.{enorm,hnorm,eh_proj,norm,block.*}`` (``raw``: see ``is_raw``);
-- ``make_layer(trunk, j) -> MTPLayer``: MTP layer j, its block the family's mlx-lm
-  decoder layer.
+- ``make_layer(trunk, j, config) -> MTPLayer``: MTP layer j, its block the family's
+  mlx-lm decoder layer (``config``: the model's ``config.json``, for what the trunk's
+  args do not keep, such as the sub-layers of a Nemotron-H MTP step).
 
 Optional (default in brackets):
 
@@ -60,16 +61,27 @@ class Layout:
             ``[embedding, hidden]``.
         copies: Per-layer duplicates of trunk tensors (name inside the layer -> trunk
             key), checked against the trunk and dropped.
+        norm_prefix: ``norm_prefix(config, j)``, where the final norm sits when it is
+            not under ``prefix`` (Nemotron-H: on the last sub-layer of the step).
     """
 
     prefix: Callable[[dict, int], str]
     fusion: Dict[str, str]
     hidden_first: bool = False
     copies: Dict[str, str] = field(default_factory=dict)
+    norm_prefix: Optional[Callable[[dict, int], str]] = None
 
     def name(self, schema: str) -> str:
         """The checkpoint name of a fusion tensor's schema name (``enorm`` ...)."""
         return next(k for k, v in self.fusion.items() if v == schema)
+
+    def key(self, config: dict, j: int, schema: str) -> str:
+        """The full checkpoint name of MTP layer j's fusion tensor ``schema``
+        (``"model.layers.61.enorm.weight"``)."""
+        prefix = self.prefix
+        if schema == "norm" and self.norm_prefix is not None:
+            prefix = self.norm_prefix
+        return f"{prefix(config, j)}{self.name(schema)}.weight"
 
 
 def _trunk_args(trunk):

@@ -90,7 +90,7 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     return {}
 
 
-def make_layer(trunk, j: int):
+def make_layer(trunk, j: int, config: dict):
     raise NotImplementedError("Gemma 4 drafts with an assistant, not MTP layers")
 
 

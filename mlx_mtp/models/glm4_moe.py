@@ -19,5 +19,5 @@ split_weights = deepseek_v3.split_weights
 sanitize = deepseek_v3.sanitize
 
 
-def make_layer(trunk, j: int) -> MTPLayer:
-    return deepseek_v3.make_layer(trunk, j, block_class=lm.DecoderLayer)
+def make_layer(trunk, j: int, config: dict) -> MTPLayer:
+    return deepseek_v3.make_layer(trunk, j, config, block_class=lm.DecoderLayer)

@@ -21,6 +21,6 @@ split_weights = deepseek_v3.split_weights
 sanitize = deepseek_v3.sanitize
 
 
-def make_layer(trunk, j: int) -> MTPLayer:
+def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = trunk.args
     return MTPLayer(args.hidden_size, args.rms_norm_eps, lm.TransformerBlock(args))

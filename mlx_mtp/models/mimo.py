@@ -44,7 +44,7 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     return sanitize_layers(trunk, weights, config, mtp_layer_of, LAYOUT)
 
 
-def make_layer(trunk, j: int) -> MTPLayer:
+def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = trunk.args
     block = lm.TransformerBlock(args)
     return MTPLayer(

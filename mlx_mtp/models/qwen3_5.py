@@ -44,7 +44,7 @@ def logits(trunk, h):
     return lm_model.lm_head(h)
 
 
-def make_layer(trunk, j: int) -> MTPLayer:
+def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = text_args(trunk)
     block = make_block(args, lm.DecoderLayer, lm.SparseMoeBlock, lm.MLP)
     return MTPLayer(args.hidden_size, args.rms_norm_eps, block)

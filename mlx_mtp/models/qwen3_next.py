@@ -139,7 +139,7 @@ def make_block(args, decoder_layer, moe_block, dense_mlp):
     return block
 
 
-def make_layer(trunk, j: int) -> MTPLayer:
+def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = trunk.args
     block = make_block(
         args, lm.Qwen3NextDecoderLayer, lm.Qwen3NextSparseMoeBlock, lm.Qwen3NextMLP

@@ -36,7 +36,7 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     return out
 
 
-def make_layer(trunk, j: int) -> MTPLayer:
+def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     """MTP layer j: a block shaped as the trunk's last decoder layer."""
     args = trunk.args
     block = copy.deepcopy(trunk.layers[-1])

@@ -24,6 +24,9 @@ Families and where their MTP tensors live:
   (``experts.gate_up_proj``) and the MTP layer's per expert, as releases do.
 - ``qwen3_next``: the same hybrid, flat config and ``model.`` names, MoE everywhere,
   per-expert tensors, ``num_nextn_predict_layers``.
+- ``nemotron_h``: a Mamba-2 / attention / MoE / MLP trunk under ``backbone.``; one MTP
+  step of two sub-layers ``mtp.layers.{0,1}.`` (attention with ``enorm``, ``hnorm``,
+  ``eh_proj``; then a latent MoE with ``final_layernorm``).
 
 Qwen norms are stored zero-centred, as Hugging Face's ``x * (1 + w)`` convention has
 them (except the Gated-DeltaNet output norm); convolution weights are ``(C, 1, K)``.
@@ -685,6 +688,170 @@ def _qwen3_next(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, tensors
 
 
+NEMOTRON_PATTERN = "M*E-M"  # Mamba-2, attention, MoE, MLP, Mamba-2
+NEMOTRON_NAMES = {  # pattern character -> layer type, per config style
+    "old": {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"},
+    "new": {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"},
+}
+
+
+def _nemotron_mamba(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Mamba-2 mixer: fused ``in_proj`` (gate, conv input, dt), depthwise conv (HF
+    ``(C, 1, K)``), ``A_log``, ``D``, ``dt_bias``, gated group norm, ``out_proj``."""
+    hidden, heads = cfg["hidden_size"], cfg["mamba_num_heads"]
+    inner = heads * cfg["mamba_head_dim"]
+    conv_dim = inner + 2 * cfg["n_groups"] * cfg["ssm_state_size"]
+    return {
+        f"{prefix}in_proj.weight": init.linear(inner + conv_dim + heads, hidden),
+        f"{prefix}conv1d.weight": init.normal((conv_dim, 1, cfg["conv_kernel"]), 0.3),
+        f"{prefix}conv1d.bias": init.normal((conv_dim,), BIAS_STD),
+        f"{prefix}dt_bias": init.normal((heads,), 0.5),
+        f"{prefix}A_log": np.log(init.rng.uniform(1.0, 16.0, heads)).astype(np.float32),
+        f"{prefix}D": init.norm(heads),
+        f"{prefix}norm.weight": init.norm(inner),
+        f"{prefix}out_proj.weight": init.linear(hidden, inner),
+    }
+
+
+def _nemotron_attention(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Attention without RoPE or biases."""
+    hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    return {
+        f"{prefix}q_proj.weight": init.linear(q, hidden),
+        f"{prefix}k_proj.weight": init.linear(kv, hidden),
+        f"{prefix}v_proj.weight": init.linear(kv, hidden),
+        f"{prefix}o_proj.weight": init.linear(hidden, q),
+    }
+
+
+def _relu2_mlp(init: _Init, prefix: str, inner: int, outer: int) -> Tensors:
+    """Non-gated ReLU² MLP: ``up_proj``, ``down_proj``."""
+    return {
+        f"{prefix}up_proj.weight": init.linear(inner, outer),
+        f"{prefix}down_proj.weight": init.linear(outer, inner),
+    }
+
+
+def _nemotron_moe(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Sigmoid-routed ReLU² experts on a latent width, and a shared expert."""
+    hidden, experts = cfg["hidden_size"], cfg["n_routed_experts"]
+    latent = cfg["moe_latent_size"]
+    t = {
+        f"{prefix}gate.weight": init.linear(experts, hidden),
+        f"{prefix}gate.e_score_correction_bias": init.normal((experts,), 0.01),
+        f"{prefix}fc1_latent_proj.weight": init.linear(latent, hidden),
+        f"{prefix}fc2_latent_proj.weight": init.linear(hidden, latent),
+    }
+    for e in range(experts):
+        t.update(
+            _relu2_mlp(
+                init, f"{prefix}experts.{e}.", cfg["moe_intermediate_size"], latent
+            )
+        )
+    shared = cfg["moe_shared_expert_intermediate_size"]
+    t.update(_relu2_mlp(init, f"{prefix}shared_experts.", shared, hidden))
+    return t
+
+
+def _nemotron_block(init: _Init, prefix: str, cfg: dict, kind: str) -> Tensors:
+    """One pre-norm block: ``norm`` and the ``mixer`` of pattern character ``kind``."""
+    mixer = f"{prefix}mixer."
+    t = {f"{prefix}norm.weight": init.norm(cfg["hidden_size"])}
+    if kind == "M":
+        t.update(_nemotron_mamba(init, mixer, cfg))
+    elif kind == "*":
+        t.update(_nemotron_attention(init, mixer, cfg))
+    elif kind == "E":
+        t.update(_nemotron_moe(init, mixer, cfg))
+    else:
+        t.update(_relu2_mlp(init, mixer, cfg["intermediate_size"], cfg["hidden_size"]))
+    return t
+
+
+def _nemotron_h(
+    init: _Init, vocab_size: int, names: str = "legacy", mtp_pattern: str = "*E"
+) -> Tuple[dict, Tensors]:
+    """Nemotron 3 (nemotron_h): a Mamba-2 / attention / MoE / MLP trunk under
+    ``backbone.``, and one MTP step of sub-layers ``mtp.layers.{0,1}`` (attention with
+    ``enorm`` / ``hnorm`` / ``eh_proj``, then a latent MoE with ``final_layernorm``).
+
+    ``names``: ``"legacy"`` writes the pattern strings of the released configs
+    (``hybrid_override_pattern``, ``mtp_hybrid_override_pattern``); ``"old"`` and
+    ``"new"`` write transformers' lists (``layers_block_type``,
+    ``mtp_layers_block_type``) with the pre- and post-5.13 type names.
+    """
+    cfg = {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attention_bias": False,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "mamba_hidden_act": "silu",
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "expand": 2,
+        "chunk_size": 128,
+        "use_conv_bias": True,
+        "use_bias": False,
+        "mlp_bias": False,
+        "mlp_hidden_act": "relu2",
+        "time_step_min": 0.001,
+        "time_step_max": 0.1,
+        "time_step_floor": 0.0001,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "moe_shared_expert_intermediate_size": 64,
+        "moe_latent_size": 32,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 4096,
+        "layer_norm_epsilon": 1e-5,
+        "residual_in_fp32": False,
+        "rescale_prenorm_residual": True,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if names == "legacy":
+        cfg["hybrid_override_pattern"] = NEMOTRON_PATTERN
+        cfg["num_hidden_layers"] = len(NEMOTRON_PATTERN)
+        cfg["mtp_hybrid_override_pattern"] = mtp_pattern
+    else:
+        to_name = NEMOTRON_NAMES[names]
+        cfg["layers_block_type"] = [to_name[c] for c in NEMOTRON_PATTERN]
+        cfg["mtp_layers_block_type"] = [to_name[c] for c in mtp_pattern]
+    hidden = cfg["hidden_size"]
+    t = {"backbone.embeddings.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i, kind in enumerate(NEMOTRON_PATTERN):
+        t.update(_nemotron_block(init, f"backbone.layers.{i}.", cfg, kind))
+    t["backbone.norm_f.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    for s, kind in enumerate(mtp_pattern):
+        prefix = f"mtp.layers.{s}."
+        if s == 0:
+            t[f"{prefix}enorm.weight"] = init.norm(hidden)
+            t[f"{prefix}hnorm.weight"] = init.norm(hidden)
+            t[f"{prefix}eh_proj.weight"] = init.linear(hidden, 2 * hidden)
+        t.update(_nemotron_block(init, prefix, cfg, kind))
+        if s == len(mtp_pattern) - 1:
+            t[f"{prefix}final_layernorm.weight"] = init.norm(hidden)
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -721,6 +888,11 @@ _SPECS = {
     "glm4_moe": _FamilySpec(build=_glm4_moe),
     "glm4_moe_lite": _FamilySpec(build=_glm4_moe_lite),
     "mimo": _FamilySpec(build=_mimo),
+    "nemotron_h": _FamilySpec(
+        build=_nemotron_h,
+        embed_key="backbone.embeddings.weight",
+        trunk_norm_key="backbone.norm_f.weight",
+    ),
     "qwen3_5": _FamilySpec(build=_qwen3_5, **_QWEN3_5),
     "qwen3_5_moe": _FamilySpec(build=functools.partial(_qwen3_5, moe=True), **_QWEN3_5),
     "qwen3_next": _FamilySpec(build=_qwen3_next, unit_norm=0.0),
@@ -734,12 +906,11 @@ def _family(name: str):
     return get_family({"model_type": name})
 
 
-def _mtp_prefixes(family, cfg: dict) -> List[str]:
-    """The distinct name prefixes of the MTP layers' fusion tensors."""
-    n = family.declared_mtp_layers(cfg)
-    return list(
-        dict.fromkeys(family.LAYOUT.prefix(_text_config(cfg), j) for j in range(n))
-    )
+def _distinct_layers(family, cfg: dict) -> List[int]:
+    """The MTP layers with fusion tensors of their own (Qwen's layers share one set)."""
+    n, text = family.declared_mtp_layers(cfg), _text_config(cfg)
+    first = {family.LAYOUT.key(text, j, "eh_proj"): j for j in reversed(range(n))}
+    return sorted(first.values())
 
 
 # ---------------------------------------------------------------------------
@@ -772,10 +943,12 @@ def _make_predictable(
     context effects making it wrong some of the time.
     """
     layout = family.LAYOUT
-    hidden = _text_config(cfg)["hidden_size"]
+    text = _text_config(cfg)
+    hidden = text["hidden_size"]
     embed = tensors[spec.embed_key] * np.float32(embed_scale)
     tensors[spec.embed_key] = embed
-    for prefix in _mtp_prefixes(family, cfg):
+    for j in _distinct_layers(family, cfg):
+        prefix = layout.prefix(text, j)
         for copy, original in layout.copies.items():
             if original == spec.embed_key:
                 tensors[f"{prefix}{copy}"] = embed.copy()
@@ -784,19 +957,17 @@ def _make_predictable(
             np.float32
         )
         halves = [noise, eye] if layout.hidden_first else [eye, noise]
-        tensors[f"{prefix}{layout.name('eh_proj')}.weight"] = np.concatenate(
-            halves, axis=1
-        )
-        tensors[f"{prefix}{layout.name('enorm')}.weight"] = np.full(
+        tensors[layout.key(text, j, "eh_proj")] = np.concatenate(halves, axis=1)
+        tensors[layout.key(text, j, "enorm")] = np.full(
             hidden, spec.unit_norm, dtype=np.float32
         )
         final_norm = tensors[spec.trunk_norm_key] + np.float32(spec.norm_offset)
-        tensors[f"{prefix}{layout.name('norm')}.weight"] = final_norm
-        for key in tensors:
-            if key.startswith(prefix) and key.endswith(
-                ("o_proj.weight", "down_proj.weight")
-            ):
-                tensors[key] = tensors[key] * np.float32(PREDICTABLE_DAMPING)
+        tensors[layout.key(text, j, "norm")] = final_norm
+    for key in tensors:
+        if family.mtp_layer_of(key, cfg) is not None and key.endswith(
+            ("o_proj.weight", "down_proj.weight")
+        ):
+            tensors[key] = tensors[key] * np.float32(PREDICTABLE_DAMPING)
 
 
 # ---------------------------------------------------------------------------
