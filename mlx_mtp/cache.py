@@ -58,8 +58,17 @@ def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
     trunk = with_window_caches(made)
     if model.records_states:
         trunk = with_recurrent_caches(trunk)
-    caches = Caches(trunk=trunk, mtp=model.make_mtp_cache())
+    caches = Caches(trunk=trunk, mtp=mtp_caches(model))
     return caches
+
+
+def mtp_caches(model) -> List[Any]:
+    """One cache per MTP layer: a KV cache, or a `WindowCache` for a block with a
+    sliding window (``MTPLayer.window``)."""
+    return [
+        WindowCache(layer.window) if layer.window else KVCache()
+        for layer in model.mtp.layers
+    ]
 
 
 @dataclass(frozen=True)

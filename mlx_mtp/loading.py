@@ -90,6 +90,7 @@ INT_FIELDS = (
     "linear_num_value_heads",
 )
 FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
+PER_LAYER_FIELDS = ("rope_theta",)  # Step-3.5 lists one per layer
 
 
 def read_config(model_path: Path) -> dict:
@@ -121,8 +122,15 @@ def check_config(config, path) -> None:
                 raise MTPError(f"{path}: {key} must be a whole number, not {v!r}")
         for key in FLOAT_FIELDS:
             v = section.get(key)
-            if v is not None and (type(v) not in (int, float)):
+            if v is not None and not _is_number(v, key in PER_LAYER_FIELDS):
                 raise MTPError(f"{path}: {key} must be a number, not {v!r}")
+
+
+def _is_number(v, per_layer: bool) -> bool:
+    """A JSON number, or (``per_layer``) a non-empty list of them."""
+    if per_layer and isinstance(v, list) and v:
+        return all(type(x) in (int, float) for x in v)
+    return type(v) in (int, float)
 
 
 class MTPSplit:

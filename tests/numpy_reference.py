@@ -38,6 +38,7 @@ applied as ``x_hat * w``.
 """
 
 import glob
+import importlib
 import json
 import os
 import struct
@@ -54,7 +55,11 @@ FAMILIES = (
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
+    "step3p5",
 )
+
+# Families whose reference is a module of its own (same functions as here).
+SEPARATE = {"nemotron_h": "numpy_nemotron_h", "step3p5": "numpy_step3p5"}
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed eps in mlx-lm and HF;
 # GLM-4.7-Flash's (glm4_moe_lite, the same MLA + MoE layers otherwise) use rms_norm_eps.
@@ -756,14 +761,13 @@ def reference_logits(ckpt_dir, tokens):
     if family not in FAMILIES:
         raise NotImplementedError(f"model_type {family!r} is not in the reference")
     tokens = [int(t) for t in tokens]
-    if family == "nemotron_h":
-        from . import numpy_nemotron_h as nemotron
-
+    if family in SEPARATE:
+        module = importlib.import_module(f".{SEPARATE[family]}", __package__)
         cfg = config
         head = W["lm_head.weight"]
-        hidden = nemotron.trunk_hidden(W, cfg, tokens)
-        n_mtp = nemotron.num_mtp_layers(W, cfg)
-        layer_fn = nemotron.mtp_layer
+        hidden = module.trunk_hidden(W, cfg, tokens)
+        n_mtp = module.num_mtp_layers(W, cfg)
+        layer_fn = module.mtp_layer
     elif family in QWEN_FAMILIES:
         cfg = qwen_text_config(config)
         head = qwen_lm_head(W, cfg, family)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlx_mtp.cache import Caches, check_rollback, make_caches
+from mlx_mtp.cache import Caches, check_rollback, make_caches, mtp_caches
 from mlx_mtp.errors import RollbackError
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing.fixtures import FAMILIES
@@ -114,9 +114,7 @@ def test_unsupported_caches_fail_closed():
 
 def test_loop_refuses_before_decoding(loaded):
     model, _ = loaded("mimo")
-    caches = Caches(
-        trunk=[ArraysCache(2) for _ in model.layers], mtp=model.make_mtp_cache()
-    )
+    caches = Caches(trunk=[ArraysCache(2) for _ in model.layers], mtp=mtp_caches(model))
     with pytest.raises(RollbackError):  # when called, before anything runs
         mtp_generate_step([1, 2, 3], model, num_draft_tokens=2, caches=caches)
     assert all(c.offset == 0 for c in caches.mtp)

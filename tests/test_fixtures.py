@@ -22,6 +22,7 @@ MTP_PREFIX = {
     "glm4_moe_lite": ("model.layers.3.",),
     "mimo": ("model.mtp_layers.0.", "model.mtp_layers.1."),
     "nemotron_h": ("mtp.",),
+    "step3p5": ("model.layers.3.", "model.layers.4."),
     "qwen3_5": ("mtp.",),
     "qwen3_5_moe": ("mtp.",),
     "qwen3_next": ("mtp.",),
@@ -131,7 +132,7 @@ def test_trunk_loads_with_plain_mlx_lm(checkpoints, tmp_path, family, predictabl
     assert float(mx.std(logits[0, -1])) > 0.3  # not degenerate
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "mimo", "nemotron_h", *QWEN])
+@pytest.mark.parametrize("family", ["glm4_moe", "mimo", "nemotron_h", "step3p5", *QWEN])
 def test_mlx_lm_sanitize_drops_mtp_itself(checkpoints, family):
     model, _ = load_model(checkpoints[family, False])
     assert model(mx.array([[7, 8]])).shape == (1, 2, V)
@@ -462,3 +463,28 @@ def test_nemotron_h_predictable_construction(checkpoints):
         "mtp.layers.1.mixer.experts.2.down_proj.weight",
     ):
         np.testing.assert_allclose(w[key], 0.2 * base[key], rtol=1e-6)
+
+
+def test_step3p5_names_shapes_and_config(checkpoints):
+    path = checkpoints["step3p5", False]
+    weights = _weights(path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["num_nextn_predict_layers"] == 2
+    assert len(config["layer_types"]) == len(config["rope_theta"]) == 5  # padded
+    assert config["layer_types"][3:] == ["sliding_attention", "full_attention"]
+    for i, heads in ((3, 6), (4, 4)):  # sliding layers have more heads
+        prefix = f"model.layers.{i}."
+        assert weights[prefix + "eh_proj.weight"].shape == (H, 2 * H)
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            assert weights[f"{prefix}{name}.weight"].shape == (H,)
+        assert mx.array_equal(
+            weights[prefix + "shared_head.output.weight"], weights["lm_head.weight"]
+        )
+        block = prefix + "transformer."
+        assert weights[block + "self_attn.q_proj.weight"].shape == (heads * 16, H)
+        assert weights[block + "self_attn.g_proj.weight"].shape == (heads, H)
+        assert weights[block + "mlp.gate_proj.weight"].shape == (128, H)  # dense
+    assert weights["model.layers.1.moe.gate_proj.weight"].shape == (4, 32, H)
+    assert weights["model.layers.1.moe.router_bias"].dtype == mx.float32
+    assert weights["model.layers.2.share_expert.up_proj.weight"].shape == (32, H)
+    assert abs(float(weights["model.layers.4.enorm.weight"].mean())) < 0.1  # (1 + w)

@@ -21,7 +21,7 @@ def turn(model, session, ids, n, k, stop_after=None):
     return out
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "mimo", "qwen3_5"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "mimo", "qwen3_5", "step3p5"])
 @pytest.mark.parametrize("k", [2, "auto"])
 def test_turns_equal_plain_decoding_of_the_conversation(family, k, loaded):
     model, tokenizer = loaded(family, predictable=True)

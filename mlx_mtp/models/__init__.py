@@ -26,6 +26,7 @@ FAMILIES = (
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
+    "step3p5",
 )
 
 # Trunks with no MTP heads of their own whose family is `retrofit`: a DeepSeek-style

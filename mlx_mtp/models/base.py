@@ -164,11 +164,6 @@ class Model(nn.Module):
         family's ``prepare`` installed a capture), so their caches can roll back."""
         return self.family.prepare is not None
 
-    def make_mtp_cache(self) -> List[Any]:
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache() for _ in self.mtp.layers]
-
     def assist(
         self,
         tokens: mx.array,
@@ -204,12 +199,19 @@ class Model(nn.Module):
         if offset == 0 and self.family.MASK_FIRST_POSITION:
             keep = (mx.arange(e.shape[1]) > 0)[None, :, None]
             e = mx.where(keep, e, mx.zeros_like(e))
-        return self.mtp.layers[j](e, hidden, self.mtp_mask(e, cache), cache)
+        layer = self.mtp.layers[j]
+        return layer(e, hidden, self.mtp_mask(e, cache, layer.window), cache)
 
-    def mtp_mask(self, e: mx.array, cache: Optional[Any] = None):
+    def mtp_mask(
+        self, e: mx.array, cache: Optional[Any] = None, window: Optional[int] = None
+    ):
         """The causal mask of an MTP layer over the rows of ``e`` (B, L, H), in the
-        form the family's attention takes ("causal", an array, or None)."""
-        return create_attention_mask(e, cache, return_array=self.family.MASK_AS_ARRAY)
+        form the family's attention takes ("causal", an array, or None), limited to
+        the last ``window`` positions for a sliding-window block (whatever its cache).
+        """
+        return create_attention_mask(
+            e, cache, window_size=window, return_array=self.family.MASK_AS_ARRAY
+        )
 
 
 def mlx_lm_sanitize(trunk: nn.Module, weights: dict) -> dict:

@@ -24,7 +24,13 @@ class MTPLayer(nn.Module):
         block: A decoder layer called as ``block(x, mask, cache)``.
         hidden_first: Concatenate ``[hidden, embedding]`` (MiMo) instead of
             ``[embedding, hidden]`` (everyone else).
+
+    Attributes:
+        window: The block's sliding window, when its attention has one (its cache is
+            then a `mlx_mtp.cache.WindowCache`); None for full attention.
     """
+
+    window: Optional[int] = None
 
     def __init__(
         self, hidden_size: int, eps: float, block: nn.Module, hidden_first: bool = False

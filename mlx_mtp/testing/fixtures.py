@@ -27,6 +27,9 @@ Families and where their MTP tensors live:
 - ``nemotron_h``: a Mamba-2 / attention / MoE / MLP trunk under ``backbone.``; one MTP
   step of two sub-layers ``mtp.layers.{0,1}.`` (attention with ``enorm``, ``hnorm``,
   ``eh_proj``; then a latent MoE with ``final_layernorm``).
+- ``step3p5``: sliding / full attention with zero-centred norms and a head-wise gate,
+  MoE under ``moe.`` (3-D experts); two MTP layers at ``model.layers.{3,4}.`` (DeepSeek
+  names, ``shared_head.output``, the decoder layer under ``.transformer.``).
 
 Qwen norms are stored zero-centred, as Hugging Face's ``x * (1 + w)`` convention has
 them (except the Gated-DeltaNet output norm); convolution weights are ``(C, 1, K)``.
@@ -852,6 +855,134 @@ def _nemotron_h(
     return cfg, t
 
 
+STEP_LAYERS = 3  # full, sliding, sliding; layer 0 dense, 1-2 MoE
+STEP_MTP = 2  # one sliding and one full-attention MTP layer, both dense
+
+
+def _step_attention(init: _Init, prefix: str, cfg: dict, sliding: bool) -> Tensors:
+    """Step-3.5 attention: more heads on sliding layers, zero-centred q/k norms and a
+    head-wise output gate (``g_proj``)."""
+    hidden, d = cfg["hidden_size"], cfg["head_dim"]
+    other = cfg["attention_other_setting"] if sliding else {}
+    heads = other.get("num_attention_heads", cfg["num_attention_heads"])
+    groups = other.get("num_attention_groups", cfg["num_attention_groups"])
+    return {
+        f"{prefix}q_proj.weight": init.linear(heads * d, hidden),
+        f"{prefix}k_proj.weight": init.linear(groups * d, hidden),
+        f"{prefix}v_proj.weight": init.linear(groups * d, hidden),
+        f"{prefix}o_proj.weight": init.linear(hidden, heads * d),
+        f"{prefix}q_norm.weight": _zero_norm(init, d),
+        f"{prefix}k_norm.weight": _zero_norm(init, d),
+        f"{prefix}g_proj.weight": init.linear(heads, hidden),
+    }
+
+
+def _step_moe(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Step-3.5 MoE as released: 3-D expert tensors under ``moe.``, a sigmoid router
+    with ``router_bias``, and ``share_expert``."""
+    hidden, experts = cfg["hidden_size"], cfg["moe_num_experts"]
+    inter = cfg["moe_intermediate_size"]
+    t = {
+        f"{prefix}moe.gate.weight": init.linear(experts, hidden),
+        f"{prefix}moe.router_bias": init.normal((experts,), 0.01),
+        f"{prefix}moe.gate_proj.weight": init.normal(
+            (experts, inter, hidden), WEIGHT_STD
+        ),
+        f"{prefix}moe.up_proj.weight": init.normal(
+            (experts, inter, hidden), WEIGHT_STD
+        ),
+        f"{prefix}moe.down_proj.weight": init.normal(
+            (experts, hidden, inter), WEIGHT_STD
+        ),
+    }
+    t.update(
+        _dense_mlp(init, f"{prefix}share_expert.", hidden, cfg["share_expert_dim"])
+    )
+    return t
+
+
+def _step_layer(init: _Init, prefix: str, cfg: dict, idx: int) -> Tensors:
+    """Decoder layer ``idx`` (trunk or MTP: the config's lists cover both)."""
+    hidden = cfg["hidden_size"]
+    sliding = cfg["layer_types"][idx] == "sliding_attention"
+    moe = str(idx) in cfg["moe_layers_enum"].split(",")
+    t = {f"{prefix}input_layernorm.weight": _zero_norm(init, hidden)}
+    t.update(_step_attention(init, f"{prefix}self_attn.", cfg, sliding))
+    t[f"{prefix}post_attention_layernorm.weight"] = _zero_norm(init, hidden)
+    if moe:
+        t.update(_step_moe(init, prefix, cfg))
+    else:
+        t.update(_dense_mlp(init, f"{prefix}mlp.", hidden, cfg["intermediate_size"]))
+    return t
+
+
+def _step3p5(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """Step-3.5-Flash (step3p5): 3 layers (full, sliding, sliding; dense then MoE) and
+    2 MTP layers at ``model.layers.{3,4}`` (decoder layer under ``.transformer.``,
+    ``shared_head.output`` a copy of ``lm_head``). The per-layer lists are padded with
+    the MTP layers' entries, as released configs are."""
+    n = STEP_LAYERS + STEP_MTP
+    cfg = {
+        "architectures": ["Step3p5ForCausalLM"],
+        "model_type": "step3p5",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": STEP_LAYERS,
+        "num_nextn_predict_layers": STEP_MTP,
+        "num_attention_heads": 4,
+        "num_attention_groups": 2,
+        "head_dim": 16,
+        "attention_other_setting": {
+            "attention_type": "sliding_attention",
+            "num_attention_heads": 6,
+            "num_attention_groups": 2,
+            "head_dim": 16,
+        },
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]
+        + ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "rope_theta": [5000000.0, 10000.0, 10000.0, 10000.0, 5000000.0],
+        "partial_rotary_factors": [0.5, 1.0, 1.0, 1.0, 0.5],
+        "yarn_only_types": ["full_attention"],
+        "rope_scaling": None,
+        "use_head_wise_attn_gate": True,
+        "use_qk_norm": True,
+        "moe_num_experts": 4,
+        "moe_top_k": 2,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "share_expert_dim": MOE_INTERMEDIATE,
+        "moe_layers_enum": "1,2",
+        "moe_router_activation": "sigmoid",
+        "moe_router_scaling_factor": 3.0,
+        "use_moe_router_bias": True,
+        "need_fp32_gate": True,
+        "norm_expert_weight": True,
+        "swiglu_limits": [0.0, 0.0, 0.8, 0.0, 0.0],
+        "swiglu_limits_shared": [0.0, 0.0, 0.0, 0.8, 0.0],
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    }
+    assert len(cfg["layer_types"]) == n
+    hidden = cfg["hidden_size"]
+    t = {"model.embed_tokens.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i in range(STEP_LAYERS):
+        t.update(_step_layer(init, f"model.layers.{i}.", cfg, i))
+    t["model.norm.weight"] = _zero_norm(init, hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    for i in range(STEP_LAYERS, n):
+        prefix = f"model.layers.{i}."
+        t[f"{prefix}enorm.weight"] = _zero_norm(init, hidden)
+        t[f"{prefix}hnorm.weight"] = _zero_norm(init, hidden)
+        t[f"{prefix}eh_proj.weight"] = init.linear(hidden, 2 * hidden)
+        t[f"{prefix}shared_head.norm.weight"] = _zero_norm(init, hidden)
+        t[f"{prefix}shared_head.output.weight"] = t["lm_head.weight"].copy()
+        t.update(_step_layer(init, f"{prefix}transformer.", cfg, i))
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -896,6 +1027,7 @@ _SPECS = {
     "qwen3_5": _FamilySpec(build=_qwen3_5, **_QWEN3_5),
     "qwen3_5_moe": _FamilySpec(build=functools.partial(_qwen3_5, moe=True), **_QWEN3_5),
     "qwen3_next": _FamilySpec(build=_qwen3_next, unit_norm=0.0),
+    "step3p5": _FamilySpec(build=_step3p5, unit_norm=0.0),
 }
 FAMILIES = tuple(_SPECS)  # the families with a fixture (llama's is `write_llama`)
 
@@ -978,7 +1110,7 @@ def _make_predictable(
 def _to_mx(name: str, value: np.ndarray, dtype) -> mx.array:
     """Cast to the checkpoint dtype; router correction biases stay float32."""
     arr = mx.array(value)
-    if name.endswith("e_score_correction_bias"):
+    if name.endswith(("e_score_correction_bias", "router_bias")):
         return arr.astype(mx.float32)
     return arr.astype(dtype)
 
