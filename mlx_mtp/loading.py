@@ -289,7 +289,7 @@ def check_declared(family, config: dict, raw: dict, allow_missing_heads: bool) -
             )
         log.warning("%s; decoding without MTP heads", msg)
         return False
-    if found and not declared:
+    if found and not declared and family.MTP_CONFIG_KEYS:
         log.warning("MTP tensors found but the config declares none; using them")
     return bool(found)
 

@@ -51,6 +51,7 @@ FAMILIES = (
     "glm4_moe_lite",
     "glm4_moe",
     "mimo",
+    "mimo_v2_flash",
     "nemotron_h",
     "qwen3_5",
     "qwen3_5_moe",
@@ -59,7 +60,11 @@ FAMILIES = (
 )
 
 # Families whose reference is a module of its own (same functions as here).
-SEPARATE = {"nemotron_h": "numpy_nemotron_h", "step3p5": "numpy_step3p5"}
+SEPARATE = {
+    "mimo_v2_flash": "numpy_mimo_v2_flash",
+    "nemotron_h": "numpy_nemotron_h",
+    "step3p5": "numpy_step3p5",
+}
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed eps in mlx-lm and HF;
 # GLM-4.7-Flash's (glm4_moe_lite, the same MLA + MoE layers otherwise) use rms_norm_eps.

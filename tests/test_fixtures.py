@@ -21,6 +21,7 @@ MTP_PREFIX = {
     "glm4_moe": ("model.layers.2.",),
     "glm4_moe_lite": ("model.layers.3.",),
     "mimo": ("model.mtp_layers.0.", "model.mtp_layers.1."),
+    "mimo_v2_flash": ("model.mtp.",),
     "nemotron_h": ("mtp.",),
     "step3p5": ("model.layers.3.", "model.layers.4."),
     "qwen3_5": ("mtp.",),
@@ -132,7 +133,9 @@ def test_trunk_loads_with_plain_mlx_lm(checkpoints, tmp_path, family, predictabl
     assert float(mx.std(logits[0, -1])) > 0.3  # not degenerate
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "mimo", "nemotron_h", "step3p5", *QWEN])
+@pytest.mark.parametrize(
+    "family", ["glm4_moe", "mimo", "mimo_v2_flash", "nemotron_h", "step3p5", *QWEN]
+)
 def test_mlx_lm_sanitize_drops_mtp_itself(checkpoints, family):
     model, _ = load_model(checkpoints[family, False])
     assert model(mx.array([[7, 8]])).shape == (1, 2, V)
@@ -488,3 +491,33 @@ def test_step3p5_names_shapes_and_config(checkpoints):
     assert weights["model.layers.1.moe.router_bias"].dtype == mx.float32
     assert weights["model.layers.2.share_expert.up_proj.weight"].shape == (32, H)
     assert abs(float(weights["model.layers.4.enorm.weight"].mean())) < 0.1  # (1 + w)
+
+
+def test_mimo_v2_flash_names_shapes_and_config(checkpoints):
+    path = checkpoints["mimo_v2_flash", False]
+    weights = _weights(path)
+    config = json.loads((path / "config.json").read_text())
+    assert not any("nextn" in k or "mtp" in k for k in config)  # not counted
+    layer = {
+        "enorm.weight": (H,),
+        "hnorm.weight": (H,),
+        "eh_proj.weight": (H, 2 * H),
+        "input_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (4 * 24, H),
+        "self_attn.k_proj.weight": (4 * 24, H),
+        "self_attn.v_proj.weight": (4 * 16, H),
+        "self_attn.o_proj.weight": (H, 4 * 16),
+        "self_attn.attention_sink_bias": (4,),
+        "pre_mlp_layernorm.weight": (H,),
+        "mlp.gate_proj.weight": (128, H),
+        "mlp.up_proj.weight": (128, H),
+        "mlp.down_proj.weight": (H, 128),
+        "final_layernorm.weight": (H,),
+    }
+    mtp = {k: tuple(v.shape) for k, v in weights.items() if k.startswith("model.mtp.")}
+    assert mtp == {
+        f"model.mtp.layers.{j}.{k}": s for j in range(2) for k, s in layer.items()
+    }
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 24, H)
+    assert "model.layers.0.self_attn.attention_sink_bias" not in weights  # full layer
+    assert weights["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (H, 32)

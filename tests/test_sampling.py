@@ -240,11 +240,14 @@ def test_broken_recurrent_rollback_fails_the_test(small_hybrid, monkeypatch):
     assert fails_exactness(small_hybrid, params, k)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe_lite", "nemotron_h", "step3p5"])
+@pytest.mark.parametrize(
+    "family", ["glm4_moe_lite", "nemotron_h", "step3p5", "mimo_v2_flash"]
+)
 def test_mtp_sampling_matches_target_on_new_families(checkpoint, family):
     """Each family added after the first six: one sampled case (MLA + MoE heads for
     GLM-4.7-Flash; a two-sub-layer step on a Mamba-2 trunk for Nemotron-H; two layers,
-    one sliding, for Step-3.5)."""
+    one sliding, for Step-3.5; sliding layers with attention sinks for MiMo-V2-Flash).
+    """
     path = checkpoint(family, vocab_size=VOCAB, tokenizer=False, seed=1)
     model = load_model(str(path))[0]
     assert not fails_exactness(model, SamplingParams(temp=1.0), 2)

@@ -19,6 +19,7 @@ FAMILIES = (
     "gpt_oss",
     "llama",
     "mimo",
+    "mimo_v2_flash",
     "mistral",
     "nemotron_h",
     "qwen2",

@@ -10,7 +10,8 @@ Required:
 
 - ``LAYOUT``: a `Layout`, where the checkpoint keeps the MTP tensors and their names
   (read by the family's own code, by the fixtures and by the converter's checks);
-- ``MTP_CONFIG_KEYS``: the config keys that declare the MTP layers, most usual first;
+- ``MTP_CONFIG_KEYS``: the config keys that declare the MTP layers, most usual first
+  (empty when released configs do not count them: the checkpoint's tensors do);
 - ``declared_mtp_layers(config) -> int``: how many MTP layers the config declares;
 - ``mtp_layer_of(key, config) -> Optional[int]``: the MTP layer a checkpoint tensor
   belongs to (None: a trunk tensor);

@@ -27,6 +27,9 @@ Families and where their MTP tensors live:
 - ``nemotron_h``: a Mamba-2 / attention / MoE / MLP trunk under ``backbone.``; one MTP
   step of two sub-layers ``mtp.layers.{0,1}.`` (attention with ``enorm``, ``hnorm``,
   ``eh_proj``; then a latent MoE with ``final_layernorm``).
+- ``mimo_v2_flash``: full and sliding attention (sink biases, v head dim narrower than
+  q/k's), MoE; two MTP layers at ``model.mtp.layers.{0,1}.`` (sliding attention, dense
+  MLP, ``pre_mlp_layernorm``, ``final_layernorm``), not counted by the config.
 - ``step3p5``: sliding / full attention with zero-centred norms and a head-wise gate,
   MoE under ``moe.`` (3-D experts); two MTP layers at ``model.layers.{3,4}.`` (DeepSeek
   names, ``shared_head.output``, the decoder layer under ``.transformer.``).
@@ -983,6 +986,108 @@ def _step3p5(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+MIMO_V2_PATTERN = [0, 1, 1]  # full, sliding, sliding attention
+MIMO_V2_MTP = 2
+
+
+def _mimo_v2_attention(init: _Init, prefix: str, cfg: dict, sliding: bool) -> Tensors:
+    """MiMo-V2 attention: q/k head dim wider than v's; sink biases on sliding layers."""
+    hidden, pre = cfg["hidden_size"], "swa_" if sliding else ""
+    heads, kv = cfg[f"{pre}num_attention_heads"], cfg[f"{pre}num_key_value_heads"]
+    d, dv = cfg[f"{pre}head_dim"], cfg[f"{pre}v_head_dim"]
+    t = {
+        f"{prefix}q_proj.weight": init.linear(heads * d, hidden),
+        f"{prefix}k_proj.weight": init.linear(kv * d, hidden),
+        f"{prefix}v_proj.weight": init.linear(kv * dv, hidden),
+        f"{prefix}o_proj.weight": init.linear(hidden, heads * dv),
+    }
+    if cfg[
+        "add_swa_attention_sink_bias" if sliding else "add_full_attention_sink_bias"
+    ]:
+        t[f"{prefix}attention_sink_bias"] = init.normal((heads,), 0.5)
+    return t
+
+
+def _mimo_v2_flash(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """MiMo-V2-Flash: 3 layers (full, then sliding with sink biases; dense, then MoE)
+    and 2 MTP layers at ``model.mtp.layers.{0,1}`` (sliding attention, dense MLP,
+    ``pre_mlp_layernorm``); the config does not count them, as released."""
+    cfg = {
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "model_type": "mimo_v2_flash",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": len(MIMO_V2_PATTERN),
+        "hybrid_layer_pattern": MIMO_V2_PATTERN,
+        "moe_layer_freq": [0, 1, 1],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "v_head_dim": 16,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_head_dim": 24,
+        "swa_v_head_dim": 16,
+        "partial_rotary_factor": 0.334,
+        "rope_theta": 5000000.0,
+        "swa_rope_theta": 10000.0,
+        "sliding_window_size": 8,
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "attention_value_scale": 0.707,
+        "attention_bias": False,
+        "n_routed_experts": 4,
+        "n_shared_experts": None,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "max_position_embeddings": 4096,
+        "layernorm_epsilon": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    }
+    hidden = cfg["hidden_size"]
+
+    def layer(prefix: str, sliding: bool, moe: bool, post: str) -> Tensors:
+        t = {f"{prefix}input_layernorm.weight": init.norm(hidden)}
+        t.update(_mimo_v2_attention(init, f"{prefix}self_attn.", cfg, sliding))
+        t[f"{prefix}{post}.weight"] = init.norm(hidden)
+        mlp = f"{prefix}mlp."
+        if moe:
+            t[f"{mlp}gate.weight"] = init.linear(cfg["n_routed_experts"], hidden)
+            t[f"{mlp}gate.e_score_correction_bias"] = init.normal((4,), 0.01)
+            for e in range(cfg["n_routed_experts"]):
+                t.update(
+                    _dense_mlp(init, f"{mlp}experts.{e}.", hidden, MOE_INTERMEDIATE)
+                )
+        else:
+            t.update(_dense_mlp(init, mlp, hidden, cfg["intermediate_size"]))
+        return t
+
+    t = {"model.embed_tokens.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i, (kind, moe) in enumerate(zip(MIMO_V2_PATTERN, cfg["moe_layer_freq"])):
+        t.update(
+            layer(f"model.layers.{i}.", kind == 1, moe == 1, "post_attention_layernorm")
+        )
+    t["model.norm.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    for j in range(MIMO_V2_MTP):
+        prefix = f"model.mtp.layers.{j}."
+        t[f"{prefix}enorm.weight"] = init.norm(hidden)
+        t[f"{prefix}hnorm.weight"] = init.norm(hidden)
+        t[f"{prefix}eh_proj.weight"] = init.linear(hidden, 2 * hidden)
+        t.update(layer(prefix, True, False, "pre_mlp_layernorm"))
+        t[f"{prefix}final_layernorm.weight"] = init.norm(hidden)
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -1019,6 +1124,7 @@ _SPECS = {
     "glm4_moe": _FamilySpec(build=_glm4_moe),
     "glm4_moe_lite": _FamilySpec(build=_glm4_moe_lite),
     "mimo": _FamilySpec(build=_mimo),
+    "mimo_v2_flash": _FamilySpec(build=_mimo_v2_flash),
     "nemotron_h": _FamilySpec(
         build=_nemotron_h,
         embed_key="backbone.embeddings.weight",
@@ -1038,10 +1144,13 @@ def _family(name: str):
     return get_family({"model_type": name})
 
 
-def _distinct_layers(family, cfg: dict) -> List[int]:
+def _distinct_layers(family, cfg: dict, tensors: Tensors) -> List[int]:
     """The MTP layers with fusion tensors of their own (Qwen's layers share one set)."""
-    n, text = family.declared_mtp_layers(cfg), _text_config(cfg)
-    first = {family.LAYOUT.key(text, j, "eh_proj"): j for j in reversed(range(n))}
+    layers = {family.mtp_layer_of(k, cfg) for k in tensors} - {None}
+    text = _text_config(cfg)
+    first = {
+        family.LAYOUT.key(text, j, "eh_proj"): j for j in sorted(layers, reverse=True)
+    }
     return sorted(first.values())
 
 
@@ -1079,7 +1188,7 @@ def _make_predictable(
     hidden = text["hidden_size"]
     embed = tensors[spec.embed_key] * np.float32(embed_scale)
     tensors[spec.embed_key] = embed
-    for j in _distinct_layers(family, cfg):
+    for j in _distinct_layers(family, cfg, tensors):
         prefix = layout.prefix(text, j)
         for copy, original in layout.copies.items():
             if original == spec.embed_key:
