@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
+    CacheList,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -55,7 +56,7 @@ def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
             "max_kv_size has no effect: %s makes its own caches (as in mlx-lm)",
             model.model_type,
         )
-    trunk = with_window_caches(made)
+    trunk = with_list_caches(with_window_caches(made))
     if model.records_states:
         trunk = with_recurrent_caches(trunk)
     caches = Caches(trunk=trunk, mtp=mtp_caches(model))
@@ -63,12 +64,45 @@ def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
 
 
 def mtp_caches(model) -> List[Any]:
-    """One cache per MTP layer: a KV cache, or a `WindowCache` for a block with a
-    sliding window (``MTPLayer.window``)."""
-    return [
-        WindowCache(layer.window) if layer.window else KVCache()
-        for layer in model.mtp.layers
-    ]
+    """One cache per MTP layer: a KV cache, a `WindowCache` for a block with a sliding
+    window (``MTPLayer.window``), or a `ListCache` of KV caches for an attention that
+    keeps several (``MTPLayer.kv_caches``)."""
+    return [_mtp_cache(layer) for layer in model.mtp.layers]
+
+
+def _mtp_cache(layer):
+    if layer.window:
+        return WindowCache(layer.window)
+    if layer.kv_caches > 1:
+        return ListCache(*(KVCache() for _ in range(layer.kv_caches)))
+    return KVCache()
+
+
+class ListCache(CacheList):
+    """mlx-lm's `CacheList` (one layer's several caches, e.g. DeepSeek-V3.2's MLA latent
+    and indexer keys) with the offset and mask of its first cache and a plain list
+    of its caches' states, so it reads like any other cache to the decode loop."""
+
+    @property
+    def offset(self) -> int:
+        return self.caches[0].offset
+
+    def make_mask(self, *args, **kwargs):
+        return self.caches[0].make_mask(*args, **kwargs)
+
+    @property
+    def state(self):
+        return [c.state for c in self.caches]
+
+    @state.setter
+    def state(self, v):
+        for c, s in zip(self.caches, v):
+            c.state = s
+
+
+def with_list_caches(caches: List[Any]) -> List[Any]:
+    """Replace mlx-lm's `CacheList` entries by `ListCache`s of the same caches."""
+    return [ListCache(*c.caches) if type(c) is CacheList else c for c in caches]
 
 
 @dataclass(frozen=True)
@@ -394,7 +428,22 @@ def with_recurrent_caches(caches: List[Any]) -> List[Any]:
     ]
 
 
+class ListRollback:
+    """A layer's several caches (`ListCache`): each rolls back with its own adapter."""
+
+    @staticmethod
+    def begin(cache) -> List[Any]:
+        return begin_verify(list(cache.caches))
+
+    @staticmethod
+    def rewind(cache, marks: Optional[List[Any]], n: int) -> None:
+        rewind(list(cache.caches), marks, n)
+
+
 def _adapter(cache):
+    if isinstance(cache, CacheList):
+        exact = all(_adapter(c) is not None for c in cache.caches)
+        return ListRollback if exact else None
     return ADAPTERS.get(type(cache))
 
 

@@ -48,8 +48,10 @@ from safetensors.numpy import load_file
 
 FAMILIES = (
     "deepseek_v3",
+    "deepseek_v32",
     "glm4_moe_lite",
     "glm4_moe",
+    "glm_moe_dsa",
     "mimo",
     "mimo_v2_flash",
     "nemotron_h",
@@ -69,7 +71,7 @@ SEPARATE = {
 # DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed eps in mlx-lm and HF;
 # GLM-4.7-Flash's (glm4_moe_lite, the same MLA + MoE layers otherwise) use rms_norm_eps.
 MLA_NORM_EPS = 1e-6
-MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")
 
 
 # ---------------------------------------------------------------------------
@@ -167,8 +169,8 @@ def rope_interleaved(x, positions, dims, base, scale=1.0):
     return out
 
 
-def causal_attention(q, k, v, scale):
-    """Softmax(q k^T * scale) v with a causal mask.
+def causal_attention(q, k, v, scale, allowed=None):
+    """Softmax(q k^T * scale) v with a causal mask (and'ed with ``allowed`` (n, n)).
 
     q is (H, n, d), k is (Hkv, n, d), v is (Hkv, n, dv); Hkv divides H and
     query head h reads kv head h // (H / Hkv). Returns (n, H * dv).
@@ -179,6 +181,8 @@ def causal_attention(q, k, v, scale):
     v = np.repeat(v, repeat, axis=0)
     scores = (q @ k.transpose(0, 2, 1)) * scale  # (H, n, n)
     future = np.triu(np.ones((n, n), dtype=bool), k=1)
+    if allowed is not None:
+        future = future | ~allowed
     scores = np.where(future, -np.inf, scores)
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
@@ -295,7 +299,7 @@ def mla_attention(W, prefix, cfg, x, positions):
     kv = kv.reshape(n, n_heads, d_nope + d_v).transpose(1, 0, 2)  # (H, n, .)
     k_nope, v = kv[..., :d_nope], kv[..., d_nope:]
 
-    base = cfg.get("rope_theta", 10000.0)
+    base = rope_base(cfg)
     q_pe = rope_interleaved(q_pe, positions, d_rope, base)
     k_pe = rope_interleaved(k_pe[None], positions, d_rope, base)  # (1, n, d_rope)
     k_pe = np.broadcast_to(k_pe, (n_heads, n, d_rope))
@@ -303,8 +307,61 @@ def mla_attention(W, prefix, cfg, x, positions):
     q_full = np.concatenate([q_nope, q_pe], axis=-1)
     k_full = np.concatenate([k_nope, k_pe], axis=-1)
     scale = (d_nope + d_rope) ** -0.5
-    out = causal_attention(q_full, k_full, v, scale)
+    allowed = None
+    if prefix + ".indexer.wk.weight" in W:
+        allowed = dsa_selection(W, prefix + ".indexer", cfg, x, q_a, positions)
+    out = causal_attention(q_full, k_full, v, scale, allowed)
     return linear(W, prefix + ".o_proj", out)
+
+
+def rope_base(cfg):
+    """RoPE base: ``rope_theta``, or transformers 5's ``rope_parameters`` (GLM-5)."""
+    return cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get(
+        "rope_theta", 10000.0
+    )
+
+
+def layer_norm(x, w, b, eps=1e-5):
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def dsa_selection(W, prefix, cfg, x, q_a, positions):
+    """DeepSeek-V3.2's sparse-attention indexer (mlx-lm ``deepseek_v32.Indexer``):
+    which keys each query attends to, (n, n) booleans; every key when the pass has
+    at most ``index_topk`` of them.
+
+    Index score of query i and key j: sum over index heads of
+    ``relu(q_h(i) . k(j)) * weights_proj(x_i)_h / sqrt(heads * head_dim)``, with
+    ``q = wq_b(q_a_layernorm(q_a_proj(x)))`` and ``k = LayerNorm(wk(x))``, RoPE on
+    the first ``qk_rope_head_dim`` dims (interleaved per ``indexer_rope_interleave``,
+    default False for deepseek_v32 and True for glm_moe_dsa). The top
+    ``index_topk`` keys by score among the causal ones are kept.
+    """
+    n, heads, d = x.shape[0], cfg["index_n_heads"], cfg["index_head_dim"]
+    topk = cfg["index_topk"]
+    if n <= topk:
+        return None
+    interleave = cfg.get("indexer_rope_interleave", cfg["model_type"] == "glm_moe_dsa")
+    rope = rope_interleaved if interleave else rope_rotate_half
+    base = rope_base(cfg)
+    q = linear(W, prefix + ".wq_b", q_a).reshape(n, heads, d).transpose(1, 0, 2)
+    k = layer_norm(
+        linear(W, prefix + ".wk", x),
+        W[prefix + ".k_norm.weight"],
+        W[prefix + ".k_norm.bias"],
+    )
+    d_rope = cfg["qk_rope_head_dim"]
+    q, k = rope(q, positions, d_rope, base), rope(k[None], positions, d_rope, base)[0]
+    weights = linear(W, prefix + ".weights_proj", x) * (heads**-0.5 * d**-0.5)
+    scores = np.maximum(q @ k.T, 0) * weights.T[..., None]  # (heads, n, n)
+    scores = scores.sum(axis=0)
+    scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
+    keep = np.argsort(-scores, axis=-1, kind="stable")[:, :topk]
+    allowed = np.zeros((n, n), dtype=bool)
+    np.put_along_axis(allowed, keep, True, axis=-1)
+    return allowed
 
 
 def gqa_attention(W, prefix, cfg, x, positions, family):
@@ -316,7 +373,7 @@ def gqa_attention(W, prefix, cfg, x, positions, family):
     """
     n = x.shape[0]
     n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    base = cfg.get("rope_theta", 10000.0)
+    base = rope_base(cfg)
     if family == "glm4_moe":
         head_dim = cfg["head_dim"]
         rope_dims = int(head_dim * cfg["partial_rotary_factor"])

@@ -4,7 +4,7 @@ of the committed tokens; the MTP caches hold entries computed from true trunk st
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from mlx_mtp.cache import Caches, check_rollback, make_caches, mtp_caches
 from mlx_mtp.errors import RollbackError
@@ -14,6 +14,10 @@ from mlx_mtp.testing.fixtures import FAMILIES
 
 def assert_same_kv(cache, fresh, upto=None):
     upto = fresh.offset if upto is None else upto
+    if isinstance(fresh, CacheList):
+        for c, f in zip(cache.caches, fresh.caches):
+            assert_same_kv(c, f, upto)
+        return
     for ours, ref in ((cache.keys, fresh.keys), (cache.values, fresh.values)):
         np.testing.assert_allclose(
             np.array(ours[..., :upto, :]), np.array(ref[..., :upto, :]), atol=1e-4
@@ -21,8 +25,13 @@ def assert_same_kv(cache, fresh, upto=None):
 
 
 def assert_same_cache(cache, fresh):
-    """KV entries, or a recurrent layer's conv and SSM states, match (float32)."""
-    if isinstance(fresh, ArraysCache):
+    """KV entries, or a recurrent layer's conv and SSM states, match (float32); a
+    layer's several caches (DeepSeek-V3.2's MLA and indexer) one by one."""
+    if isinstance(fresh, CacheList):
+        assert len(cache.caches) == len(fresh.caches)
+        for ours, ref in zip(cache.caches, fresh.caches):
+            assert_same_cache(ours, ref)
+    elif isinstance(fresh, ArraysCache):
         assert len(cache.cache) == len(fresh.cache)
         for ours, ref in zip(cache.cache, fresh.cache):
             np.testing.assert_allclose(np.array(ours), np.array(ref), atol=1e-4)

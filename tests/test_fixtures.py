@@ -18,6 +18,8 @@ V = 512
 # Where each family keeps its MTP tensors (official HF names).
 MTP_PREFIX = {
     "deepseek_v3": ("model.layers.3.",),
+    "deepseek_v32": ("model.layers.3.",),
+    "glm_moe_dsa": ("model.layers.3.",),
     "glm4_moe": ("model.layers.2.",),
     "glm4_moe_lite": ("model.layers.3.",),
     "mimo": ("model.mtp_layers.0.", "model.mtp_layers.1."),
@@ -521,3 +523,19 @@ def test_mimo_v2_flash_names_shapes_and_config(checkpoints):
     assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 24, H)
     assert "model.layers.0.self_attn.attention_sink_bias" not in weights  # full layer
     assert weights["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (H, 32)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_indexer_names_shapes_and_config(checkpoints, family):
+    weights = _weights(checkpoints[family, False])
+    config = json.loads((checkpoints[family, False] / "config.json").read_text())
+    assert (config["index_topk"], config["index_n_heads"]) == (4, 8)
+    for layer in range(4):  # the trunk's three and the MTP layer
+        prefix = f"model.layers.{layer}.self_attn.indexer."
+        assert weights[prefix + "wq_b.weight"].shape == (8 * 16, 32)
+        assert weights[prefix + "wk.weight"].shape == (16, H)
+        assert weights[prefix + "k_norm.bias"].shape == (16,)
+        assert weights[prefix + "weights_proj.weight"].shape == (8, H)
+    assert weights["model.layers.3.eh_proj.weight"].shape == (H, 2 * H)
+    if family == "glm_moe_dsa":
+        assert "rope_theta" not in config and config["rope_parameters"]["rope_theta"]

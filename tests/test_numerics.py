@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from mlx_mtp.cache import mtp_caches
 from mlx_mtp.testing.fixtures import FAMILIES
 
 from .numpy_reference import reference_logits
@@ -19,7 +20,9 @@ def teacher_forced(model, tokens):
     main = model.logits(h)[0]
     out, n = [], len(tokens)
     for j in range(model.num_mtp_layers):
-        h = model.mtp_forward(j, h[:, : n - 1 - j], seq[:, j + 1 :], KVCache())
+        h = model.mtp_forward(
+            j, h[:, : n - 1 - j], seq[:, j + 1 :], mtp_caches(model)[j]
+        )
         out.append(np.array(model.logits(h)[0]))
     return np.array(main), out
 

@@ -241,7 +241,8 @@ def test_broken_recurrent_rollback_fails_the_test(small_hybrid, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "family", ["glm4_moe_lite", "nemotron_h", "step3p5", "mimo_v2_flash"]
+    "family",
+    ["glm4_moe_lite", "nemotron_h", "step3p5", "mimo_v2_flash", "deepseek_v32"],
 )
 def test_mtp_sampling_matches_target_on_new_families(checkpoint, family):
     """Each family added after the first six: one sampled case (MLA + MoE heads for

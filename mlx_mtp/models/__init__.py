@@ -10,12 +10,14 @@ from .family import Family
 
 FAMILIES = (
     "deepseek_v3",
+    "deepseek_v32",
     "gemma3_text",
     "gemma4",
     "gemma4_text",
     "gemma4_unified",
     "glm4_moe",
     "glm4_moe_lite",
+    "glm_moe_dsa",
     "gpt_oss",
     "llama",
     "mimo",
@@ -35,7 +37,11 @@ FAMILIES = (
 # interleave sliding-window layers; see `mlx_mtp.cache.WindowCache`). Each is tested
 # on a fixture (`mlx_mtp.testing.fixtures.write_retrofitted`).
 # Model types that share another's module.
-SHARED = {"gemma4_text": "gemma4", "gemma4_unified": "gemma4"}
+SHARED = {
+    "gemma4_text": "gemma4",
+    "gemma4_unified": "gemma4",
+    "glm_moe_dsa": "deepseek_v32",
+}
 
 RETROFITTED = {
     "gemma3_text": "retrofit",

@@ -28,9 +28,12 @@ class MTPLayer(nn.Module):
     Attributes:
         window: The block's sliding window, when its attention has one (its cache is
             then a `mlx_mtp.cache.WindowCache`); None for full attention.
+        kv_caches: How many KV caches the block's attention keeps (2 for
+            DeepSeek-V3.2's MLA latent and indexer keys: a `mlx_mtp.cache.ListCache`).
     """
 
     window: Optional[int] = None
+    kv_caches: int = 1
 
     def __init__(
         self, hidden_size: int, eps: float, block: nn.Module, hidden_first: bool = False

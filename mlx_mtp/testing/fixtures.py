@@ -13,6 +13,8 @@ Families and where their MTP tensors live:
 
 - ``deepseek_v3``: ``model.layers.{num_hidden_layers}.`` (``enorm``, ``hnorm``,
   ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens`` + an MLA/MoE decoder layer);
+- ``deepseek_v32`` / ``glm_moe_dsa``: DeepSeek-V3's layout with the DSA indexer
+  (``self_attn.indexer.*``) in every MLA layer, the MTP layer's included;
 - ``glm4_moe``: ``model.layers.{num_hidden_layers}.``, same names, GQA/MoE decoder layer;
 - ``mimo``: ``model.mtp_layers.{i}.`` (``token_layernorm``, ``hidden_layernorm``,
   ``input_proj``, ``final_layernorm`` + a Qwen2 decoder layer), two layers,
@@ -223,7 +225,7 @@ def _mla_attention(init: _Init, prefix: str, cfg: dict) -> Tensors:
         cfg["qk_rope_head_dim"],
         cfg["v_head_dim"],
     )
-    return {
+    t = {
         f"{prefix}q_a_proj.weight": init.linear(q_rank, hidden),
         f"{prefix}q_a_layernorm.weight": init.norm(q_rank),
         f"{prefix}q_b_proj.weight": init.linear(heads * (nope + rope), q_rank),
@@ -232,6 +234,18 @@ def _mla_attention(init: _Init, prefix: str, cfg: dict) -> Tensors:
         f"{prefix}kv_b_proj.weight": init.linear(heads * (nope + v_dim), kv_rank),
         f"{prefix}o_proj.weight": init.linear(hidden, heads * v_dim),
     }
+    if "index_topk" in cfg:  # DeepSeek-V3.2's sparse-attention indexer
+        ih, d = cfg["index_n_heads"], cfg["index_head_dim"]
+        t.update(
+            {
+                f"{prefix}indexer.wq_b.weight": init.linear(ih * d, q_rank, 0.3),
+                f"{prefix}indexer.wk.weight": init.linear(d, hidden, 0.3),
+                f"{prefix}indexer.k_norm.weight": init.norm(d),
+                f"{prefix}indexer.k_norm.bias": init.normal((d,), BIAS_STD),
+                f"{prefix}indexer.weights_proj.weight": init.linear(ih, hidden, 0.3),
+            }
+        )
+    return t
 
 
 def _gqa_attention(
@@ -317,9 +331,9 @@ def _moe_layers(
     return layer
 
 
-def _deepseek_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
-    """DeepSeek-V3: 3 MLA layers (layer 0 dense, 1-2 MoE) + MTP at ``model.layers.3``."""
-    cfg = {
+def _deepseek_v3_config(vocab_size: int) -> dict:
+    """DeepSeek-V3's config keys at the fixtures' sizes."""
+    return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         "vocab_size": vocab_size,
@@ -358,6 +372,10 @@ def _deepseek_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
         "use_cache": True,
     }
 
+
+def _deepseek_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """DeepSeek-V3: 3 MLA layers (layer 0 dense, 1-2 MoE) + MTP at ``model.layers.3``."""
+    cfg = _deepseek_v3_config(vocab_size)
     layer = _moe_layers(init, cfg, lambda p: _mla_attention(init, p, cfg))
     tensors = _trunk(init, cfg, layer)
     tensors.update(_nextn_layers(init, cfg, tensors, layer))
@@ -380,6 +398,45 @@ def _glm4_moe_lite(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
         pad_token_id=vocab_size - 1,
     )
     return cfg, tensors
+
+
+# Eight index heads: an index score is exactly 0 only when every head's ReLU term is,
+# so ties between selected and dropped keys (which any two implementations may break
+# differently) stay absent from the tests' sequences.
+DSA_INDEXER = {"index_head_dim": 16, "index_n_heads": 8, "index_topk": 4}
+
+
+def _with_indexer(init: _Init, cfg: dict) -> Tensors:
+    """DeepSeek-V3's trunk and MTP layer with the DSA indexer in every attention
+    (``index_topk`` small, so that passes past a few tokens attend sparsely)."""
+    cfg.update(DSA_INDEXER)
+    layer = _moe_layers(init, cfg, lambda p: _mla_attention(init, p, cfg))
+    tensors = _trunk(init, cfg, layer)
+    tensors.update(_nextn_layers(init, cfg, tensors, layer))
+    return tensors
+
+
+def _deepseek_v32(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """DeepSeek-V3.2 (deepseek_v32): DeepSeek-V3's layout, an indexer in every MLA."""
+    cfg = _deepseek_v3_config(vocab_size)
+    cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32")
+    return cfg, _with_indexer(init, cfg)
+
+
+def _glm_moe_dsa(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """GLM-5 (glm_moe_dsa): DeepSeek-V3.2's layers, RoPE under ``rope_parameters``
+    (transformers 5 style), the indexer's RoPE interleaved, one expert group."""
+    cfg = _deepseek_v3_config(vocab_size)
+    cfg.update(
+        architectures=["GlmMoeDsaForCausalLM"],
+        model_type="glm_moe_dsa",
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+        n_group=1,
+        topk_group=1,
+        indexer_rope_interleave=True,
+    )
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    return cfg, _with_indexer(init, cfg)
 
 
 def _glm4_moe(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
@@ -1121,8 +1178,10 @@ _QWEN3_5 = dict(
 
 _SPECS = {
     "deepseek_v3": _FamilySpec(build=_deepseek_v3),
+    "deepseek_v32": _FamilySpec(build=_deepseek_v32),
     "glm4_moe": _FamilySpec(build=_glm4_moe),
     "glm4_moe_lite": _FamilySpec(build=_glm4_moe_lite),
+    "glm_moe_dsa": _FamilySpec(build=_glm_moe_dsa),
     "mimo": _FamilySpec(build=_mimo),
     "mimo_v2_flash": _FamilySpec(build=_mimo_v2_flash),
     "nemotron_h": _FamilySpec(

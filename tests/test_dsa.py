@@ -1,0 +1,44 @@
+"""DeepSeek-V3.2 / GLM-5 specifics: the DSA indexer binds in the fixtures' passes, and
+a layer's two caches (MLA latent, indexer keys) roll back together. (Numerics, greedy
+identity, sampling and conversion run in the suites over every fixture family.)"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_mtp.cache import ListCache, make_caches
+from mlx_mtp.speculative import Session, mtp_generate_step
+
+from .test_greedy import plain_greedy
+from .test_numerics import SEQ, teacher_forced
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_the_indexer_selects(family, loaded, monkeypatch):
+    """Past ``index_topk`` positions the logits depend on the selection: with the
+    indexer made to keep every key, rows past the first topk change (so the numpy
+    comparison checks the sparse path, not only dense attention)."""
+    model, _ = loaded(family)
+    sparse = teacher_forced(model, SEQ)
+    for layer in [*model.trunk.layers, model.mtp.layers[0].block]:
+        monkeypatch.setattr(layer.self_attn.indexer, "index_topk", 1000)
+    dense = teacher_forced(model, SEQ)
+    np.testing.assert_allclose(sparse[0][:4], dense[0][:4], atol=1e-5)
+    assert not np.allclose(sparse[0][4:], dense[0][4:], atol=1e-2)
+    assert not np.allclose(sparse[1][0][4:], dense[1][0][4:], atol=1e-2)
+
+
+def test_caches_are_lists_and_sessions_go_on(loaded):
+    model, tokenizer = loaded("deepseek_v32", predictable=True)
+    caches = make_caches(model)
+    assert all(isinstance(c, ListCache) for c in caches.trunk + caches.mtp)
+    session, history = Session(), []
+    for text in ("def forward(self, x):", " return"):
+        ids = tokenizer.encode(text)
+        steps = mtp_generate_step(
+            ids, model, num_draft_tokens=3, max_tokens=20, session=session
+        )
+        out = [o.token for o in steps]
+        assert out == plain_greedy(model, history + ids, 20)
+        history += ids + out
+    mx.eval([c.state for c in session.caches.trunk])
