@@ -91,6 +91,7 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
         ("deepseek_v3", "model.layers.3."),
         ("glm4_moe_lite", "model.layers.3."),
         ("deepseek_v32", "model.layers.3."),
+        ("exaone_moe", "mtp."),
         ("mimo_v2_flash", "model.mtp."),
         ("nemotron_h", "mtp."),
         ("step3p5", ("model.layers.3.", "model.layers.4.")),

@@ -19,6 +19,7 @@ V = 512
 MTP_PREFIX = {
     "deepseek_v3": ("model.layers.3.",),
     "deepseek_v32": ("model.layers.3.",),
+    "exaone_moe": ("mtp.",),
     "glm_moe_dsa": ("model.layers.3.",),
     "glm4_moe": ("model.layers.2.",),
     "glm4_moe_lite": ("model.layers.3.",),

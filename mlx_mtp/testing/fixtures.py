@@ -15,6 +15,8 @@ Families and where their MTP tensors live:
   ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens`` + an MLA/MoE decoder layer);
 - ``deepseek_v32`` / ``glm_moe_dsa``: DeepSeek-V3's layout with the DSA indexer
   (``self_attn.indexer.*``) in every MLA layer, the MTP layer's included;
+- ``exaone_moe``: sliding layers and a full NoPE layer, MoE; one MTP layer at
+  top-level ``mtp.`` (Qwen3-Next's names, plain norms, dense MLP);
 - ``glm4_moe``: ``model.layers.{num_hidden_layers}.``, same names, GQA/MoE decoder layer;
 - ``mimo``: ``model.mtp_layers.{i}.`` (``token_layernorm``, ``hidden_layernorm``,
   ``input_proj``, ``final_layernorm`` + a Qwen2 decoder layer), two layers,
@@ -1145,6 +1147,88 @@ def _mimo_v2_flash(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+EXAONE_PATTERN = ["sliding_attention"] * 3 + ["full_attention"]  # "LLLG"
+
+
+def _exaone_moe(
+    init: _Init, vocab_size: int, mtp_sliding: bool = False
+) -> Tuple[dict, Tensors]:
+    """EXAONE-MoE (K-EXAONE): 4 layers (3 sliding, then full attention without RoPE;
+    layer 0 dense, then MoE with a shared expert), q/k norms, and one MTP layer at
+    top-level ``mtp.`` (Qwen3-Next's names) with a dense MLP and full attention, as
+    released (``mtp_sliding=True``: a sliding-window MTP layer, K-EXAONE 2's kind)."""
+    cfg = {
+        "architectures": ["ExaoneMoEForCausalLM"],
+        "model_type": "exaone_moe",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": len(EXAONE_PATTERN),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "layer_types": EXAONE_PATTERN,
+        "sliding_window": 8,
+        "sliding_window_pattern": "LLLG",
+        "is_moe_layer": [False, True, True, True],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+        "first_k_dense_replace": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "num_nextn_predict_layers": 1,
+        "mtp_layer_types": ["sliding_attention" if mtp_sliding else "full_attention"],
+        "mtp_sliding_windows": [8 if mtp_sliding else 0],
+    }
+    hidden = cfg["hidden_size"]
+
+    def layer(prefix: str, moe: bool) -> Tensors:
+        t = {f"{prefix}input_layernorm.weight": init.norm(hidden)}
+        t.update(_gqa_attention(init, f"{prefix}self_attn.", cfg, 16, qk_norm=True))
+        t = {k: v for k, v in t.items() if not k.endswith("_proj.bias")}  # no biases
+        t[f"{prefix}post_attention_layernorm.weight"] = init.norm(hidden)
+        if moe:
+            mlp = f"{prefix}mlp."
+            t[f"{mlp}gate.weight"] = init.linear(cfg["num_experts"], hidden)
+            t[f"{mlp}e_score_correction_bias"] = init.normal((4,), 0.01)
+            for e in range(cfg["num_experts"]):
+                t.update(
+                    _dense_mlp(init, f"{mlp}experts.{e}.", hidden, MOE_INTERMEDIATE)
+                )
+            t.update(
+                _dense_mlp(init, f"{mlp}shared_experts.", hidden, MOE_INTERMEDIATE)
+            )
+        else:
+            t.update(
+                _dense_mlp(init, f"{prefix}mlp.", hidden, cfg["intermediate_size"])
+            )
+        return t
+
+    t = {"model.embed_tokens.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i, moe in enumerate(cfg["is_moe_layer"]):
+        t.update(layer(f"model.layers.{i}.", moe))
+    t["model.norm.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    t["mtp.fc.weight"] = init.linear(hidden, 2 * hidden)
+    t["mtp.pre_fc_norm_embedding.weight"] = init.norm(hidden)
+    t["mtp.pre_fc_norm_hidden.weight"] = init.norm(hidden)
+    t.update(layer("mtp.layers.0.", False))
+    t["mtp.norm.weight"] = init.norm(hidden)
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -1179,6 +1263,7 @@ _QWEN3_5 = dict(
 _SPECS = {
     "deepseek_v3": _FamilySpec(build=_deepseek_v3),
     "deepseek_v32": _FamilySpec(build=_deepseek_v32),
+    "exaone_moe": _FamilySpec(build=_exaone_moe),
     "glm4_moe": _FamilySpec(build=_glm4_moe),
     "glm4_moe_lite": _FamilySpec(build=_glm4_moe_lite),
     "glm_moe_dsa": _FamilySpec(build=_glm_moe_dsa),
