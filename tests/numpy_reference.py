@@ -49,6 +49,7 @@ from safetensors.numpy import load_file
 FAMILIES = (
     "deepseek_v3",
     "deepseek_v32",
+    "ernie4_5_moe",
     "exaone_moe",
     "glm4_moe_lite",
     "glm4_moe",
@@ -64,6 +65,7 @@ FAMILIES = (
 
 # Families whose reference is a module of its own (same functions as here).
 SEPARATE = {
+    "ernie4_5_moe": "numpy_ernie4_5_moe",
     "exaone_moe": "numpy_exaone_moe",
     "mimo_v2_flash": "numpy_mimo_v2_flash",
     "nemotron_h": "numpy_nemotron_h",

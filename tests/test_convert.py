@@ -92,6 +92,7 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
         ("glm4_moe_lite", "model.layers.3."),
         ("deepseek_v32", "model.layers.3."),
         ("exaone_moe", "mtp."),
+        ("ernie4_5_moe", "model.mtp_"),
         ("mimo_v2_flash", "model.mtp."),
         ("nemotron_h", "mtp."),
         ("step3p5", ("model.layers.3.", "model.layers.4.")),

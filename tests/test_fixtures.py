@@ -19,6 +19,7 @@ V = 512
 MTP_PREFIX = {
     "deepseek_v3": ("model.layers.3.",),
     "deepseek_v32": ("model.layers.3.",),
+    "ernie4_5_moe": ("model.mtp_",),
     "exaone_moe": ("mtp.",),
     "glm_moe_dsa": ("model.layers.3.",),
     "glm4_moe": ("model.layers.2.",),
@@ -137,7 +138,17 @@ def test_trunk_loads_with_plain_mlx_lm(checkpoints, tmp_path, family, predictabl
 
 
 @pytest.mark.parametrize(
-    "family", ["glm4_moe", "mimo", "mimo_v2_flash", "nemotron_h", "step3p5", *QWEN]
+    "family",
+    [
+        "ernie4_5_moe",
+        "exaone_moe",
+        "glm4_moe",
+        "mimo",
+        "mimo_v2_flash",
+        "nemotron_h",
+        "step3p5",
+        *QWEN,
+    ],
 )
 def test_mlx_lm_sanitize_drops_mtp_itself(checkpoints, family):
     model, _ = load_model(checkpoints[family, False])
@@ -540,3 +551,22 @@ def test_dsa_indexer_names_shapes_and_config(checkpoints, family):
     assert weights["model.layers.3.eh_proj.weight"].shape == (H, 2 * H)
     if family == "glm_moe_dsa":
         assert "rope_theta" not in config and config["rope_parameters"]["rope_theta"]
+
+
+def test_ernie_names_and_the_trunk_norm(checkpoints):
+    """ERNIE's MTP tensors carry the layer index after the part's name, and the step
+    has no final norm of its own: loading closes it with the trunk's."""
+    from mlx_mtp import load
+
+    path = checkpoints["ernie4_5_moe", False]
+    weights = _weights(path)
+    mtp = sorted({k.rsplit(".", 1)[0] for k in weights if k.startswith("model.mtp_")})
+    assert mtp[:3] == [
+        "model.mtp_block.0.input_layernorm",
+        "model.mtp_block.0.mlp.down_proj",
+        "model.mtp_block.0.mlp.gate_proj",
+    ]
+    assert weights["model.mtp_linear_proj.0.weight"].shape == (H, 2 * H)
+    assert not any("norm" in k and "mtp" in k and "final" in k for k in weights)
+    model, _ = load(str(path))
+    assert mx.array_equal(model.mtp.layers[0].norm.weight, weights["model.norm.weight"])

@@ -11,6 +11,7 @@ from .family import Family
 FAMILIES = (
     "deepseek_v3",
     "deepseek_v32",
+    "ernie4_5_moe",
     "exaone_moe",
     "gemma3_text",
     "gemma4",

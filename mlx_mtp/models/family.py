@@ -57,7 +57,9 @@ class Layout:
         prefix: ``prefix(config, j)``, the name prefix of MTP layer j's fusion tensors
             (``"model.layers.61."``, ``"model.mtp_layers.0."``, ``"mtp."``).
         fusion: Checkpoint name -> schema name of the fusion and norm tensors
-            (schema names: ``enorm``, ``hnorm``, ``eh_proj``, ``norm``).
+            (schema names: ``enorm``, ``hnorm``, ``eh_proj``, ``norm``); ``{j}`` in a
+            name stands for the layer (ERNIE's ``mtp_linear_proj.{j}``). A layout
+            without ``norm`` closes the layer with the trunk's final norm.
         hidden_first: The projection's input is ``[hidden, embedding]`` (MiMo), not
             ``[embedding, hidden]``.
         copies: Per-layer duplicates of trunk tensors (name inside the layer -> trunk
@@ -82,7 +84,8 @@ class Layout:
         prefix = self.prefix
         if schema == "norm" and self.norm_prefix is not None:
             prefix = self.norm_prefix
-        return f"{prefix(config, j)}{self.name(schema)}.weight"
+        name = self.name(schema).replace("{j}", str(j))
+        return f"{prefix(config, j)}{name}.weight"
 
 
 def _trunk_args(trunk):

@@ -15,6 +15,8 @@ Families and where their MTP tensors live:
   ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens`` + an MLA/MoE decoder layer);
 - ``deepseek_v32`` / ``glm_moe_dsa``: DeepSeek-V3's layout with the DSA indexer
   (``self_attn.indexer.*``) in every MLA layer, the MTP layer's included;
+- ``ernie4_5_moe``: softmax-routed MoE; one MTP layer under
+  ``model.mtp_{emb_norm,hidden_norm,linear_proj,block}.0.`` (no final norm of its own);
 - ``exaone_moe``: sliding layers and a full NoPE layer, MoE; one MTP layer at
   top-level ``mtp.`` (Qwen3-Next's names, plain norms, dense MLP);
 - ``glm4_moe``: ``model.layers.{num_hidden_layers}.``, same names, GQA/MoE decoder layer;
@@ -1229,6 +1231,74 @@ def _exaone_moe(
     return cfg, t
 
 
+def _ernie4_5_moe(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """ERNIE 4.5 MoE (300B-A47B shape): 3 layers (layer 0 dense, then softmax-routed MoE
+    with shared experts and the unused ``moe_statics.e_score_correction_bias``), an
+    untied head, and one MTP layer: ``model.mtp_{emb_norm,hidden_norm,linear_proj}.0``
+    and ``model.mtp_block.0`` (dense), closed by the trunk's final norm."""
+    cfg = {
+        "architectures": ["Ernie4_5_MoeForCausalLM"],
+        "model_type": "ernie4_5_moe",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "use_bias": False,
+        "tie_word_embeddings": False,
+        "moe_num_experts": 4,
+        "moe_k": 2,
+        "moe_layer_start_index": 1,
+        "moe_layer_end_index": 2,
+        "moe_layer_interval": 1,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "moe_num_shared_experts": 1,
+        "moe_capacity": [4, 4, 4],
+        "moe_gate": "topk",
+        "moe_use_aux_free": True,
+        "num_nextn_predict_layers": 1,
+        "hidden_act": "silu",
+    }
+    hidden = cfg["hidden_size"]
+
+    def layer(prefix: str, moe: bool) -> Tensors:
+        t = {f"{prefix}input_layernorm.weight": init.norm(hidden)}
+        t.update(_gqa_attention(init, f"{prefix}self_attn.", cfg, 16, qk_norm=False))
+        t = {k: v for k, v in t.items() if not k.endswith(".bias")}
+        t[f"{prefix}post_attention_layernorm.weight"] = init.norm(hidden)
+        mlp = f"{prefix}mlp."
+        if moe:
+            t[f"{mlp}gate.weight"] = init.linear(cfg["moe_num_experts"], hidden)
+            bias = init.normal((1, cfg["moe_num_experts"]), 0.01)
+            t[f"{mlp}moe_statics.e_score_correction_bias"] = bias
+            for e in range(cfg["moe_num_experts"]):
+                t.update(
+                    _dense_mlp(init, f"{mlp}experts.{e}.", hidden, MOE_INTERMEDIATE)
+                )
+            t.update(
+                _dense_mlp(init, f"{mlp}shared_experts.", hidden, MOE_INTERMEDIATE)
+            )
+        else:
+            t.update(_dense_mlp(init, mlp, hidden, cfg["intermediate_size"]))
+        return t
+
+    t = {"model.embed_tokens.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i in range(cfg["num_hidden_layers"]):
+        t.update(layer(f"model.layers.{i}.", i >= cfg["moe_layer_start_index"]))
+    t["model.norm.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    t["model.mtp_emb_norm.0.weight"] = init.norm(hidden)
+    t["model.mtp_hidden_norm.0.weight"] = init.norm(hidden)
+    t["model.mtp_linear_proj.0.weight"] = init.linear(hidden, 2 * hidden)
+    t.update(layer("model.mtp_block.0.", False))
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -1263,6 +1333,7 @@ _QWEN3_5 = dict(
 _SPECS = {
     "deepseek_v3": _FamilySpec(build=_deepseek_v3),
     "deepseek_v32": _FamilySpec(build=_deepseek_v32),
+    "ernie4_5_moe": _FamilySpec(build=_ernie4_5_moe),
     "exaone_moe": _FamilySpec(build=_exaone_moe),
     "glm4_moe": _FamilySpec(build=_glm4_moe),
     "glm4_moe_lite": _FamilySpec(build=_glm4_moe_lite),
@@ -1346,8 +1417,9 @@ def _make_predictable(
         tensors[layout.key(text, j, "enorm")] = np.full(
             hidden, spec.unit_norm, dtype=np.float32
         )
-        final_norm = tensors[spec.trunk_norm_key] + np.float32(spec.norm_offset)
-        tensors[layout.key(text, j, "norm")] = final_norm
+        if "norm" in layout.fusion.values():  # else the trunk's final norm closes it
+            final_norm = tensors[spec.trunk_norm_key] + np.float32(spec.norm_offset)
+            tensors[layout.key(text, j, "norm")] = final_norm
     for key in tensors:
         if family.mtp_layer_of(key, cfg) is not None and key.endswith(
             ("o_proj.weight", "down_proj.weight")
