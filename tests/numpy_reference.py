@@ -54,6 +54,7 @@ FAMILIES = (
     "glm4_moe_lite",
     "glm4_moe",
     "glm_moe_dsa",
+    "longcat_flash",
     "mimo",
     "mimo_v2_flash",
     "nemotron_h",
@@ -67,6 +68,7 @@ FAMILIES = (
 SEPARATE = {
     "ernie4_5_moe": "numpy_ernie4_5_moe",
     "exaone_moe": "numpy_exaone_moe",
+    "longcat_flash": "numpy_longcat_flash",
     "mimo_v2_flash": "numpy_mimo_v2_flash",
     "nemotron_h": "numpy_nemotron_h",
     "step3p5": "numpy_step3p5",

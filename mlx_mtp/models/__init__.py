@@ -22,6 +22,7 @@ FAMILIES = (
     "glm_moe_dsa",
     "gpt_oss",
     "llama",
+    "longcat_flash",
     "mimo",
     "mimo_v2_flash",
     "mistral",

@@ -33,6 +33,8 @@ Families and where their MTP tensors live:
 - ``nemotron_h``: a Mamba-2 / attention / MoE / MLP trunk under ``backbone.``; one MTP
   step of two sub-layers ``mtp.layers.{0,1}.`` (attention with ``enorm``, ``hnorm``,
   ``eh_proj``; then a latent MoE with ``final_layernorm``).
+- ``longcat_flash``: two MLA sub-layers per layer and a shortcut MoE with identity
+  experts; one MTP layer at ``model.mtp.layers.0.`` (MLA, dense MLP), ``model.mtp.norm``;
 - ``mimo_v2_flash``: full and sliding attention (sink biases, v head dim narrower than
   q/k's), MoE; two MTP layers at ``model.mtp.layers.{0,1}.`` (sliding attention, dense
   MLP, ``pre_mlp_layernorm``, ``final_layernorm``), not counted by the config.
@@ -1299,6 +1301,73 @@ def _ernie4_5_moe(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+def _longcat_flash(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """LongCat-Flash: 2 layers of two MLA sub-layers, two dense MLPs and a shortcut MoE
+    with identity ("zero") experts; one MTP layer at ``model.mtp.layers.0`` (MLA with
+    the LoRA-rank scales, dense MLP under ``transformer_layer.``, ``enorm.m`` /
+    ``hnorm.m``), ``model.mtp.norm`` and a copy of the embedding."""
+    cfg = {
+        "architectures": ["LongcatFlashForCausalLM"],
+        "model_type": "longcat_flash",
+        "attention_method": "MLA",
+        "zero_expert_type": "identity",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "ffn_hidden_size": INTERMEDIATE,
+        "expert_ffn_hidden_size": MOE_INTERMEDIATE,
+        "num_layers": 2,
+        "num_hidden_layers": 2,
+        "n_routed_experts": 4,
+        "zero_expert_num": 2,
+        "moe_topk": 2,
+        "num_attention_heads": 4,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "routed_scaling_factor": 2.0,
+        "norm_topk_prob": False,
+        "router_bias": False,
+        "mla_scale_q_lora": True,
+        "mla_scale_kv_lora": True,
+        "attention_bias": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+    hidden, ffn = cfg["hidden_size"], cfg["ffn_hidden_size"]
+    experts = cfg["n_routed_experts"] + cfg["zero_expert_num"]
+    t = {"model.embed_tokens.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for l in range(cfg["num_layers"]):
+        prefix = f"model.layers.{l}."
+        for i in range(2):
+            t[f"{prefix}input_layernorm.{i}.weight"] = init.norm(hidden)
+            t.update(_mla_attention(init, f"{prefix}self_attn.{i}.", cfg))
+            t[f"{prefix}post_attention_layernorm.{i}.weight"] = init.norm(hidden)
+            t.update(_dense_mlp(init, f"{prefix}mlps.{i}.", hidden, ffn))
+        t[f"{prefix}mlp.router.classifier.weight"] = init.linear(experts, hidden)
+        t[f"{prefix}mlp.router.e_score_correction_bias"] = init.normal((experts,), 0.01)
+        for e in range(cfg["n_routed_experts"]):
+            t.update(
+                _dense_mlp(init, f"{prefix}mlp.experts.{e}.", hidden, MOE_INTERMEDIATE)
+            )
+    t["model.norm.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    mtp = "model.mtp.layers.0."
+    t["model.mtp.embed_tokens.weight"] = t["model.embed_tokens.weight"].copy()
+    t[f"{mtp}enorm.m.weight"] = init.norm(hidden)
+    t[f"{mtp}hnorm.m.weight"] = init.norm(hidden)
+    t[f"{mtp}eh_proj.weight"] = init.linear(hidden, 2 * hidden)
+    t[f"{mtp}input_layernorm.weight"] = init.norm(hidden)
+    t.update(_mla_attention(init, f"{mtp}self_attn.", cfg))
+    t[f"{mtp}post_attention_layernorm.weight"] = init.norm(hidden)
+    t.update(_dense_mlp(init, f"{mtp}transformer_layer.mlp.", hidden, ffn))
+    t["model.mtp.norm.weight"] = init.norm(hidden)
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -1338,6 +1407,7 @@ _SPECS = {
     "glm4_moe": _FamilySpec(build=_glm4_moe),
     "glm4_moe_lite": _FamilySpec(build=_glm4_moe_lite),
     "glm_moe_dsa": _FamilySpec(build=_glm_moe_dsa),
+    "longcat_flash": _FamilySpec(build=_longcat_flash),
     "mimo": _FamilySpec(build=_mimo),
     "mimo_v2_flash": _FamilySpec(build=_mimo_v2_flash),
     "nemotron_h": _FamilySpec(
@@ -1401,13 +1471,12 @@ def _make_predictable(
     layout = family.LAYOUT
     text = _text_config(cfg)
     hidden = text["hidden_size"]
-    embed = tensors[spec.embed_key] * np.float32(embed_scale)
-    tensors[spec.embed_key] = embed
+    original = tensors[spec.embed_key]
+    embed = original * np.float32(embed_scale)
+    for key, value in tensors.items():  # the embedding and its copies in MTP layers
+        if value.shape == original.shape and np.array_equal(value, original):
+            tensors[key] = embed.copy()
     for j in _distinct_layers(family, cfg, tensors):
-        prefix = layout.prefix(text, j)
-        for copy, original in layout.copies.items():
-            if original == spec.embed_key:
-                tensors[f"{prefix}{copy}"] = embed.copy()
         eye = np.eye(hidden, dtype=np.float32)
         noise = (PREDICTABLE_PROJ_NOISE * rng.standard_normal((hidden, hidden))).astype(
             np.float32
