@@ -176,7 +176,12 @@ def load_heads(model_path: Path, config: dict, family, trunk) -> MTPStack:
     return load_strict(stack, weights)
 
 
-EMBEDDINGS = ("embed_tokens.weight", "backbone.embeddings.weight")  # Nemotron-H's
+# Token embedding names: most families, Nemotron-H's, Ling's.
+EMBEDDINGS = (
+    "embed_tokens.weight",
+    "backbone.embeddings.weight",
+    "model.word_embeddings.weight",
+)
 
 
 def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:

@@ -47,6 +47,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 FAMILIES = (
+    "bailing_hybrid",
     "deepseek_v3",
     "deepseek_v32",
     "ernie4_5_moe",
@@ -66,6 +67,7 @@ FAMILIES = (
 
 # Families whose reference is a module of its own (same functions as here).
 SEPARATE = {
+    "bailing_hybrid": "numpy_bailing_hybrid",
     "ernie4_5_moe": "numpy_ernie4_5_moe",
     "exaone_moe": "numpy_exaone_moe",
     "longcat_flash": "numpy_longcat_flash",

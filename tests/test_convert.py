@@ -94,6 +94,7 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
         ("exaone_moe", "mtp."),
         ("ernie4_5_moe", "model.mtp_"),
         ("longcat_flash", "model.mtp."),
+        ("bailing_hybrid", "model.layers.4."),
         ("mimo_v2_flash", "model.mtp."),
         ("nemotron_h", "mtp."),
         ("step3p5", ("model.layers.3.", "model.layers.4.")),

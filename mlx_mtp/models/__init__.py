@@ -9,6 +9,7 @@ from ..errors import UnsupportedModelError
 from .family import Family
 
 FAMILIES = (
+    "bailing_hybrid",
     "deepseek_v3",
     "deepseek_v32",
     "ernie4_5_moe",

@@ -13,13 +13,14 @@ The recurrence runs the same per-position update as plain one-token decoding, so
 recorded states, and the states kept after rollback, are those of plain decoding.
 
 Covered mlx-lm mixers: the Gated-DeltaNet of ``qwen3_5`` / ``qwen3_5_moe`` and
-``qwen3_next``, and the Mamba-2 mixer of ``nemotron_h``. Another mixer joins with a
-subclass that records per-position slots and an entry in `CAPTURING`.
+``qwen3_next``, the Mamba-2 mixer of ``nemotron_h``, and the lightning (gated linear)
+attention of ``bailing_hybrid``. Another mixer joins with a subclass that records
+per-position slots and an entry in `CAPTURING`.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import nemotron_h, qwen3_5, qwen3_next
+from mlx_lm.models import bailing_hybrid, nemotron_h, qwen3_5, qwen3_next
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 
@@ -159,12 +160,52 @@ class NemotronHMamba(nemotron_h.NemotronHMamba2Mixer):
         return mx.concatenate(ys, axis=1)
 
 
+class BailingLightning(bailing_hybrid.LinearAttention):
+    """Ling 2.5's lightning attention: projections, norms and RoPE over all positions
+    at once, the decayed recurrence ``h = exp(g) h + k^T v`` one position at a time
+    (mlx-lm's one-token step), recording the state after each."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None, offset: int = 0):
+        capture = _take_capture(cache)
+        if capture is None:
+            return super().__call__(x, mask, cache, offset=offset)
+        if mask is not None:
+            raise ValueError("state capture supports unmasked passes only")
+        B, L, _ = x.shape
+        heads, d = self.num_attention_heads, self.head_dim
+        qkv = self.query_key_value(x).reshape(B, L, 3 * heads, d)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in mx.split(qkv, 3, axis=2))
+        if self.use_qk_norm:
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        state, ys, steps = cache[0], [], []
+        for t in range(L):
+            at = slice(t, t + 1)
+            y, state = bailing_hybrid.recurrent_gla(
+                q[:, :, at],
+                k[:, :, at],
+                v[:, :, at],
+                self._slope,
+                scale=self.scale,
+                h=state,
+            )  # y: (B, heads, 1, d)
+            ys.append(y)
+            steps.append([state])
+        cache[0] = state
+        cache.advance(L)
+        capture.record(steps)
+        out = mx.concatenate(ys, axis=2).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        out = self.g_norm(out) * mx.sigmoid(self.g_proj(x))
+        return self.dense(out)
+
+
 CAPTURING = {
     qwen3_5.GatedDeltaNet: Qwen3_5DeltaNet,
     qwen3_next.Qwen3NextGatedDeltaNet: Qwen3NextDeltaNet,
     nemotron_h.NemotronHMamba2Mixer: NemotronHMamba,
+    bailing_hybrid.LinearAttention: BailingLightning,
 }
-MIXER_ATTRIBUTES = ("linear_attn", "mixer")
+MIXER_ATTRIBUTES = ("linear_attn", "mixer", "attention")
 
 
 def install_capture(layers) -> None:

@@ -13,6 +13,8 @@ Families and where their MTP tensors live:
 
 - ``deepseek_v3``: ``model.layers.{num_hidden_layers}.`` (``enorm``, ``hnorm``,
   ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens`` + an MLA/MoE decoder layer);
+- ``bailing_hybrid``: Ling 2.5, lightning-attention / MLA groups, grouped MoE; one MTP
+  layer appended at ``model.layers.{L}.`` (MLA + MoE, ``final_layernorm``);
 - ``deepseek_v32`` / ``glm_moe_dsa``: DeepSeek-V3's layout with the DSA indexer
   (``self_attn.indexer.*``) in every MLA layer, the MTP layer's included;
 - ``ernie4_5_moe``: softmax-routed MoE; one MTP layer under
@@ -1368,6 +1370,116 @@ def _longcat_flash(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+def _bailing_moe(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Ling's MoE: sigmoid router ``gate.weight`` with ``gate.expert_bias``, SwiGLU
+    experts, one shared expert."""
+    hidden, experts = cfg["hidden_size"], cfg["num_experts"]
+    t = {
+        f"{prefix}gate.weight": init.linear(experts, hidden),
+        f"{prefix}gate.expert_bias": init.normal((experts,), 0.01),
+    }
+    for e in range(experts):
+        t.update(_dense_mlp(init, f"{prefix}experts.{e}.", hidden, MOE_INTERMEDIATE))
+    shared = cfg["moe_shared_expert_intermediate_size"]
+    t.update(_dense_mlp(init, f"{prefix}shared_experts.", hidden, shared))
+    return t
+
+
+def _bailing_mla(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Ling's MLA: DeepSeek's tensors with ``dense`` as the output projection."""
+    t = _mla_attention(init, prefix, cfg)
+    t[f"{prefix}dense.weight"] = t.pop(f"{prefix}o_proj.weight")
+    return t
+
+
+def _bailing_lightning(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Lightning attention: fused ``query_key_value``, q/k norms, output gate
+    ``g_proj`` with a group norm ``g_norm``, output ``dense``."""
+    hidden, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    return {
+        f"{prefix}query_key_value.weight": init.linear(3 * heads * d, hidden),
+        f"{prefix}query_layernorm.weight": init.norm(d),
+        f"{prefix}key_layernorm.weight": init.norm(d),
+        f"{prefix}g_proj.weight": init.linear(heads * d, hidden),
+        f"{prefix}g_norm.weight": init.norm(heads * d),
+        f"{prefix}dense.weight": init.linear(hidden, heads * d),
+    }
+
+
+def _bailing_hybrid(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """Ling 2.5 (bailing_hybrid): 4 layers in groups of 2 (lightning attention, then
+    MLA; layer 0 dense, then MoE with grouped routing) and one MTP layer appended at
+    ``model.layers.4`` (MLA + MoE, ``final_layernorm``)."""
+    cfg = {
+        "architectures": ["BailingMoeV2_5ForCausalLM"],
+        "model_type": "bailing_hybrid",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "moe_shared_expert_intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": 4,
+        "layer_group_size": 2,
+        "group_norm_size": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": True,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "rope_interleave": True,
+        "rope_theta": 600000.0,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "score_function": "sigmoid",
+        "norm_topk_prob": True,
+        "moe_router_enable_expert_bias": True,
+        "use_qkv_bias": False,
+        "use_bias": False,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+    }
+    hidden, L, group = cfg["hidden_size"], cfg["num_hidden_layers"], 2
+
+    def layer(prefix: str, idx: int) -> Tensors:
+        is_global = (idx + 1) % group == 0 or idx >= (L // group) * group
+        t = {f"{prefix}input_layernorm.weight": init.norm(hidden)}
+        attention = _bailing_mla if is_global else _bailing_lightning
+        t.update(attention(init, f"{prefix}attention.", cfg))
+        t[f"{prefix}post_attention_layernorm.weight"] = init.norm(hidden)
+        if idx >= cfg["first_k_dense_replace"]:
+            t.update(_bailing_moe(init, f"{prefix}mlp.", cfg))
+        else:
+            t.update(
+                _dense_mlp(init, f"{prefix}mlp.", hidden, cfg["intermediate_size"])
+            )
+        return t
+
+    t = {"model.word_embeddings.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i in range(L):
+        t.update(layer(f"model.layers.{i}.", i))
+    t["model.norm.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    mtp = f"model.layers.{L}."
+    t[f"{mtp}enorm.weight"] = init.norm(hidden)
+    t[f"{mtp}hnorm.weight"] = init.norm(hidden)
+    t[f"{mtp}eh_proj.weight"] = init.linear(hidden, 2 * hidden)
+    t.update(layer(mtp, L))
+    t[f"{mtp}final_layernorm.weight"] = init.norm(hidden)
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -1400,6 +1512,10 @@ _QWEN3_5 = dict(
 )
 
 _SPECS = {
+    "bailing_hybrid": _FamilySpec(
+        build=_bailing_hybrid,
+        embed_key="model.word_embeddings.weight",
+    ),
     "deepseek_v3": _FamilySpec(build=_deepseek_v3),
     "deepseek_v32": _FamilySpec(build=_deepseek_v32),
     "ernie4_5_moe": _FamilySpec(build=_ernie4_5_moe),
