@@ -48,6 +48,7 @@ from safetensors.numpy import load_file
 
 FAMILIES = (
     "bailing_hybrid",
+    "bailing_moe_v3",
     "deepseek_v3",
     "deepseek_v32",
     "ernie4_5_moe",
@@ -68,6 +69,7 @@ FAMILIES = (
 # Families whose reference is a module of its own (same functions as here).
 SEPARATE = {
     "bailing_hybrid": "numpy_bailing_hybrid",
+    "bailing_moe_v3": "numpy_bailing_moe_v3",
     "ernie4_5_moe": "numpy_ernie4_5_moe",
     "exaone_moe": "numpy_exaone_moe",
     "longcat_flash": "numpy_longcat_flash",

@@ -1,5 +1,6 @@
-"""Ling (bailing) specifics: the lightning-attention state rolls back exactly, and a
-Ling 3.0 config under transformers' ``bailing_hybrid`` name is refused with its fix.
+"""Ling (bailing) specifics: the lightning-attention and KDA states roll back exactly,
+and a Ling 3.0 config under transformers' ``bailing_hybrid`` name is refused with its
+fix.
 (Numerics, greedy identity and conversion run in the suites over every family.)"""
 
 import json
@@ -16,8 +17,12 @@ from .test_cache import assert_same_cache
 
 
 @pytest.mark.parametrize("drop", (0, 1, 3))
-def test_lightning_state_rolls_back(loaded, drop):
-    model, _ = loaded("bailing_hybrid")
+@pytest.mark.parametrize("family", ("bailing_hybrid", "bailing_moe_v3"))
+def test_linear_attention_state_rolls_back(loaded, family, drop):
+    """Lightning attention (Ling 2.5) and Kimi Delta Attention with its three short
+    convolutions (Ling 3.0): after a pass and a rollback, every cache equals a fresh
+    prefill of the kept tokens."""
+    model, _ = loaded(family)
     prompt, extra = [5, 17, 99, 3, 64, 8, 21], [40, 2, 77, 120]
 
     def caches_after(tokens, more=None):

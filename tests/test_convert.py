@@ -95,6 +95,7 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
         ("ernie4_5_moe", "model.mtp_"),
         ("longcat_flash", "model.mtp."),
         ("bailing_hybrid", "model.layers.4."),
+        ("bailing_moe_v3", "model.layers.4."),
         ("mimo_v2_flash", "model.mtp."),
         ("nemotron_h", "mtp."),
         ("step3p5", ("model.layers.3.", "model.layers.4.")),

@@ -18,6 +18,7 @@ V = 512
 # Where each family keeps its MTP tensors (official HF names).
 MTP_PREFIX = {
     "bailing_hybrid": ("model.layers.4.",),
+    "bailing_moe_v3": ("model.layers.4.",),
     "deepseek_v3": ("model.layers.3.",),
     "deepseek_v32": ("model.layers.3.",),
     "ernie4_5_moe": ("model.mtp_",),
@@ -143,6 +144,7 @@ def test_trunk_loads_with_plain_mlx_lm(checkpoints, tmp_path, family, predictabl
     "family",
     [
         "bailing_hybrid",
+        "bailing_moe_v3",
         "ernie4_5_moe",
         "exaone_moe",
         "glm4_moe",

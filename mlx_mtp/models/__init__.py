@@ -10,6 +10,7 @@ from .family import Family
 
 FAMILIES = (
     "bailing_hybrid",
+    "bailing_moe_v3",
     "deepseek_v3",
     "deepseek_v32",
     "ernie4_5_moe",

@@ -223,7 +223,12 @@ def mlx_lm_sanitize(trunk: nn.Module, weights: dict) -> dict:
 
 
 def sanitize_layer(
-    trunk: nn.Module, weights: dict, prefix: str, head_names: dict, j: int
+    trunk: nn.Module,
+    weights: dict,
+    prefix: str,
+    head_names: dict,
+    j: int,
+    as_layer: int = 0,
 ) -> dict:
     """Translate one MTP layer's Hugging Face tensors to the schema `layers.{j}.*`.
 
@@ -235,15 +240,18 @@ def sanitize_layer(
     Args:
         weights: Tensors of the MTP layers, Hugging Face names.
         prefix: The layer's name prefix, e.g. ``"model.layers.3."``.
+        as_layer: The trunk layer whose name the tensors pass under (one whose
+            sanitize fixes apply to them, e.g. an MoE layer's expert stacking).
     """
+    local_prefix = f"model.layers.{as_layer}."
     local = {
-        "model.layers.0." + k[len(prefix) :]: v
+        local_prefix + k[len(prefix) :]: v
         for k, v in weights.items()
         if k.startswith(prefix)
     }
     out = {}
     for key, value in mlx_lm_sanitize(trunk, local).items():
-        name = key[len("model.layers.0.") :]
+        name = key[len(local_prefix) :]
         for src, dst in head_names.items():
             if name.startswith(src + "."):
                 out[f"layers.{j}.{dst}{name[len(src):]}"] = value
@@ -284,12 +292,14 @@ def split_mtp(weights: dict, config: dict, layer_of) -> tuple:
     return trunk, mtp
 
 
-def sanitize_layers(trunk, weights: dict, config: dict, layer_of, layout) -> dict:
+def sanitize_layers(
+    trunk, weights: dict, config: dict, layer_of, layout, as_layer: int = 0
+) -> dict:
     """`sanitize_layer` for every MTP layer present, named as the family's `Layout`
     says."""
     n = 1 + max(layer_of(k, config) for k in weights)
     out = {}
     for j in range(n):
         prefix = layout.prefix(config, j)
-        out.update(sanitize_layer(trunk, weights, prefix, layout.fusion, j))
+        out.update(sanitize_layer(trunk, weights, prefix, layout.fusion, j, as_layer))
     return out

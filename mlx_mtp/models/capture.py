@@ -14,13 +14,19 @@ recorded states, and the states kept after rollback, are those of plain decoding
 
 Covered mlx-lm mixers: the Gated-DeltaNet of ``qwen3_5`` / ``qwen3_5_moe`` and
 ``qwen3_next``, the Mamba-2 mixer of ``nemotron_h``, and the lightning (gated linear)
-attention of ``bailing_hybrid``. Another mixer joins with a subclass that records
+attention of ``bailing_hybrid`` and the Kimi Delta Attention of ``bailing_moe_v3``. Another mixer joins with a subclass that records
 per-position slots and an entry in `CAPTURING`.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import bailing_hybrid, nemotron_h, qwen3_5, qwen3_next
+from mlx_lm.models import (
+    bailing_hybrid,
+    bailing_moe_v3,
+    nemotron_h,
+    qwen3_5,
+    qwen3_next,
+)
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 
@@ -199,11 +205,68 @@ class BailingLightning(bailing_hybrid.LinearAttention):
         return self.dense(out)
 
 
+class BailingKDA(bailing_moe_v3.BailingKDA):
+    """Ling 3.0's Kimi Delta Attention: projections and the three short convolutions
+    over all positions at once, the gated delta rule one position at a time, recording
+    ``[q_conv, k_conv, v_conv, state]`` after each."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        capture = _take_capture(cache)
+        if capture is None:
+            return super().__call__(x, mask, cache)
+        if mask is not None:
+            raise ValueError("state capture supports unmasked passes only")
+        B, L, _ = x.shape
+        H, D, keep = self.num_heads, self.head_dim, self.conv_kernel_size - 1
+        padded = []
+
+        def conv(proj: mx.array, layer: nn.Conv1d, slot: int) -> mx.array:
+            previous = cache[slot]
+            if previous is None:
+                previous = mx.zeros((B, keep, proj.shape[-1]), dtype=proj.dtype)
+            conv_input = mx.concatenate([previous, proj], axis=1)  # (B, keep + L, C)
+            cache[slot] = mx.contiguous(conv_input[:, -keep:])
+            padded.append(conv_input)
+            return nn.silu(layer(conv_input)).reshape(B, L, H, D)
+
+        q = conv(self.q_proj(x), self.q_conv1d, 0)
+        k = conv(self.k_proj(x), self.k_conv1d, 1)
+        v = conv(self.v_proj(x), self.v_conv1d, 2)
+        q, k = normalize_qk(q, k, inv_scale=D**-0.5, eps=1e-6)
+        gate = self.f_proj(x).reshape(B, L, H, D)
+        beta = self.b_proj(x).astype(mx.float32)
+        state, ys, steps = cache[3], [], []
+        for t in range(L):
+            at = slice(t, t + 1)
+            y, state = gated_delta_update(
+                q[:, at],
+                k[:, at],
+                v[:, at],
+                gate[:, at],
+                beta[:, at],
+                self.A_log.reshape(H, 1),
+                self.dt_bias.reshape(H, D),
+                state=state,
+                use_kernel=not self.training,
+                lower_bound=self.lower_bound,
+            )  # y: (B, 1, H, D)
+            ys.append(y)
+            steps.append([p[:, t + 1 : t + 1 + keep] for p in padded] + [state])
+        cache[3] = state
+        cache.advance(L)
+        capture.record(steps)
+        out = self.o_norm(mx.concatenate(ys, axis=1))
+        out_gate = self.g_proj(x).reshape(B, L, H, D).astype(mx.float32)
+        out = out * mx.sigmoid(out_gate).astype(out.dtype)
+        return self.o_proj(out.reshape(B, L, -1))
+
+
 CAPTURING = {
     qwen3_5.GatedDeltaNet: Qwen3_5DeltaNet,
     qwen3_next.Qwen3NextGatedDeltaNet: Qwen3NextDeltaNet,
     nemotron_h.NemotronHMamba2Mixer: NemotronHMamba,
     bailing_hybrid.LinearAttention: BailingLightning,
+    bailing_moe_v3.BailingKDA: BailingKDA,
 }
 MIXER_ATTRIBUTES = ("linear_attn", "mixer", "attention")
 

@@ -15,6 +15,8 @@ Families and where their MTP tensors live:
   ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens`` + an MLA/MoE decoder layer);
 - ``bailing_hybrid``: Ling 2.5, lightning-attention / MLA groups, grouped MoE; one MTP
   layer appended at ``model.layers.{L}.`` (MLA + MoE, ``final_layernorm``);
+- ``bailing_moe_v3``: Ling 3.0, Kimi-Delta-Attention / MLA groups; one MTP layer
+  appended at ``model.layers.{L}.``;
 - ``deepseek_v32`` / ``glm_moe_dsa``: DeepSeek-V3's layout with the DSA indexer
   (``self_attn.indexer.*``) in every MLA layer, the MTP layer's included;
 - ``ernie4_5_moe``: softmax-routed MoE; one MTP layer under
@@ -1480,6 +1482,109 @@ def _bailing_hybrid(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+def _bailing_kda(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Kimi Delta Attention: q/k/v projections with short depthwise convolutions (HF
+    ``(C, 1, K)``), per-channel gate ``f_proj`` with ``A_log`` / ``dt_bias``, beta
+    ``b_proj``, output gate ``g_proj``, per-head ``o_norm``, ``o_proj``."""
+    hidden, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    size, kernel = heads * d, cfg["short_conv_kernel_size"]
+    t = {}
+    for name in ("q", "k", "v"):
+        t[f"{prefix}{name}_proj.weight"] = init.linear(size, hidden)
+        t[f"{prefix}{name}_conv1d.weight"] = init.normal((size, 1, kernel), 0.3)
+    t.update(
+        {
+            f"{prefix}A_log": np.log(init.rng.uniform(1.0, 16.0, heads)).astype(
+                np.float32
+            ),
+            f"{prefix}f_proj.weight": init.linear(size, hidden),
+            f"{prefix}dt_bias": init.normal((size,), 0.5),
+            f"{prefix}b_proj.weight": init.linear(heads, hidden),
+            f"{prefix}g_proj.weight": init.linear(size, hidden),
+            f"{prefix}o_norm.weight": init.norm(d),
+            f"{prefix}o_proj.weight": init.linear(hidden, size),
+        }
+    )
+    return t
+
+
+def _bailing_moe_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """Ling 3.0 (bailing_moe_v3): 4 layers in groups of 2 (KDA, then MLA with a head
+    gate; layer 0 dense, then grouped-routing MoE) and one MTP layer appended at
+    ``model.layers.4`` (MLA + MoE, its router bias saved as
+    ``e_score_correction_bias``, ``final_layernorm``)."""
+    cfg = {
+        "architectures": ["BailingMoeV3ForCausalLM"],
+        "model_type": "bailing_moe_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "moe_shared_expert_intermediate_size": MOE_INTERMEDIATE,
+        "num_hidden_layers": 4,
+        "layer_group_size": 2,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "rope_interleave": True,
+        "rope_theta": 6000000.0,
+        "short_conv_kernel_size": 4,
+        "kda_lower_bound": -5.0,
+        "kda_safe_gate": True,
+        "no_kda_lora": True,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+    }
+    hidden, L, group = cfg["hidden_size"], cfg["num_hidden_layers"], 2
+
+    def layer(prefix: str, idx: int, bias_name: str = "expert_bias") -> Tensors:
+        is_kda = not ((idx + 1) % group == 0 or idx >= (L // group) * group)
+        t = {f"{prefix}input_layernorm.weight": init.norm(hidden)}
+        if is_kda:
+            t.update(_bailing_kda(init, f"{prefix}attention.", cfg))
+        else:
+            t.update(_bailing_mla(init, f"{prefix}attention.", cfg))
+            heads = cfg["num_attention_heads"]
+            t[f"{prefix}attention.g_proj.weight"] = init.linear(heads, hidden)
+        t[f"{prefix}post_attention_layernorm.weight"] = init.norm(hidden)
+        if idx >= cfg["first_k_dense_replace"]:
+            moe = _bailing_moe(init, f"{prefix}mlp.", cfg)
+            bias = moe.pop(f"{prefix}mlp.gate.expert_bias")
+            moe[f"{prefix}mlp.gate.{bias_name}"] = bias
+            t.update(moe)
+        else:
+            t.update(
+                _dense_mlp(init, f"{prefix}mlp.", hidden, cfg["intermediate_size"])
+            )
+        return t
+
+    t = {"model.word_embeddings.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i in range(L):
+        t.update(layer(f"model.layers.{i}.", i))
+    t["model.norm.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    mtp = f"model.layers.{L}."
+    t[f"{mtp}enorm.weight"] = init.norm(hidden)
+    t[f"{mtp}hnorm.weight"] = init.norm(hidden)
+    t[f"{mtp}eh_proj.weight"] = init.linear(hidden, 2 * hidden)
+    t.update(layer(mtp, L, "e_score_correction_bias"))
+    t[f"{mtp}final_layernorm.weight"] = init.norm(hidden)
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -1514,6 +1619,10 @@ _QWEN3_5 = dict(
 _SPECS = {
     "bailing_hybrid": _FamilySpec(
         build=_bailing_hybrid,
+        embed_key="model.word_embeddings.weight",
+    ),
+    "bailing_moe_v3": _FamilySpec(
+        build=_bailing_moe_v3,
         embed_key="model.word_embeddings.weight",
     ),
     "deepseek_v3": _FamilySpec(build=_deepseek_v3),
@@ -1620,7 +1729,7 @@ def _make_predictable(
 def _to_mx(name: str, value: np.ndarray, dtype) -> mx.array:
     """Cast to the checkpoint dtype; router correction biases stay float32."""
     arr = mx.array(value)
-    if name.endswith(("e_score_correction_bias", "router_bias")):
+    if name.endswith(("e_score_correction_bias", "router_bias", "expert_bias")):
         return arr.astype(mx.float32)
     return arr.astype(dtype)
 
