@@ -1,6 +1,6 @@
 """Measure MTP acceptance on the tiny predictable fixtures (not a speed benchmark).
 
-    python scripts/fixture_acceptance.py [--tokens 64] [--temp 0.0]
+    python scripts/fixture_acceptance.py [--tokens 64] [--temp 0.0] [--families a,b]
 
 For each family and k = 1..4: acceptance rate, acceptance per draft position and tokens
 per round, summed over three prompts; greedy runs are also checked token for token
@@ -79,7 +79,11 @@ def main():
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--sliding", action="store_true")
     parser.add_argument("--gemma4", action="store_true")
+    parser.add_argument(
+        "--families", help="comma-separated fixture families (default: all)"
+    )
     args = parser.parse_args()
+    families = args.families.split(",") if args.families else FAMILIES
     writers = (
         SLIDING
         if args.sliding
@@ -88,12 +92,12 @@ def main():
             if args.gemma4
             else {
                 f: lambda out, f=f: write_checkpoint(f, out, predictable=True)
-                for f in FAMILIES
+                for f in families
             }
         )
     )
     params = SamplingParams(temp=args.temp)
-    print(f"{'family':12} k  accept  per-position            tok/round  exact")
+    print(f"{'family':14} k  accept  per-position            tok/round  exact")
     for family, write in writers.items():
         with tempfile.TemporaryDirectory() as tmp:
             written = write(tmp)
@@ -111,7 +115,7 @@ def main():
                 merge(total, stats)
             per_pos = " ".join(f"{x:.2f}" for x in total.acceptance_per_position)
             print(
-                f"{family:12} {k}  {total.acceptance_rate:.3f}   {per_pos:22}  "
+                f"{family:14} {k}  {total.acceptance_rate:.3f}   {per_pos:22}  "
                 f"{total.tokens_per_round:.2f}       {exact if params.greedy else '-'}"
             )
 

@@ -374,3 +374,37 @@ def test_bench_refuses_too_few_tokens_and_unwritable_json(checkpoint, tmp_path):
     )
     assert_one_line_error(result, "cannot write")
     assert time.time() - start < 5  # refused before the run
+
+
+NEW_FAMILIES = (
+    "glm4_moe_lite",
+    "nemotron_h",
+    "step3p5",
+    "mimo_v2_flash",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "exaone_moe",
+    "ernie4_5_moe",
+    "longcat_flash",
+    "bailing_hybrid",
+    "bailing_moe_v3",
+)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_missing_or_misshapen_fusion_projection(family, broken, checkpoint):
+    """Every family added by the MTP-families issue: the MTP layer's fusion
+    projection missing, or of the wrong shape, is one clear error at load."""
+    from mlx_mtp.models import get_family
+
+    config = json.loads((checkpoint(family) / "config.json").read_text())
+    key = get_family(config).LAYOUT.key(config, 0, "eh_proj")
+    path = broken(family, lambda w: w.pop(key))
+    with pytest.raises(MissingHeadsError, match="missing layers.0.eh_proj.weight"):
+        load(str(path))
+    shutil.rmtree(path)
+    path = broken(family, lambda w: w.update({key: mx.zeros((64, 64))}))
+    with pytest.raises(
+        MissingHeadsError, match=r"shape \(64, 64\), expected \(64, 128\)"
+    ):
+        load(str(path))
