@@ -315,6 +315,25 @@ def _decode_kwargs(options: dict) -> dict:
     return out
 
 
+def _rank() -> int:
+    """This process's rank under ``mlx.launch`` (0 when not launched). Other ranks
+    than 0 print nothing to stdout: their output is rank 0's."""
+    from .distributed import launched
+
+    group = launched()
+    return group.rank() if group is not None else 0
+
+
+def _silence_other_ranks() -> int:
+    """Send stdout of ranks other than 0 to /dev/null; returns the rank."""
+    import os
+
+    rank = _rank()
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+    return rank
+
+
 def _load_for_decoding(model, options: dict):
     from .loading import load
 
@@ -355,15 +374,28 @@ MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo mode
 @decode_options
 @friendly_errors
 def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **options):
-    """Generate text from a prompt, drafting with the model's MTP heads."""
+    """Generate text from a prompt, drafting with the model's MTP heads. Under
+    ``mlx.launch`` the model is sharded over the ranks and rank 0 reads the prompt
+    and prints."""
+    from .distributed import Sync
+    from .errors import MTPError
     from .generate import format_stats, stream_generate
 
-    if prompt == "-":
+    rank = _silence_other_ranks()
+    if prompt == "-" and rank == 0:
         prompt = read_prompt_stdin()
     mdl, tokenizer = _load_for_decoding(model, options)
-    ids = build_prompt(
-        tokenizer, prompt, options["system_prompt"], ignore_chat_template
-    )
+    ids, error = [], None
+    if rank == 0:
+        try:
+            ids = build_prompt(
+                tokenizer, prompt, options["system_prompt"], ignore_chat_template
+            )
+        except MTPError as e:
+            error = e
+    sync = Sync(mdl.group)
+    sync.all_ok(error)
+    ids = sync.share_tokens(ids)
     response = None
     try:
         for response in stream_generate(
@@ -378,7 +410,7 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
     finally:
         if response is not None:
             click.echo()
-            if options["verbose"]:
+            if options["verbose"] and rank == 0:
                 click.echo(format_stats(response), err=True)
 
 
@@ -396,12 +428,17 @@ CHAT_COMMANDS = {
 @friendly_errors
 def chat(model, max_tokens, **options):
     """Chat in the terminal. Ctrl-C stops a reply; /reset starts over; /exit or Ctrl-D
-    quits. The conversation's caches are kept between turns."""
+    quits. The conversation's caches are kept between turns. Under ``mlx.launch`` the
+    model is sharded over the ranks; rank 0 reads the lines and prints (Ctrl-C there
+    ends the whole launch)."""
+    from .distributed import Sync
     from .errors import MTPError
     from .generate import format_stats, stream_generate
     from .speculative import Session
 
+    rank = _silence_other_ranks()
     mdl, tokenizer = _load_for_decoding(model, options)
+    sync = Sync(mdl.group)
     if not tokenizer.has_chat_template:
         raise MTPError("this model's tokenizer has no chat template: use generate")
     system = options["system_prompt"]
@@ -412,15 +449,26 @@ def chat(model, max_tokens, **options):
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")  # bad bytes: checked per line
     messages, session = list(start), Session()
-    click.echo("mlx-mtp chat: /reset to start over, /exit or Ctrl-D to quit", err=True)
+    if rank == 0:
+        click.echo(
+            "mlx-mtp chat: /reset to start over, /exit or Ctrl-D to quit", err=True
+        )
     while True:
-        try:
-            line = check_text(input(">> "), "that line")
-        except EOFError:
+        line = None
+        if rank == 0:
+            try:
+                line = input(">> ")
+            except EOFError:
+                pass
+        line = sync.share_text(line)  # every rank takes the same turn
+        if line is None:
             click.echo()
             return
+        try:
+            line = check_text(line, "that line")
         except MTPError as e:
-            click.echo(f"mlx-mtp: error: {e}; ignored", err=True)
+            if rank == 0:
+                click.echo(f"mlx-mtp: error: {e}; ignored", err=True)
             continue
         text = line.strip()
         if not text:
@@ -431,6 +479,8 @@ def chat(model, max_tokens, **options):
             messages, session = list(start), Session()
             continue
         if _is_command(text):
+            if rank:
+                continue
             if text != "/help":
                 click.echo(f"mlx-mtp: unknown command {text.split()[0]}", err=True)
             for name, what in CHAT_COMMANDS.items():
@@ -454,7 +504,8 @@ def chat(model, max_tokens, **options):
         except KeyboardInterrupt:
             session = Session()  # stopped at any point: rebuild from the text
         except MTPError as e:
-            click.echo(f"mlx-mtp: error: {e}", err=True)
+            if rank == 0:
+                click.echo(f"mlx-mtp: error: {e}", err=True)
             messages.pop()
             session = Session()
             continue
@@ -462,7 +513,7 @@ def chat(model, max_tokens, **options):
             if replies is not None:
                 replies.close()
         click.echo()
-        if options["verbose"] and response is not None:
+        if options["verbose"] and response is not None and rank == 0:
             click.echo(format_stats(response), err=True)
         messages.append({"role": "assistant", "content": reply})
 

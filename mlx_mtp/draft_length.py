@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import assistant_kv, begin_verify, make_caches, rewind
+from .distributed import Sync
 from .paths import home
 
 
@@ -101,14 +102,20 @@ def model_costs(model, max_k: int) -> RoundCosts:
     costs = model.round_costs
     if costs is not None and len(costs.verify) > max_k:
         return costs
+    sync = Sync(model.group)
     key = _cost_key(model)
     stored = _stored_costs().get(key) if key else None
-    if stored and len(stored["verify"]) > max_k:
-        costs = RoundCosts(**stored)
-    else:
+    if not (stored and len(stored["verify"]) > max_k):
+        stored = None
+    if sync.share_int(int(stored is not None)):  # rank 0 decides: read or measure
+        costs = RoundCosts(**stored) if stored else RoundCosts([0.0] * (max_k + 1), 0.0)
+    else:  # every rank times the same passes (a sharded trunk's collectives match)
         costs = measure_costs(model, max_k)
-        if key:
+        if key and sync.rank == 0:
             _store_costs(key, costs)
+    if sync.group is not None:  # rank 0's costs, so that every rank picks the same k
+        shared = sync.share_values([*costs.verify, costs.draft])
+        costs = RoundCosts(shared[:-1], shared[-1])
     model.round_costs = costs
     return costs
 
@@ -140,7 +147,13 @@ def _cost_key(model) -> Optional[str]:
             if f.exists()
         ]
         stamps += [str(folder), stamp]
-    machine = [str(mx.default_device()), mx.__version__, os.environ.get("LD_PRELOAD")]
+    ranks = model.group.size() if model.group is not None else 1
+    machine = [
+        str(mx.default_device()),
+        mx.__version__,
+        os.environ.get("LD_PRELOAD"),
+        ranks,
+    ]
     return json.dumps([*stamps, *machine])
 
 

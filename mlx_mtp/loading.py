@@ -9,12 +9,13 @@ the family module and loaded strictly into an `MTPStack`.
 import json
 import logging
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import assistant as assistants
+from . import distributed
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import safetensors_header
 from .heads import has_heads_file, load_heads, load_strict, quantize_like
@@ -301,12 +302,39 @@ def load_model(
     allow_missing_heads: bool = False,
     lazy: bool = False,
     draft_model: Optional[str] = None,
+    group: Any = "auto",
 ) -> Tuple[Model, dict, Path]:
     """Load a model with its MTP heads (no tokenizer).
 
     Returns:
         ``(model, config, model_path)``. See `load` for the arguments.
     """
+    group = distributed.launched() if group == "auto" else group
+    if group is not None and group.size() == 1:
+        group = None
+    loaded, error = None, None
+    try:
+        loaded = _load_model(
+            path_or_hf_repo, revision, allow_missing_heads, lazy, draft_model, group
+        )
+    except Exception as e:  # every rank must reach the check below, failed or not
+        if group is None:
+            raise
+        error = e
+    distributed.Sync(group).all_ok(error)
+    return loaded
+
+
+def _load_model(
+    path_or_hf_repo: str,
+    revision: Optional[str],
+    allow_missing_heads: bool,
+    lazy: bool,
+    draft_model: Optional[str],
+    group,
+) -> Tuple[Model, dict, Path]:
+    """`load_model` on this rank: the trunk sharded over ``group`` (if any), the MTP
+    heads whole."""
     model_path = resolve(path_or_hf_repo, revision)
     config = read_config(model_path)
     if assistants.is_assistant(config):
@@ -315,9 +343,10 @@ def load_model(
             f"the model and pass this as its draft model (--draft-model {model_path})"
         )
     family = get_family(config)
+    check_shards(model_path)
     for f in sorted(model_path.glob("model*.safetensors")):
         safetensors_header(f)  # a truncated or malformed file: one line naming it
-    trunk, config, split = load_trunk(model_path, family, lazy)
+    trunk, config, split = load_trunk(model_path, family, lazy or group is not None)
     stack = MTPStack([])
     if has_heads_file(config):  # an mlx-mtp conversion
         try:
@@ -332,6 +361,8 @@ def load_model(
         if not lazy:
             mx.eval(stack.parameters())
     model = Model(trunk, stack, family, source=model_path)
+    if group is not None:
+        model.group, model.sharding = group, distributed.shard(trunk, group)
     if draft_model is not None:
         attach_assistant(model, config, model_path, draft_model)
     elif assistants.has_assistant_section(config):
@@ -348,6 +379,25 @@ def load_model(
         evaluate_all(model)
     model.eval()
     return model, config, model_path
+
+
+def check_shards(model_path: Path) -> None:
+    """Refuse a folder whose ``model.safetensors.index.json`` names a weight file that
+    is not there (a partial copy or download), naming the first one missing."""
+    index = model_path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise MTPError(f"cannot read the weight index {index}") from None
+    missing = [n for n in names if not (model_path / str(n)).is_file()]
+    if missing:
+        raise MTPError(
+            f"{model_path} lacks {missing[0]}, which its weight index names"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
 
 
 def evaluate_all(module: nn.Module) -> None:
@@ -420,6 +470,7 @@ def load(
     tokenizer_config: Optional[dict] = None,
     trust_remote_code: bool = False,
     draft_model: Optional[str] = None,
+    group: Any = "auto",
 ):
     """Load a model with its MTP heads, and its tokenizer.
 
@@ -436,6 +487,9 @@ def load(
             never a question on the terminal.
         draft_model: A Gemma 4 assistant (folder or hub repo) to draft with instead
             of MTP heads; a pair folder (`mlx_mtp.assistant`) brings its own.
+        group: The ranks to shard the trunk over (`mlx_mtp.distributed`): "auto" is
+            every rank of an ``mlx.launch`` with several (none otherwise); None loads
+            the whole model on this process.
 
     Returns:
         ``(model, tokenizer)``: an `mlx_mtp.models.base.Model` and mlx-lm's
@@ -444,18 +498,32 @@ def load(
     Raises:
         MTPError: on any problem with the path, config, weights or heads.
     """
-    from mlx_lm.utils import load_tokenizer
-
     model, config, model_path = load_model(
         path_or_hf_repo,
         revision=revision,
         allow_missing_heads=allow_missing_heads,
         lazy=lazy,
         draft_model=draft_model,
+        group=group,
     )
     options = {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})}
+    tokenizer, error = None, None
     try:
-        tokenizer = load_tokenizer(
+        tokenizer = _tokenizer(model_path, options, config)
+    except Exception as e:  # every rank must reach the check below, failed or not
+        if model.group is None:
+            raise
+        error = e
+    distributed.Sync(model.group).all_ok(error)
+    return model, tokenizer
+
+
+def _tokenizer(model_path: Path, options: dict, config: dict):
+    """mlx-lm's tokenizer wrapper, or one clear `MTPError`."""
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(
             model_path, options, eos_token_ids=config.get("eos_token_id")
         )
     except Exception as e:  # tokenizer errors have many types
@@ -468,4 +536,3 @@ def load(
         raise MTPError(
             f"cannot load the tokenizer from {model_path}: {reason}"
         ) from None
-    return model, tokenizer

@@ -13,7 +13,8 @@ Each round reads as four phases:
   verify  one trunk pass over [t_n, d_1..d_k] gives k+1 target distributions;
   accept  greedy matching or speculative sampling gives a accepted drafts + 1 token;
   commit  roll every cache back to the accepted length, append the tokens.
-The next round is queued (``mx.async_eval``) before this round's tokens are yielded, so
+On a trunk sharded over several ranks (`mlx_mtp.distributed`), the drafts and the
+accept decision are rank 0's on every rank. The next round is queued (``mx.async_eval``) before this round's tokens are yielded, so
 there is one host sync per round.
 """
 
@@ -35,6 +36,7 @@ from .cache import (
     trim_to,
 )
 from .defaults import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from .distributed import Sync
 from .draft_length import AdaptiveLength, FixedLength, model_costs
 from .errors import MTPError
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
@@ -322,9 +324,19 @@ def launch(
     token is not known yet: its commit cannot depend on that token's value.
     """
     draft_key, accept_key = mx.random.split(key)
+    sync = Sync(model.group)  # on several ranks: rank 0's drafts and decision
     d = draft(model, caches, state, k, params, draft_key)
+    if d.k and sync.group is not None:
+        d = replace(d, tokens=sync.share(d.tokens))
+        # Submitted now, so that every rank runs this collective before the verify
+        # pass's: a pipeline stage's receive does not wait on the tokens in the graph.
+        mx.async_eval(d.tokens)
     v = verify(model, caches.trunk, state.tokens[-1] if pending is None else pending, d)
     result = accept(d, v, params, accept_key)
+    if sync.group is not None:
+        result = AcceptResult(
+            sync.share(result.num_accepted), sync.share(result.next_token)
+        )
     mx.async_eval(
         result.num_accepted, result.next_token, d.tokens, v.hidden, v.logprobs
     )
@@ -461,7 +473,8 @@ def mtp_generate_step(
     session.caches = session.caches or make_caches(model, max_kv_size)
     if policy.max_k:
         check_rollback(session.caches.trunk)
-    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    if seed is None:  # drawn on rank 0: the same keys on every rank
+        seed = Sync(model.group).share_int(int.from_bytes(os.urandom(4), "little") >> 1)
     run = Run(model, session, policy, params, max_tokens, kv, mx.random.key(seed))
     return _generate(run, prompt, prefill_step_size, on_prefill)
 

@@ -16,6 +16,7 @@ LAYERS = [
     [
         "__init__",
         "defaults",
+        "distributed",
         "errors",
         "files",
         "paths",

@@ -102,6 +102,8 @@ class Model(nn.Module):
         self.assistant = None
         self.reads: Dict[str, int] = {}
         self.assistant_source: Optional[Path] = None
+        self.group = None  # the ranks the trunk is sharded over (mlx_mtp.distributed)
+        self.sharding: Optional[str] = None  # "tensor" or "pipeline" when sharded
 
     def attach(self, assistant: nn.Module, reads: Dict[str, int], source=None):
         """Draft with ``assistant`` (it replaces any MTP layers)."""

@@ -47,8 +47,8 @@ class CaptureDeltaNet:
         capture = _take_capture(cache)
         if capture is None:
             return super().__call__(inputs, mask, cache)
-        if mask is not None or getattr(self, "sharding_group", None) is not None:
-            raise ValueError("state capture supports unmasked, unsharded mixers only")
+        if mask is not None:
+            raise ValueError("state capture supports unmasked passes only")
         return self._capture_call(inputs, cache, capture)
 
     def _project(self, inputs: mx.array):
@@ -95,7 +95,9 @@ class CaptureDeltaNet:
         cache.advance(S)
         capture.record(steps)
         out = self.norm(mx.concatenate(ys, axis=1), z)
-        return self.out_proj(out.reshape(B, S, -1))
+        out = self.out_proj(out.reshape(B, S, -1))
+        group = getattr(self, "sharding_group", None)  # a tensor-parallel mixer's heads
+        return out if group is None else mx.distributed.all_sum(out, group=group)
 
 
 class Qwen3_5DeltaNet(CaptureDeltaNet, qwen3_5.GatedDeltaNet):

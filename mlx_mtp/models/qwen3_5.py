@@ -6,6 +6,7 @@ described in `qwen3_next`. The MTP block is the family's full-attention decoder 
 """
 
 from mlx_lm.models import qwen3_5 as lm
+from mlx_lm.models.base import gather_last_axis
 
 from .capture import install_capture
 from .mtp import MTPLayer
@@ -41,7 +42,10 @@ def logits(trunk, h):
     lm_model = trunk.language_model
     if lm_model.args.tie_word_embeddings:
         return lm_model.model.embed_tokens.as_linear(h)
-    return lm_model.lm_head(h)
+    out = lm_model.lm_head(h)
+    if lm_model.sharding_group is not None:  # a tensor-parallel head's vocab slices
+        out = gather_last_axis(out, lm_model.sharding_group)
+    return out
 
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:

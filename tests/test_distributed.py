@@ -1,0 +1,127 @@
+"""Two ranks on 127.0.0.1 (``mlx.launch --backend ring -n 2``) decode a trunk sharded
+with mlx-lm's own mechanisms: their tokens equal each other's and single-process
+decoding's, and a rank that fails to load ends both with a clear error."""
+
+import json
+import pathlib
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mlx_mtp.sampling import SamplingParams
+from mlx_mtp.speculative import mtp_generate_step
+
+from .distributed_worker import PROMPT, TOKENS
+
+WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
+LAUNCH = pathlib.Path(sys.executable).with_name("mlx.launch")
+TIMEOUT = 180
+
+
+def launch(*args, timeout=TIMEOUT):
+    """Run ``args`` on two ring ranks over loopback (a random base port, so that runs
+    do not collide); returns the completed process."""
+    command = [
+        str(LAUNCH),
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--starting-port",
+        str(random.randrange(20000, 60000, 2)),
+        "--python",
+        sys.executable,
+        *map(str, args),
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def single_process(model, tokenizer):
+    """What the worker decodes, on this process with the whole model."""
+    ids = tokenizer.encode(PROMPT)
+    out = {}
+    for k in (0, 1, 2, 3, "auto"):
+        steps = mtp_generate_step(ids, model, num_draft_tokens=k, max_tokens=TOKENS)
+        out[f"greedy-{k}"] = [o.token for o in steps]
+    for k in (0, 2):
+        steps = mtp_generate_step(
+            ids,
+            model,
+            num_draft_tokens=k,
+            max_tokens=TOKENS,
+            params=SamplingParams(temp=1.0),
+            seed=7,
+        )
+        out[f"sampled-{k}"] = [o.token for o in steps]
+    return out
+
+
+SHARDED = {
+    "deepseek_v3": "tensor",
+    "glm4_moe": "tensor",
+    "qwen3_5": "tensor",  # Gated-DeltaNet heads split over the ranks
+    "qwen3_next": "pipeline",  # mlx-lm pipelines it (no tensor parallelism)
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint, tmp_path_factory):
+    """Each family of `SHARDED` decoded on two ranks (one launch): ``{family: [rank 0's
+    results, rank 1's]}``."""
+    out = tmp_path_factory.mktemp("ranks") / "out"
+    paths = [checkpoint(family, predictable=True) for family in SHARDED]
+    proc = launch(WORKER, out, *paths)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ranks = [json.loads(pathlib.Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    return {family: [ranks[0][i], ranks[1][i]] for i, family in enumerate(SHARDED)}
+
+
+@pytest.mark.parametrize("family", SHARDED)
+def test_two_ranks_decode_as_one_process(family, two_ranks, loaded):
+    """Greedy k = 0..3 and auto, and sampled runs with a seed: both ranks emit the same
+    tokens (every decision is rank 0's), and the same as one process with the whole
+    model (the sharded sums round differently, which these fixtures do not feel)."""
+    rank0, rank1 = two_ranks[family]
+    assert rank0 == rank1
+    assert rank0.pop("sharding") == SHARDED[family] and rank0.pop("ranks") == 2
+    expected = single_process(*loaded(family, predictable=True))
+    assert rank0 == expected
+    assert len(set(map(tuple, expected.values()))) > 1  # greedy and sampled differ
+
+
+def test_a_rank_that_fails_to_load_ends_both(checkpoint, tmp_path):
+    """Rank 1's copy lacks a weight file: it says so, rank 0 says a rank failed, and
+    both exit within seconds (no rank waits forever in a collective)."""
+    path = checkpoint("deepseek_v3", predictable=True, num_shards=2)
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    (broken / "model-00001-of-00002.safetensors").unlink()
+    start = time.monotonic()
+    proc = launch(WORKER, tmp_path / "out", path, "--rank-1", broken, timeout=60)
+    assert time.monotonic() - start < 60
+    assert "rank 1: mlx-mtp: error:" in proc.stderr
+    assert "lacks model-00001-of-00002.safetensors" in proc.stderr
+    assert "rank 0: mlx-mtp: error: 1 other rank(s) of 2 failed" in proc.stderr
+    assert not list(tmp_path.glob("out.*"))
+
+
+def test_cli_generate_under_mlx_launch(checkpoint, loaded):
+    """The README's command, on two local ranks: rank 0 prints once, and the text is
+    the single-process text."""
+    path = checkpoint("glm4_moe", predictable=True)
+    mlx_mtp = pathlib.Path(sys.executable).with_name("mlx-mtp")
+    args = ["generate", "--model", path, "-p", "def f(x):", "-m", "12", "-k", "2"]
+    proc = launch("--", mlx_mtp, *args, "--ignore-chat-template")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    single = subprocess.run(
+        [str(mlx_mtp), *map(str, args), "--ignore-chat-template"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert proc.stdout == single.stdout and proc.stdout.strip()
