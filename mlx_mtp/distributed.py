@@ -14,6 +14,7 @@ it adds no host synchronisation: two small collectives per round, against two pe
 layer in the verify pass of a tensor-parallel trunk.
 """
 
+import os
 from functools import lru_cache
 from typing import List, Optional
 
@@ -28,8 +29,23 @@ def world() -> mx.distributed.Group:
     return mx.distributed.init()
 
 
+# Set by mlx.launch (ring, JACCL) or an MPI launcher: without them there is no group
+# to join, and MLX's backends are not even started (an MPI library, if one is found,
+# would install its own signal handlers).
+LAUNCH_VARIABLES = (
+    "MLX_RANK",
+    "MLX_WORLD_SIZE",
+    "MLX_JACCL_COORDINATOR",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+)
+
+
 def launched() -> Optional[mx.distributed.Group]:
-    """The launch's group when there are several ranks, else None."""
+    """The launch's group when this process was launched with several ranks, else
+    None."""
+    if not any(name in os.environ for name in LAUNCH_VARIABLES):
+        return None
     group = world()
     return group if group.size() > 1 else None
 
