@@ -3,9 +3,11 @@ with mlx-lm's own mechanisms: their tokens equal each other's and single-process
 decoding's, and a rank that fails to load ends both with a clear error."""
 
 import json
+import os
 import pathlib
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -37,7 +39,21 @@ def launch(*args, timeout=TIMEOUT):
         sys.executable,
         *map(str, args),
     ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    # Its own session, so that a timeout stops the ranks too, not only the launcher.
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def single_process(model, tokenizer):
