@@ -35,12 +35,19 @@ from .cache import (
     rewind,
     trim_to,
 )
-from .defaults import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from .defaults import (
+    DEFAULT_LOOKUP_TOKENS,
+    DEFAULT_MAX_DRAFT_TOKENS,
+    MAX_DRAFT_TOKENS,
+)
 from .distributed import Sync
 from .draft_length import AdaptiveLength, FixedLength, model_costs
 from .errors import MTPError
+from .lookup import continuation
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
 from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
+
+DRAFT_SOURCES = ("heads", "lookup")
 
 
 @dataclass
@@ -57,6 +64,9 @@ class MTPStats:
     # rounds that drafted all k tokens, by number accepted (0..k)
     accepted_histogram: List[int] = field(default_factory=list)
     rounds_by_k: List[int] = field(default_factory=list)  # rounds that drafted k
+    # drafts and accepted drafts by source ("heads", "lookup")
+    drafted_by_source: dict = field(default_factory=dict)
+    accepted_by_source: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.drafted_per_position = [0] * self.num_draft_tokens
@@ -79,7 +89,10 @@ class MTPStats:
     def tokens_per_round(self) -> float:
         return self.emitted / self.rounds if self.rounds else 0.0
 
-    def record(self, k: int, a: int) -> None:
+    def record(self, k: int, a: int, source: str = "heads") -> None:
+        if k:
+            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + k
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + a
         self.rounds += 1
         self.drafted += k
         self.accepted += a
@@ -101,6 +114,8 @@ class MTPStats:
         copy.accepted_per_position = list(self.accepted_per_position)
         copy.accepted_histogram = list(self.accepted_histogram)
         copy.rounds_by_k = list(self.rounds_by_k)
+        copy.drafted_by_source = dict(self.drafted_by_source)
+        copy.accepted_by_source = dict(self.accepted_by_source)
         return copy
 
 
@@ -126,6 +141,7 @@ class Draft:
     tokens: mx.array  # (k,) int32
     logprobs: Optional[mx.array]  # (k, V) filtered q; None when greedy
     depth: int  # MTP layers that processed the rows this round (0: no draft)
+    source: str = "heads"  # "heads" (MTP heads or an assistant) or "lookup"
 
     @property
     def k(self) -> int:
@@ -206,6 +222,17 @@ def draft_assisted(model, trunk_caches, state: DecodeState, k: int, params, key)
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)
     return Draft(mx.concatenate(tokens), q, 1)
+
+
+def draft_lookup(tokens: List[int], params, vocab_size: int) -> Draft:
+    """A draft of ``tokens`` found in the context (`mlx_mtp.lookup`): no MTP row is
+    computed (the next heads draft catches up from the frontier), and under sampling
+    its distribution is a point mass on each token."""
+    ids = mx.array(tokens, dtype=mx.int32)
+    q = None
+    if not params.greedy:
+        q = mx.where(mx.arange(vocab_size)[None] == ids[:, None], 0.0, -mx.inf)
+    return Draft(ids, q, 0, "lookup")
 
 
 def verify(model, trunk_cache, pending: Union[int, mx.array], d: Draft) -> Verified:
@@ -316,16 +343,27 @@ def append(
 
 
 def launch(
-    model, caches: Caches, state: DecodeState, k: int, params, key, pending=None
+    model,
+    caches: Caches,
+    state: DecodeState,
+    k: int,
+    params,
+    key,
+    pending=None,
+    lookup: Optional[List[int]] = None,
 ) -> Round:
     """Build one round (draft, verify, accept) lazily and start evaluating it.
 
     ``pending`` (a lazy token) launches a plain round (k = 0) behind a plain round whose
-    token is not known yet: its commit cannot depend on that token's value.
+    token is not known yet: its commit cannot depend on that token's value. ``lookup``
+    (tokens found in the context) drafts them instead of the heads.
     """
     draft_key, accept_key = mx.random.split(key)
     sync = Sync(model.group)  # on several ranks: rank 0's drafts and decision
-    d = draft(model, caches, state, k, params, draft_key)
+    if lookup:
+        d = draft_lookup(lookup, params, model.args.vocab_size)
+    else:
+        d = draft(model, caches, state, k, params, draft_key)
     if d.k and sync.group is not None:
         d = replace(d, tokens=sync.share(d.tokens))
         # Submitted now, so that every rank runs this collective before the verify
@@ -425,6 +463,8 @@ def mtp_generate_step(
     kv: KVQuantization = KVQuantization(),
     session: Optional[Session] = None,
     on_prefill: Optional[Any] = None,
+    draft_source: str = "heads",
+    lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
 
@@ -448,6 +488,12 @@ def mtp_generate_step(
             follows them); a new one is filled in. Not with a rotating window.
         on_prefill: Called with the session once the prompt is in its caches, before
             the first round (a server keeps a `Session.snapshot` of the prompt).
+        draft_source: "heads" drafts with the MTP heads (or an assistant); "lookup"
+            drafts, each round where the context has one, the continuation of the
+            latest earlier occurrence of its last tokens (`mlx_mtp.lookup`), up to
+            ``lookup_tokens`` tokens, and falls back to the heads otherwise (it works
+            for a model without heads too).
+        lookup_tokens: The longest lookup draft.
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -462,6 +508,15 @@ def mtp_generate_step(
         raise MTPError("KV quantization cannot be combined with a rotating KV window")
     if session is not None and max_kv_size is not None:
         raise MTPError("a session cannot use a rotating KV window")
+    if draft_source not in DRAFT_SOURCES:
+        raise MTPError(
+            f"draft_source must be one of {', '.join(DRAFT_SOURCES)}, got "
+            f"{draft_source!r}"
+        )
+    if not 1 <= lookup_tokens <= MAX_DRAFT_TOKENS:
+        raise MTPError(
+            f"lookup_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {lookup_tokens}"
+        )
     policy = draft_policy(model, num_draft_tokens, max_draft_tokens)  # may time k
     session = session if session is not None else Session(caches)
     depth = min(policy.max_k, model.num_mtp_layers)
@@ -476,6 +531,7 @@ def mtp_generate_step(
     if seed is None:  # drawn on rank 0: the same keys on every rank
         seed = Sync(model.group).share_int(int.from_bytes(os.urandom(4), "little") >> 1)
     run = Run(model, session, policy, params, max_tokens, kv, mx.random.key(seed))
+    run.lookup_tokens = lookup_tokens if draft_source == "lookup" else 0
     return _generate(run, prompt, prefill_step_size, on_prefill)
 
 
@@ -499,6 +555,7 @@ class Run:
     stats: Optional[MTPStats] = None
     queued: List[Round] = field(default_factory=list)
     seen: int = 0
+    lookup_tokens: int = 0  # longest lookup draft (0: drafts from the heads only)
 
     @property
     def caches(self) -> Caches:
@@ -517,7 +574,7 @@ class Run:
         else:
             depth = min(self.policy.max_k, model.num_mtp_layers)
             s.state = prefill(model, s.caches, prompt, depth, step, self.kv)
-        self.stats = MTPStats(self.policy.max_k)
+        self.stats = MTPStats(max(self.policy.max_k, self.lookup_tokens))
         self.seen = len(self.state.tokens) - 1
 
     def wanted(self, emitted: int) -> bool:
@@ -533,9 +590,18 @@ class Run:
         return max(0, min(k, self.max_tokens - emitted - 1))
 
     def launch(self, k: int, pending: Optional[mx.array] = None) -> None:
-        """Queue a round of k drafts (see `launch`)."""
+        """Queue a round of k drafts from the heads, or of a lookup draft when lookup
+        is on and the context has one (see `launch`)."""
         self.key, sub = mx.random.split(self.key)
-        rnd = launch(self.model, self.caches, self.state, k, self.params, sub, pending)
+        lookup = None
+        if self.lookup_tokens and pending is None:
+            room = self.lookup_tokens
+            if self.max_tokens >= 0:
+                room = min(room, self.max_tokens - self.stats.emitted - 1)
+            lookup = continuation(self.state.tokens, room) if room > 0 else None
+        rnd = launch(
+            self.model, self.caches, self.state, k, self.params, sub, pending, lookup
+        )
         self.queued.append(rnd)
 
     def queue_plain_behind(self, rnd: Round) -> Optional[int]:
@@ -551,6 +617,7 @@ class Run:
         """
         if (
             self.kv.bits is not None
+            or self.lookup_tokens  # a lookup needs the token before it
             or rnd.draft.k
             or not self.wanted(self.stats.emitted + 1)
         ):
@@ -581,8 +648,9 @@ def _generate(run: Run, prompt: List[int], step: int, on_prefill=None):
             commit(run.caches, run.state, rnd, a, new)
             run.queued.pop(0)
             run.kv.apply(run.caches.trunk)
-            stats.record(rnd.draft.k, a)
-            run.policy.observe(rnd.draft.k, a)
+            stats.record(rnd.draft.k, a, rnd.draft.source)
+            if rnd.draft.source == "heads":  # the policy sizes the heads' drafts
+                run.policy.observe(rnd.draft.k, a)
             if not run.queued and run.wanted(stats.emitted):
                 k = planned if planned is not None else run.plan(stats.emitted)
                 run.launch(k)

@@ -85,10 +85,10 @@ def fails_exactness(model, params, k, n=600) -> bool:
     return chi_square_rejects(pairs, joint) or chi_square_rejects(thirds, third)
 
 
-def sampling_after_prompt_fails(model, prompt, vocab, k, n=600) -> bool:
+def sampling_after_prompt_fails(model, prompt, vocab, k, n=600, **options) -> bool:
     """The chi-square test on the first three tokens sampled (temperature 1) after
     ``prompt``, against the model's exact distributions, over a ``vocab``-token
-    vocabulary."""
+    vocabulary (``options``: more `mtp_generate_step` arguments)."""
     V, params = vocab, SamplingParams(temp=1.0)
     first = model(mx.array([prompt + [x] for x in range(V)]))  # (V, L + 1, V)
     p1 = np.array(mx.softmax(first[0, -2]))
@@ -100,7 +100,13 @@ def sampling_after_prompt_fails(model, prompt, vocab, k, n=600) -> bool:
     tokens = np.zeros((n, 3), dtype=np.int64)
     for seed in range(n):
         steps = mtp_generate_step(
-            prompt, model, num_draft_tokens=k, params=params, max_tokens=3, seed=seed
+            prompt,
+            model,
+            num_draft_tokens=k,
+            params=params,
+            max_tokens=3,
+            seed=seed,
+            **options,
         )
         tokens[seed] = [o.token for o in steps]
     counts = np.zeros((V, V))

@@ -23,7 +23,7 @@ LAYERS = [
     ],  # the root imports its names lazily
     ["models"],
     ["heads", "assistant", "loading"],
-    ["sampling", "rejection", "cache", "draft_length"],
+    ["sampling", "rejection", "cache", "draft_length", "lookup"],
     ["speculative"],
     ["generate", "bench", "server"],
     ["convert", "demo", "testing"],
