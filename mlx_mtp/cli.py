@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from .defaults import DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -277,6 +277,21 @@ def decode_options(fn):
             show_default=True,
             help="Positions before the KV cache is quantized.",
         ),
+        click.option(
+            "--draft-source",
+            type=click.Choice(["heads", "lookup"]),
+            default="heads",
+            show_default=True,
+            help="lookup: also draft continuations found in the prompt and the text "
+            "so far (prompt lookup), falling back to the heads.",
+        ),
+        click.option(
+            "--lookup-tokens",
+            type=click.IntRange(1, MAX_DRAFT_TOKENS),
+            default=DEFAULT_LOOKUP_TOKENS,
+            show_default=True,
+            help="The longest lookup draft.",
+        ),
         click.option("--system-prompt", default=None),
         click.option(
             "--allow-missing-heads",
@@ -309,6 +324,8 @@ def _decode_kwargs(options: dict) -> dict:
         "seed",
         "kv_group_size",
         "quantized_kv_start",
+        "draft_source",
+        "lookup_tokens",
     )
     out = {k: options[k] for k in keys}
     out["kv_bits"] = None if options["kv_bits"] is None else int(options["kv_bits"])

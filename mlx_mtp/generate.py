@@ -15,7 +15,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import KVQuantization
-from .defaults import DEFAULT_MAX_DRAFT_TOKENS
+from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS
 from .errors import MTPError
 from .sampling import SamplingParams
 from .speculative import MTPStats, Session, mtp_generate_step
@@ -77,6 +77,8 @@ def stream_generate(
     quantized_kv_start: int = 5000,
     session: Optional[Session] = None,
     on_prefill=None,
+    draft_source: str = "heads",
+    lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a generation, one `GenerationResponse` per token.
 
@@ -96,6 +98,9 @@ def stream_generate(
         session: A `Session` to go on from (multi-turn chat): ``prompt`` is then what
             follows the tokens of earlier calls, whose caches are reused.
         on_prefill: Called with the session once the prompt is in its caches.
+        draft_source, lookup_tokens: "lookup" also drafts continuations found in the
+            context (prompt lookup), up to ``lookup_tokens`` tokens; see
+            `mlx_mtp.speculative.mtp_generate_step`.
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
@@ -123,6 +128,8 @@ def stream_generate(
         kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
         session=session,
         on_prefill=on_prefill,
+        draft_source=draft_source,
+        lookup_tokens=lookup_tokens,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -188,4 +195,9 @@ def format_stats(r: GenerationResponse) -> str:
             f" per position [{per_pos}] | {stats.tokens_per_round:.2f} tok/round,"
             f" {stats.mean_draft_length:.2f} drafts/round"
         )
+        if len(stats.drafted_by_source) > 1 or "lookup" in stats.drafted_by_source:
+            line += " | by source " + ", ".join(
+                f"{source} {stats.accepted_by_source[source]}/{n}"
+                for source, n in sorted(stats.drafted_by_source.items())
+            )
     return line

@@ -94,3 +94,20 @@ def test_bad_lookup_options_are_refused(small):
         list(mtp_generate_step([1, 2], small, draft_source="ngram", max_tokens=2))
     with pytest.raises(MTPError, match="lookup_tokens must be from 1 to 16"):
         list(mtp_generate_step([1, 2], small, draft_source="lookup", lookup_tokens=0))
+
+
+def test_cli_generate_with_lookup_drafts(checkpoint):
+    from click.testing import CliRunner
+
+    from mlx_mtp.cli import main
+
+    path = str(checkpoint("deepseek_v3", predictable=True))
+    args = ["generate", "--model", path, "-p", REPEATING.replace("\n", "\\n")]
+    args += ["-m", "24", "--ignore-chat-template", "--temp", "0"]
+    plain = CliRunner().invoke(main, args + ["-k", "0", "--quiet"])
+    lookup = CliRunner().invoke(
+        main, args + ["-k", "2", "--draft-source", "lookup", "--verbose"]
+    )
+    assert plain.exit_code == 0 and lookup.exit_code == 0, lookup.output
+    assert lookup.output.startswith(plain.output.strip())
+    assert "by source heads" in lookup.output and "lookup" in lookup.output
