@@ -279,11 +279,12 @@ def decode_options(fn):
         ),
         click.option(
             "--draft-source",
-            type=click.Choice(["heads", "lookup"]),
+            type=click.Choice(["heads", "lookup", "auto"]),
             default="heads",
             show_default=True,
             help="lookup: also draft continuations found in the prompt and the text "
-            "so far (prompt lookup), falling back to the heads.",
+            "so far (prompt lookup), falling back to the heads; auto: the source "
+            "measured to be faster, round by round.",
         ),
         click.option(
             "--lookup-tokens",

@@ -257,3 +257,40 @@ class AdaptiveLength:
         for j in range(min(k, accepted + 1)):
             self.reached[j] += 1.0
             self.hits[j] += float(j < accepted)
+
+
+class SourceChoice:
+    """Draft from the context or from the heads, round by round (``draft_source``
+    "auto"): the source, and the lookup draft's length, with the best expected tokens
+    per unit of cost, plain decoding included.
+
+    Each source's acceptance per position is estimated from its own rounds (as
+    `AdaptiveLength` does, exponentially forgotten); a lookup draft costs its verify
+    pass only, a heads draft its verify pass and its draft steps.
+
+    Args:
+        costs: Round costs covering the longest draft of either source.
+        max_heads: The heads' longest draft.
+        max_lookup: The longest lookup draft.
+    """
+
+    def __init__(self, costs: RoundCosts, max_heads: int, max_lookup: int):
+        self.costs = costs
+        self.heads = AdaptiveLength(costs, range(max_heads + 1))
+        self.lookup = AdaptiveLength(costs, range(max_lookup + 1))
+
+    def rate(self, source: str, k: int) -> float:
+        """Expected tokens per unit of cost of a round drafting k from ``source``."""
+        if source == "lookup":
+            return self.lookup.expected_tokens(k) / self.costs.verify[k]
+        return self.heads.expected_tokens(k) / self.costs.round(k)
+
+    def lookup_length(self, found: int, heads_k: int) -> int:
+        """How many of the ``found`` lookup tokens to draft this round (0: draft
+        ``heads_k`` from the heads instead)."""
+        best = max(self.rate("heads", heads_k), self.rate("heads", 0))
+        m = max(range(1, found + 1), key=lambda m: self.rate("lookup", m), default=0)
+        return m if m and self.rate("lookup", m) >= best else 0
+
+    def observe(self, source: str, k: int, accepted: int) -> None:
+        (self.lookup if source == "lookup" else self.heads).observe(k, accepted)

@@ -41,13 +41,13 @@ from .defaults import (
     MAX_DRAFT_TOKENS,
 )
 from .distributed import Sync
-from .draft_length import AdaptiveLength, FixedLength, model_costs
+from .draft_length import AdaptiveLength, FixedLength, SourceChoice, model_costs
 from .errors import MTPError
 from .lookup import continuation
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
 from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
 
-DRAFT_SOURCES = ("heads", "lookup")
+DRAFT_SOURCES = ("heads", "lookup", "auto")
 
 
 @dataclass
@@ -492,7 +492,9 @@ def mtp_generate_step(
             drafts, each round where the context has one, the continuation of the
             latest earlier occurrence of its last tokens (`mlx_mtp.lookup`), up to
             ``lookup_tokens`` tokens, and falls back to the heads otherwise (it works
-            for a model without heads too).
+            for a model without heads too); "auto" drafts from whichever source (and
+            lookup length) its measured acceptance and the round costs say is
+            fastest (`mlx_mtp.draft_length.SourceChoice`).
         lookup_tokens: The longest lookup draft.
 
     Yields:
@@ -531,7 +533,11 @@ def mtp_generate_step(
     if seed is None:  # drawn on rank 0: the same keys on every rank
         seed = Sync(model.group).share_int(int.from_bytes(os.urandom(4), "little") >> 1)
     run = Run(model, session, policy, params, max_tokens, kv, mx.random.key(seed))
-    run.lookup_tokens = lookup_tokens if draft_source == "lookup" else 0
+    if draft_source != "heads":
+        run.lookup_tokens = lookup_tokens
+    if draft_source == "auto":
+        costs = model_costs(model, max(policy.max_k, lookup_tokens))
+        run.sources = SourceChoice(costs, policy.max_k, lookup_tokens)
     return _generate(run, prompt, prefill_step_size, on_prefill)
 
 
@@ -556,6 +562,7 @@ class Run:
     queued: List[Round] = field(default_factory=list)
     seen: int = 0
     lookup_tokens: int = 0  # longest lookup draft (0: drafts from the heads only)
+    sources: Optional[SourceChoice] = None  # draft_source "auto": picks per round
 
     @property
     def caches(self) -> Caches:
@@ -599,6 +606,8 @@ class Run:
             if self.max_tokens >= 0:
                 room = min(room, self.max_tokens - self.stats.emitted - 1)
             lookup = continuation(self.state.tokens, room) if room > 0 else None
+            if lookup and self.sources is not None:
+                lookup = lookup[: self.sources.lookup_length(len(lookup), k)]
         rnd = launch(
             self.model, self.caches, self.state, k, self.params, sub, pending, lookup
         )
@@ -651,6 +660,8 @@ def _generate(run: Run, prompt: List[int], step: int, on_prefill=None):
             stats.record(rnd.draft.k, a, rnd.draft.source)
             if rnd.draft.source == "heads":  # the policy sizes the heads' drafts
                 run.policy.observe(rnd.draft.k, a)
+            if run.sources is not None and rnd.draft.k:
+                run.sources.observe(rnd.draft.source, rnd.draft.k, a)
             if not run.queued and run.wanted(stats.emitted):
                 k = planned if planned is not None else run.plan(stats.emitted)
                 run.launch(k)

@@ -111,3 +111,39 @@ def test_cli_generate_with_lookup_drafts(checkpoint):
     assert plain.exit_code == 0 and lookup.exit_code == 0, lookup.output
     assert lookup.output.startswith(plain.output.strip())
     assert "by source heads" in lookup.output and "lookup" in lookup.output
+
+
+def test_auto_source_follows_measured_acceptance():
+    """Lookup drafts while they are accepted, the heads (or nothing) once they are
+    not; the lookup length grows with the acceptance seen."""
+    from mlx_mtp.draft_length import RoundCosts, SourceChoice
+
+    costs = RoundCosts([1.0 + 0.05 * n for n in range(9)], 0.1)
+    choice = SourceChoice(costs, max_heads=2, max_lookup=8)
+    for _ in range(20):
+        choice.observe("lookup", 8, 8)  # every lookup draft accepted
+        choice.observe("heads", 2, 0)
+    assert choice.lookup_length(8, 2) == 8
+    assert choice.lookup_length(3, 2) == 3
+    for _ in range(40):
+        choice.observe("lookup", 8, 0)  # none accepted
+        choice.observe("heads", 2, 2)
+    assert choice.lookup_length(8, 2) == 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5", "nemotron_h"])
+def test_greedy_identity_with_auto_source(family, loaded):
+    model, tokenizer = loaded(family, predictable=True)
+    ids = tokenizer.encode(REPEATING)
+    expected = plain_greedy(model, ids, 40)
+    for k in (2, "auto"):
+        steps = mtp_generate_step(
+            ids, model, num_draft_tokens=k, max_tokens=40, draft_source="auto"
+        )
+        assert [o.token for o in steps] == expected, (family, k)
+
+
+def test_sampling_with_auto_source_is_exact(small):
+    assert not sampling_after_prompt_fails(
+        small, PROMPT, VOCAB, 2, draft_source="auto", lookup_tokens=3
+    )
