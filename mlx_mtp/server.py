@@ -265,6 +265,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             max_tokens=args.max_tokens,
             num_draft_tokens=args.num_draft_tokens,
             max_draft_tokens=self.cli_args.max_draft_tokens,
+            draft_source=getattr(args, "draft_source", "heads"),
             temp=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -471,6 +472,12 @@ class MTPHandler(lm_server.APIHandler):
                 "num_draft_tokens",
             )
         self._num_draft_tokens = k
+        source = body.pop("draft_source", "heads")
+        if source not in ("heads", "lookup", "auto"):
+            raise bad_request(
+                "draft_source must be 'heads', 'lookup' or 'auto'", "draft_source"
+            )
+        self._draft_source = source
         for key in ("max_tokens", "max_completion_tokens"):
             n = body.get(key)
             if n is not None and type(n) is int and n > args.max_tokens_limit:
@@ -514,6 +521,7 @@ class MTPHandler(lm_server.APIHandler):
 
             def generate(self, request, args, progress_callback=None):
                 args.num_draft_tokens = handler._num_draft_tokens
+                args.draft_source = handler._draft_source
                 try:
                     ctx, responses = handler._generator.generate(
                         request, args, progress_callback
@@ -576,6 +584,8 @@ def mtp_block(stats) -> dict:
         "acceptance_rate": stats.acceptance_rate,
         "acceptance_per_position": stats.acceptance_per_position,
         "tokens_per_round": stats.tokens_per_round,
+        "drafted_by_source": dict(stats.drafted_by_source),
+        "accepted_by_source": dict(stats.accepted_by_source),
     }
 
 

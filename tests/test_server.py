@@ -389,3 +389,28 @@ def test_serving_a_gemma4_pair(tmp_path):
     want = mtp_generate(model, tokenizer, "def f(x):", max_tokens=12)
     assert r.choices[0].finish_reason == "length" and r.choices[0].text == want
     assert r.model_extra["mtp"]["drafted"] > 0
+
+
+def test_lookup_drafts_through_the_server(client, local):
+    """``draft_source`` in the request: a lookup reply equals `generate` with lookup,
+    which equals plain decoding; the mtp block counts drafts per source; an unknown
+    source is a 400."""
+    repeat = [{"role": "user", "content": "say a b c a b c a b c a b"}]
+    r = client.chat.completions.create(
+        model="default_model",
+        messages=repeat,
+        max_tokens=16,
+        extra_body={"num_draft_tokens": 2, "draft_source": "lookup"},
+    )
+    text = r.choices[0].message.content
+    assert text == expected(local, repeat, 16, num_draft_tokens=2)
+    assert text == expected(local, repeat, 16, num_draft_tokens=0)
+    mtp = r.model_extra["mtp"]
+    assert sum(mtp["drafted_by_source"].values()) == mtp["drafted"]
+    with pytest.raises(openai.BadRequestError, match="draft_source"):
+        client.chat.completions.create(
+            model="default_model",
+            messages=repeat,
+            max_tokens=4,
+            extra_body={"draft_source": "ngrams"},
+        )
