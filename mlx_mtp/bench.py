@@ -28,11 +28,37 @@ from .draft_length import time_round
 from .sampling import SamplingParams
 from .speculative import mtp_generate_step
 
+EDITED_FUNCTION = '''def merge_intervals(intervals):
+    """Merge overlapping intervals."""
+    intervals = sorted(intervals, key=lambda pair: pair[0])
+    merged = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+'''
+ARTICLE = (
+    "The printing press, developed by Johannes Gutenberg around 1440, combined "
+    "movable metal type, oil-based ink and a screw press adapted from wine making. "
+    "Before it, books were copied by hand, which made them rare and expensive. "
+    "Within fifty years presses were working in more than two hundred cities across "
+    "Europe, and millions of books had been printed. Cheaper books spread literacy, "
+    "helped the Reformation and the scientific revolution, and standardised "
+    "spelling and grammar in many languages."
+)
 WORKLOADS = {
     "code": 'def merge_intervals(intervals):\n    """Merge overlapping intervals."""\n',
     "chat": "Explain in a few sentences how a hash table handles collisions.",
     "prose": "The history of the printing press begins in the fifteenth century, when",
+    # the prompt holds a function, the request changes one line of it
+    "code-edit": EDITED_FUNCTION
+    + "\nRewrite this function so that it sorts by the end of each interval "
+    "instead of the start. Give the whole function.\n",
+    "summarise": ARTICLE + "\n\nSummarise this text in two sentences.\n",
 }
+CHAT_WORKLOADS = ("chat", "code-edit", "summarise")
 
 
 @dataclass
@@ -41,6 +67,7 @@ class Row:
     temp: float
     k: Union[int, str, None]  # None: mlx-lm plain decoding; "auto"
     tok_s: float
+    source: str = "heads"  # the draft source (`mtp_generate_step`'s draft_source)
     ratio: float = 1.0
     acceptance: List[float] = field(default_factory=list)
     tokens_per_round: float = 1.0
@@ -53,7 +80,7 @@ class Row:
 def prompts(tokenizer, model, seed: int) -> Dict[str, List[int]]:
     out = {}
     for name, text in WORKLOADS.items():
-        if name == "chat" and tokenizer.has_chat_template:
+        if name in CHAT_WORKLOADS and tokenizer.has_chat_template:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}],
                 tokenize=False,
@@ -85,7 +112,7 @@ def run_plain(model, prompt, n: int, temp: float, seed: int) -> float:
     return (n - 1) / _decode_time(steps, n)
 
 
-def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int):
+def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int, source="heads"):
     steps = mtp_generate_step(
         prompt,
         model,
@@ -93,6 +120,7 @@ def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int):
         params=SamplingParams(temp=temp),
         max_tokens=n,
         seed=seed,
+        draft_source=source,
     )
     tic, last = None, None
     with mx.stream(generation_stream):  # as stream_generate (and mlx-lm) run it
@@ -125,8 +153,11 @@ def bench(
     workloads: Optional[Sequence[str]] = None,
     seed: int = 0,
     log=print,
+    sources: Sequence[str] = ("heads",),
 ) -> dict:
-    """Run the benchmark; returns {"rows": [...], "costs": {...}} (see module docstring)."""
+    """Run the benchmark; returns {"rows": [...], "costs": {...}} (see module docstring).
+    ``sources``: the draft sources to run each k with ("heads", "lookup", "auto");
+    the ideal speedup is reported for heads drafts only."""
     ks = [k for k in ks if k == 0 or model.num_mtp_layers]
     all_prompts = prompts(tokenizer, model, seed)
     names = list(workloads or all_prompts)
@@ -136,32 +167,42 @@ def bench(
     for name in names:
         prompt = all_prompts[name]
         for temp in temps:
-            samples = {None: []} | {k: [] for k in ks}
+            runs_of = [(None, "heads")] + [
+                (k, src) for src in sources for k in ks if k != 0 or src == "heads"
+            ]
+            samples = {run: [] for run in runs_of}
             stats = {}
             for rep in range(reps + 1):  # the first round warms up
-                for k in samples:
+                for k, src in samples:
                     mx.reset_peak_memory()
                     if k is None:
                         rate = run_plain(model, prompt, tokens, temp, seed + rep)
                     else:
-                        rate, stats[k] = run_mtp(
-                            model, prompt, tokens, temp, k, seed + rep
+                        rate, stats[k, src] = run_mtp(
+                            model, prompt, tokens, temp, k, seed + rep, src
                         )
                     if rep:
-                        samples[k].append((rate, mx.get_peak_memory() / 1e9))
-            base = statistics.median(r for r, _ in samples[None])
-            for k, runs in samples.items():
+                        samples[k, src].append((rate, mx.get_peak_memory() / 1e9))
+            base = statistics.median(r for r, _ in samples[None, "heads"])
+            for (k, src), runs in samples.items():
                 rate = statistics.median(r for r, _ in runs)
                 row = Row(
-                    name, temp, k, rate, rate / base, peak_gb=max(p for _, p in runs)
+                    name,
+                    temp,
+                    k,
+                    rate,
+                    src,
+                    rate / base,
+                    peak_gb=max(p for _, p in runs),
                 )
                 if k is not None:
-                    s = stats[k]
+                    s = stats[k, src]
                     row.acceptance = s.acceptance_per_position
                     row.tokens_per_round = s.tokens_per_round
                     row.mean_k = s.mean_draft_length
-                    row.ideal = ideal_speedup(s, c)
-                    row.efficiency = row.ratio / row.ideal
+                    if src == "heads":
+                        row.ideal = ideal_speedup(s, c)
+                        row.efficiency = row.ratio / row.ideal
                 rows.append(row)
                 log(format_row(row))
     return {"rows": [asdict(r) for r in rows], "costs": c}
@@ -180,11 +221,13 @@ def format_row(r: Row) -> str:
     who = "mlx-lm" if r.k is None else f"mtp k={r.k}"
     if r.k == "auto":
         who += f"~{r.mean_k:.1f}"
+    if r.k is not None and r.source != "heads":
+        who += f" {r.source}"
     acc = " ".join(f"{a:.2f}" for a in r.acceptance)
     ideal = f"{r.ideal:5.2f}x" if r.ideal is not None else "     -"
     eff = f"{r.efficiency:5.2f}" if r.efficiency is not None else "    -"
     return (
-        f"{r.workload:11} T={r.temp:<3} {who:14} {r.tok_s:8.1f} tok/s {r.ratio:5.2f}x "
+        f"{r.workload:11} T={r.temp:<3} {who:21} {r.tok_s:8.1f} tok/s {r.ratio:5.2f}x "
         f"ideal {ideal} eff {eff} tok/round {r.tokens_per_round:4.2f} "
         f"peak {r.peak_gb:5.2f} GB  accept [{acc}]"
     )

@@ -3,7 +3,8 @@
 (fast_blas.py) and says when it cannot: timing needs float32 weights and a fast BLAS.
 
     python scripts/bench.py --model PATH [--draft-model ASSISTANT] [--tokens 128] [--reps 5] [--k 0 1 2 3 4 auto]
-        [--temp 0 0.7] [--workloads code chat prose adversarial] [--json out.json]
+        [--temp 0 0.7] [--workloads code chat prose code-edit summarise adversarial]
+        [--sources heads lookup auto] [--json out.json]
 """
 
 import argparse
@@ -30,6 +31,9 @@ def main():
     )
     p.add_argument("--temp", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--workloads", nargs="+", default=None)
+    p.add_argument(
+        "--sources", nargs="+", default=["heads"], choices=["heads", "lookup", "auto"]
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     blas = ensure_fast_blas()
@@ -50,6 +54,7 @@ def main():
         tokens=args.tokens,
         reps=args.reps,
         workloads=args.workloads,
+        sources=args.sources,
         log=lambda line: print(line, flush=True),
     )
     result.update(blas=blas, model=args.model, tokens=args.tokens, reps=args.reps)
