@@ -81,6 +81,32 @@ def test_chat_equals_generate_with_usage_and_mtp(client, local):
     assert len(mtp["acceptance_per_position"]) == mtp["num_draft_tokens"]
 
 
+def test_lookup_drafts_through_the_server(client, local):
+    """``draft_source`` in the request: a lookup reply equals `generate` with lookup,
+    which equals plain decoding; the mtp block counts drafts per source; an unknown
+    source is a 400. (Early in the module: after the concurrency tests a request may
+    be batched, without MTP.)"""
+    repeat = [{"role": "user", "content": "say a b c a b c a b c a b"}]
+    r = client.chat.completions.create(
+        model="default_model",
+        messages=repeat,
+        max_tokens=16,
+        extra_body={"num_draft_tokens": 2, "draft_source": "lookup"},
+    )
+    text = r.choices[0].message.content
+    assert text == expected(local, repeat, 16, num_draft_tokens=2)
+    assert text == expected(local, repeat, 16, num_draft_tokens=0)
+    mtp = r.model_extra["mtp"]
+    assert sum(mtp["drafted_by_source"].values()) == mtp["drafted"]
+    with pytest.raises(openai.BadRequestError, match="draft_source"):
+        client.chat.completions.create(
+            model="default_model",
+            messages=repeat,
+            max_tokens=4,
+            extra_body={"draft_source": "ngrams"},
+        )
+
+
 def test_streaming_chat_and_text_completions(client, local):
     chunks = list(
         client.chat.completions.create(
@@ -389,28 +415,3 @@ def test_serving_a_gemma4_pair(tmp_path):
     want = mtp_generate(model, tokenizer, "def f(x):", max_tokens=12)
     assert r.choices[0].finish_reason == "length" and r.choices[0].text == want
     assert r.model_extra["mtp"]["drafted"] > 0
-
-
-def test_lookup_drafts_through_the_server(client, local):
-    """``draft_source`` in the request: a lookup reply equals `generate` with lookup,
-    which equals plain decoding; the mtp block counts drafts per source; an unknown
-    source is a 400."""
-    repeat = [{"role": "user", "content": "say a b c a b c a b c a b"}]
-    r = client.chat.completions.create(
-        model="default_model",
-        messages=repeat,
-        max_tokens=16,
-        extra_body={"num_draft_tokens": 2, "draft_source": "lookup"},
-    )
-    text = r.choices[0].message.content
-    assert text == expected(local, repeat, 16, num_draft_tokens=2)
-    assert text == expected(local, repeat, 16, num_draft_tokens=0)
-    mtp = r.model_extra["mtp"]
-    assert sum(mtp["drafted_by_source"].values()) == mtp["drafted"]
-    with pytest.raises(openai.BadRequestError, match="draft_source"):
-        client.chat.completions.create(
-            model="default_model",
-            messages=repeat,
-            max_tokens=4,
-            extra_body={"draft_source": "ngrams"},
-        )
