@@ -24,9 +24,9 @@ LAUNCH = pathlib.Path(sys.executable).with_name("mlx.launch")
 TIMEOUT = 180
 
 
-def launch(*args, timeout=TIMEOUT):
+def launch(*args, timeout=TIMEOUT, input=None):
     """Run ``args`` on two ring ranks over loopback (a random base port, so that runs
-    do not collide); returns the completed process."""
+    do not collide), ``input`` on stdin; returns the completed process."""
     command = [
         str(LAUNCH),
         "--backend",
@@ -42,13 +42,14 @@ def launch(*args, timeout=TIMEOUT):
     # Its own session, so that a timeout stops the ranks too, not only the launcher.
     proc = subprocess.Popen(
         command,
+        stdin=subprocess.PIPE if input is not None else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
@@ -141,3 +142,18 @@ def test_cli_generate_under_mlx_launch(checkpoint, loaded):
     )
     assert single.returncode == 0, single.stderr[-2000:]
     assert proc.stdout == single.stdout and proc.stdout.strip()
+
+
+def test_cli_chat_under_mlx_launch(checkpoint):
+    """Chat on two ranks: rank 0 reads the lines (stdin) and prints the replies, the
+    same as one process."""
+    path = checkpoint("glm4_moe", predictable=True)
+    mlx_mtp = pathlib.Path(sys.executable).with_name("mlx-mtp")
+    args = [str(mlx_mtp), "chat", "--model", str(path), "-m", "8", "-k", "2", "--quiet"]
+    lines = "hello there\nand again\n/exit\n"
+    two = launch("--", *args, input=lines)
+    one = subprocess.run(
+        args, input=lines, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one.stdout and two.stdout.count(">>") == 3
