@@ -17,9 +17,9 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -32,29 +32,42 @@ from .paths import home
 class RoundCosts:
     """Round costs relative to one plain decode step t(1).
 
-    ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens; ``draft`` one MTP step.
+    ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens; ``draft`` one MTP
+    step; ``drafts[n]`` one MTP step drafting from a draft vocabulary of n tokens
+    (`mlx_mtp.draft_vocab`).
     """
 
     verify: List[float]
     draft: float
+    drafts: Dict[int, float] = field(default_factory=dict)
 
-    def round(self, k: int) -> float:
-        return self.verify[k] + k * self.draft
+    def __post_init__(self):
+        self.drafts = {int(n): c for n, c in self.drafts.items()}  # JSON keys
+
+    def round(self, k: int, vocab: Optional[int] = None) -> float:
+        """A round drafting k tokens (from ``vocab`` tokens; None: the heads' own)."""
+        step = self.draft if vocab is None else self.drafts.get(vocab, self.draft)
+        return self.verify[k] + k * step
 
 
-def measure_costs(model, max_k: int, reps: int = 5, context: int = 64) -> RoundCosts:
+def measure_costs(
+    model, max_k: int, reps: int = 5, context: int = 64, vocabs: Sequence[int] = ()
+) -> RoundCosts:
     """Round costs relative to t(1), from `time_round` after ``context`` tokens."""
     ids = mx.arange(context, dtype=mx.int32) % model.args.vocab_size
-    t, draft = time_round(model, ids, max_k, reps)
-    return RoundCosts([x / t[0] for x in t], draft / t[0])
+    t, draft, drafts = time_round(model, ids, max_k, reps, vocabs)
+    return RoundCosts(
+        [x / t[0] for x in t], draft / t[0], {n: d / t[0] for n, d in drafts.items()}
+    )
 
 
 def time_round(
-    model, ids: mx.array, max_k: int, reps: int
-) -> Tuple[List[float], float]:
+    model, ids: mx.array, max_k: int, reps: int, vocabs: Sequence[int] = ()
+) -> Tuple[List[float], float, Dict[int, float]]:
     """Median seconds, after the tokens ``ids`` (1-D) are in the caches, of a verify
     pass over n = 1..max_k+1 tokens (as a round verifies: rollback marks, pass,
-    rewind) and of one draft step (0.0 for a model without heads)."""
+    rewind), of one draft step (0.0 for a model without heads), and of one draft step
+    from each draft vocabulary size in ``vocabs``."""
     caches = make_caches(model)
     mx.eval(model.hidden(ids[None], caches.trunk))
 
@@ -72,7 +85,7 @@ def time_round(
         rewind(caches.trunk, marks, n)
 
     t = [median_time(lambda: verify(n)) for n in range(1, max_k + 2)]
-    draft = 0.0
+    draft, drafts = 0.0, {}
     if model.assistant is not None:
         h = model.hidden(ids[None, -1:])
         kv = assistant_kv(model, caches.trunk)
@@ -87,35 +100,46 @@ def time_round(
         h = model.hidden(ids[None, -1:])
         mx.eval(h)
 
-        def step():
+        def step(vocab=None):
             z = model.mtp_forward(0, h, ids[None, -1:])
-            mx.eval(mx.argmax(model.draft_logits(z), axis=-1))
+            mx.eval(mx.argmax(model.draft_logits(z, vocab), axis=-1))
 
         draft = median_time(step)
-    return t, draft
+        drafts = {n: median_time(lambda: step(n)) for n in vocabs}
+    return t, draft, drafts
 
 
-def model_costs(model, max_k: int) -> RoundCosts:
-    """The model's round costs for k up to ``max_k``: measured once per model files,
-    device and MLX version, and kept in ``$MLX_MTP_HOME/costs.json``, so that a seeded
-    sampled run drafts the same ks, and so gives the same text, every time."""
+def model_costs(model, max_k: int, vocabs: Sequence[int] = ()) -> RoundCosts:
+    """The model's round costs for k up to ``max_k`` (and draft steps from each draft
+    vocabulary size in ``vocabs``): measured once per model files, device and MLX
+    version, and kept in ``$MLX_MTP_HOME/costs.json``, so that a seeded sampled run
+    drafts the same ks, and so gives the same text, every time."""
+
+    def enough(c) -> bool:
+        return len(c.verify) > max_k and set(vocabs) <= set(c.drafts)
+
     costs = model.round_costs
-    if costs is not None and len(costs.verify) > max_k:
+    if costs is not None and enough(costs):
         return costs
     sync = Sync(model.group)
     key = _cost_key(model)
     stored = _stored_costs().get(key) if key else None
-    if not (stored and len(stored["verify"]) > max_k):
+    stored = RoundCosts(**stored) if stored else None
+    if not (stored and enough(stored)):
         stored = None
     if sync.share_int(int(stored is not None)):  # rank 0 decides: read or measure
-        costs = RoundCosts(**stored) if stored else RoundCosts([0.0] * (max_k + 1), 0.0)
+        zeros = RoundCosts([0.0] * (max_k + 1), 0.0, dict.fromkeys(vocabs, 0.0))
+        costs = stored or zeros
     else:  # every rank times the same passes (a sharded trunk's collectives match)
-        costs = measure_costs(model, max_k)
+        costs = measure_costs(model, max_k, vocabs=vocabs)
         if key and sync.rank == 0:
             _store_costs(key, costs)
     if sync.group is not None:  # rank 0's costs, so that every rank picks the same k
-        shared = sync.share_values([*costs.verify, costs.draft])
-        costs = RoundCosts(shared[:-1], shared[-1])
+        sizes, n = sorted(vocabs), max_k + 1  # the same shape on every rank
+        shared = sync.share_values(
+            [*costs.verify[:n], costs.draft, *(costs.drafts[v] for v in sizes)]
+        )
+        costs = RoundCosts(shared[:n], shared[n], dict(zip(sizes, shared[n + 1 :])))
     model.round_costs = costs
     return costs
 
@@ -179,10 +203,11 @@ def _store_costs(key: str, costs: RoundCosts) -> None:
 
 
 class FixedLength:
-    """Draft k tokens every round."""
+    """Draft k tokens every round (from the draft vocabulary ``vocab``)."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, vocab: Optional[int] = None):
         self.max_k = k
+        self.vocab = vocab
 
     def next(self) -> int:
         return self.max_k
@@ -191,15 +216,60 @@ class FixedLength:
         pass
 
 
-class AdaptiveLength:
-    """Pick k in ``allowed`` maximising expected tokens per unit of cost.
+class Coverage:
+    """The share of the target's tokens inside each draft vocabulary of ``sizes``
+    tokens (`mlx_mtp.draft_vocab`): the calibration's share at first, then the
+    generated tokens' (exponentially forgotten).
 
     Args:
-        costs: Round costs for k = 0..max(allowed).
-        allowed: Draft lengths to choose from (0 included).
+        ranking: The model's `mlx_mtp.draft_vocab.Ranking`.
+        sizes: Draft vocabulary sizes.
+        prior: How many tokens the calibration's share counts for.
+        memory: Tokens over which the generated tokens' share is averaged.
+    """
+
+    def __init__(self, ranking, sizes: Sequence[int], prior=64.0, memory=512.0):
+        self.rank = ranking.rank
+        self.sizes = list(sizes)
+        self.decay = 1.0 - 1.0 / memory
+        self.total = prior
+        self.inside = {n: prior * ranking.coverage(n) for n in self.sizes}
+
+    def contains(self, token: int, vocab: Optional[int]) -> bool:
+        """Whether ``token`` is among the ``vocab`` most expected (None: all)."""
+        return vocab is None or int(self.rank[token]) < vocab
+
+    def share(self, vocab: Optional[int]) -> float:
+        return 1.0 if vocab is None else self.inside[vocab] / self.total
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.total = self.total * self.decay + 1.0
+            r = int(self.rank[t])
+            for n in self.sizes:
+                self.inside[n] = self.inside[n] * self.decay + float(r < n)
+
+
+class AdaptiveLength:
+    """Pick k in ``allowed`` (and the draft vocabulary among ``vocabs``) maximising
+    expected tokens per unit of cost.
+
+    With several vocabularies, acceptance at position j drafting from ``n`` tokens is
+    modelled as ``beta_j * share(n)``: ``beta_j`` the heads' acceptance when the
+    target's token is among the rows drafted from (rounds whose first rejected token
+    fell outside them are not counted against it), ``share(n)`` the `Coverage` of
+    ``n``. A smaller vocabulary costs less per draft step and loses that share.
+
+    Args:
+        costs: Round costs for k = 0..max(allowed) (and ``costs.drafts`` for each
+            vocabulary size).
+        allowed: Draft lengths to choose from (include 0 to allow plain rounds).
         memory: Rounds over which acceptance is averaged (exponential forgetting).
         prior: Acceptance assumed before any draft at a position is seen.
         probe_every: With k = 0 chosen, draft the smallest allowed k > 0 this often.
+        vocabs: Draft vocabularies to choose from: None (the heads' own rows) and/or
+            numbers of tokens.
+        coverage: Their `Coverage` (needed with more than one vocabulary).
     """
 
     def __init__(
@@ -209,52 +279,67 @@ class AdaptiveLength:
         memory: float = 16.0,
         prior: float = 0.6,
         probe_every: int = 16,
+        vocabs: Sequence[Optional[int]] = (None,),
+        coverage: Optional[Coverage] = None,
     ):
         self.costs = costs
-        self.allowed = sorted(set(allowed) | {0})
+        self.allowed = sorted(set(allowed))
         self.max_k = self.allowed[-1]
         self.decay = 1.0 - 1.0 / memory
         self.prior = prior
         self.probe_every = probe_every
+        self.vocabs = list(vocabs)
+        self.coverage = coverage if len(self.vocabs) > 1 else None
+        self.vocab = self.vocabs[0]  # the next round's draft vocabulary
         self.reached = [0.0] * self.max_k  # drafts at position j that were judged
         self.hits = [0.0] * self.max_k  # ... and accepted
         self.idle = 0  # rounds since the last draft
 
     def alphas(self) -> List[float]:
-        """Acceptance at each position given the previous one was accepted; positions
-        with little evidence lean on the one before (the prior for the first)."""
+        """Acceptance at each position given the previous one was accepted (with the
+        target's token among the rows drafted from); positions with little evidence
+        lean on the one before (the prior for the first)."""
         out, prev = [], self.prior
         for hits, reached in zip(self.hits, self.reached):
             prev = (hits + 2.0 * prev) / (reached + 2.0)
             out.append(prev)
         return out
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, vocab: Optional[int] = None) -> float:
+        share = self.coverage.share(vocab) if self.coverage else 1.0
         total, run = 1.0, 1.0
         for a in self.alphas()[:k]:
-            run *= a
+            run *= a * share
             total += run
         return total
 
+    def rate(self, k: int, vocab: Optional[int] = None) -> float:
+        """Expected tokens per unit of cost of a round drafting k from ``vocab``."""
+        return self.expected_tokens(k, vocab) / self.costs.round(k, vocab)
+
+    def best_vocab(self, k: int) -> Optional[int]:
+        return max(self.vocabs, key=lambda n: self.rate(k, n)) if k else self.vocab
+
     def best(self) -> int:
-        return max(
-            self.allowed, key=lambda k: self.expected_tokens(k) / self.costs.round(k)
-        )
+        return max(self.allowed, key=lambda k: self.rate(k, self.best_vocab(k)))
 
     def next(self) -> int:
         k = self.best()
         if k == 0 and self.idle + 1 >= self.probe_every and self.max_k:
             k = self.allowed[1]
         self.idle = 0 if k else self.idle + 1
+        self.vocab = self.best_vocab(k)
         return k
 
-    def observe(self, k: int, accepted: int) -> None:
+    def observe(self, k: int, accepted: int, missed: bool = False) -> None:
+        """A round drafted k and ``accepted`` were accepted; ``missed``: the target's
+        token at the first rejected draft was outside the rows drafted from."""
         if k == 0:
             return
         for j in range(self.max_k):
             self.reached[j] *= self.decay
             self.hits[j] *= self.decay
-        for j in range(min(k, accepted + 1)):
+        for j in range(min(k, accepted + int(not missed))):
             self.reached[j] += 1.0
             self.hits[j] += float(j < accepted)
 
@@ -274,16 +359,25 @@ class SourceChoice:
         max_lookup: The longest lookup draft.
     """
 
-    def __init__(self, costs: RoundCosts, max_heads: int, max_lookup: int):
+    def __init__(
+        self,
+        costs: RoundCosts,
+        max_heads: int,
+        max_lookup: int,
+        vocabs: Sequence[Optional[int]] = (None,),
+        coverage: Optional[Coverage] = None,
+    ):
         self.costs = costs
-        self.heads = AdaptiveLength(costs, range(max_heads + 1))
+        self.heads = AdaptiveLength(
+            costs, range(max_heads + 1), vocabs=vocabs, coverage=coverage
+        )
         self.lookup = AdaptiveLength(costs, range(max_lookup + 1))
 
     def rate(self, source: str, k: int) -> float:
         """Expected tokens per unit of cost of a round drafting k from ``source``."""
         if source == "lookup":
             return self.lookup.expected_tokens(k) / self.costs.verify[k]
-        return self.heads.expected_tokens(k) / self.costs.round(k)
+        return self.heads.rate(k, self.heads.best_vocab(k))
 
     def lookup_length(self, found: int, heads_k: int) -> int:
         """How many of the ``found`` lookup tokens to draft this round (0: draft
@@ -292,5 +386,8 @@ class SourceChoice:
         m = max(range(1, found + 1), key=lambda m: self.rate("lookup", m), default=0)
         return m if m and self.rate("lookup", m) >= best else 0
 
-    def observe(self, source: str, k: int, accepted: int) -> None:
-        (self.lookup if source == "lookup" else self.heads).observe(k, accepted)
+    def observe(self, source: str, k: int, accepted: int, missed=False) -> None:
+        if source == "lookup":
+            self.lookup.observe(k, accepted)
+        else:
+            self.heads.observe(k, accepted, missed)

@@ -41,7 +41,13 @@ from .defaults import (
     MAX_DRAFT_TOKENS,
 )
 from .distributed import Sync
-from .draft_length import AdaptiveLength, FixedLength, SourceChoice, model_costs
+from .draft_length import (
+    AdaptiveLength,
+    Coverage,
+    FixedLength,
+    SourceChoice,
+    model_costs,
+)
 from .errors import MTPError
 from .lookup import continuation
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
@@ -67,6 +73,8 @@ class MTPStats:
     # drafts and accepted drafts by source ("heads", "lookup")
     drafted_by_source: dict = field(default_factory=dict)
     accepted_by_source: dict = field(default_factory=dict)
+    # heads' drafts by draft vocabulary: its size, or "full" for the whole head
+    drafted_by_vocab: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.drafted_per_position = [0] * self.num_draft_tokens
@@ -89,10 +97,13 @@ class MTPStats:
     def tokens_per_round(self) -> float:
         return self.emitted / self.rounds if self.rounds else 0.0
 
-    def record(self, k: int, a: int, source: str = "heads") -> None:
+    def record(self, k: int, a: int, source: str = "heads", vocab=None) -> None:
         if k:
             self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + k
             self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + a
+        if k and source == "heads":
+            label = "full" if vocab is None else str(vocab)
+            self.drafted_by_vocab[label] = self.drafted_by_vocab.get(label, 0) + k
         self.rounds += 1
         self.drafted += k
         self.accepted += a
@@ -116,6 +127,7 @@ class MTPStats:
         copy.rounds_by_k = list(self.rounds_by_k)
         copy.drafted_by_source = dict(self.drafted_by_source)
         copy.accepted_by_source = dict(self.accepted_by_source)
+        copy.drafted_by_vocab = dict(self.drafted_by_vocab)
         return copy
 
 
@@ -142,6 +154,7 @@ class Draft:
     logprobs: Optional[mx.array]  # (k, V) filtered q; None when greedy
     depth: int  # MTP layers that processed the rows this round (0: no draft)
     source: str = "heads"  # "heads" (MTP heads or an assistant) or "lookup"
+    vocab: Optional[int] = None  # the heads' draft vocabulary (None: their own rows)
 
     @property
     def k(self) -> int:
@@ -178,8 +191,17 @@ def _row_tokens(state: DecodeState, drafts: List[mx.array], j: int) -> mx.array:
     return mx.concatenate([committed, *drafts[:j]])[-rows:][None]
 
 
-def draft(model, caches: Caches, state: DecodeState, k: int, params, key) -> Draft:
-    """Draft k tokens: MTP layers in order over the pending rows, then chain the last.
+def draft(
+    model,
+    caches: Caches,
+    state: DecodeState,
+    k: int,
+    params,
+    key,
+    vocab: Optional[int] = None,
+) -> Draft:
+    """Draft k tokens: MTP layers in order over the pending rows, then chain the last,
+    each token from the rows of the draft vocabulary ``vocab`` (`Model.draft_logits`).
 
     Layer j < depth runs on every row from the frontier to the newest; a layer used past
     its own depth (k > number of layers) runs on its own output at the next position.
@@ -199,11 +221,11 @@ def draft(model, caches: Caches, state: DecodeState, k: int, params, key) -> Dra
         else:
             layer, h, ids = state.depth - 1, h[:, -1:], tokens[-1][None]
         h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (1, R, H)
-        token, lp = _pick(model.draft_logits(h[:, -1]), params, keys[j])
+        token, lp = _pick(model.draft_logits(h[:, -1], vocab), params, keys[j])
         tokens.append(token)
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)
-    return Draft(mx.concatenate(tokens), q, min(k, state.depth))
+    return Draft(mx.concatenate(tokens), q, min(k, state.depth), vocab=vocab)
 
 
 def draft_assisted(model, trunk_caches, state: DecodeState, k: int, params, key):
@@ -351,19 +373,21 @@ def launch(
     key,
     pending=None,
     lookup: Optional[List[int]] = None,
+    vocab: Optional[int] = None,
 ) -> Round:
     """Build one round (draft, verify, accept) lazily and start evaluating it.
 
     ``pending`` (a lazy token) launches a plain round (k = 0) behind a plain round whose
     token is not known yet: its commit cannot depend on that token's value. ``lookup``
-    (tokens found in the context) drafts them instead of the heads.
+    (tokens found in the context) drafts them instead of the heads; ``vocab`` is the
+    heads' draft vocabulary.
     """
     draft_key, accept_key = mx.random.split(key)
     sync = Sync(model.group)  # on several ranks: rank 0's drafts and decision
     if lookup:
         d = draft_lookup(lookup, params, model.args.vocab_size)
     else:
-        d = draft(model, caches, state, k, params, draft_key)
+        d = draft(model, caches, state, k, params, draft_key, vocab)
     if d.k and sync.group is not None:
         d = replace(d, tokens=sync.share(d.tokens))
         # Submitted now, so that every rank runs this collective before the verify
@@ -465,6 +489,7 @@ def mtp_generate_step(
     on_prefill: Optional[Any] = None,
     draft_source: str = "heads",
     lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
+    draft_vocab: Union[int, str] = "full",
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
 
@@ -496,6 +521,13 @@ def mtp_generate_step(
             lookup length) its measured acceptance and the round costs say is
             fastest (`mlx_mtp.draft_length.SourceChoice`).
         lookup_tokens: The longest lookup draft.
+        draft_vocab: The rows of the shared head native MTP heads draft from
+            (`mlx_mtp.draft_vocab`): "full" (the whole head; heads trained with a
+            draft vocabulary keep theirs unless given a number), a number n of
+            tokens (the n the model is most expected to emit), or "auto": the full
+            head or one of a few sizes, round by round, whichever the measured
+            costs, acceptance and share of generated tokens inside say is fastest.
+            The target distribution is never restricted.
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -519,7 +551,8 @@ def mtp_generate_step(
         raise MTPError(
             f"lookup_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {lookup_tokens}"
         )
-    policy = draft_policy(model, num_draft_tokens, max_draft_tokens)  # may time k
+    vocabs, coverage = draft_vocabs(model, draft_vocab)
+    policy = draft_policy(model, num_draft_tokens, max_draft_tokens, vocabs, coverage)
     session = session if session is not None else Session(caches)
     depth = min(policy.max_k, model.num_mtp_layers)
     if session.state is not None and session.state.depth != depth:
@@ -533,11 +566,15 @@ def mtp_generate_step(
     if seed is None:  # drawn on rank 0: the same keys on every rank
         seed = Sync(model.group).share_int(int.from_bytes(os.urandom(4), "little") >> 1)
     run = Run(model, session, policy, params, max_tokens, kv, mx.random.key(seed))
+    run.coverage = coverage if len(vocabs) > 1 else None
     if draft_source != "heads":
         run.lookup_tokens = lookup_tokens
     if draft_source == "auto":
-        costs = model_costs(model, max(policy.max_k, lookup_tokens))
-        run.sources = SourceChoice(costs, policy.max_k, lookup_tokens)
+        sizes = [n for n in vocabs if n is not None]
+        costs = model_costs(model, max(policy.max_k, lookup_tokens), sizes)
+        run.sources = SourceChoice(
+            costs, policy.max_k, lookup_tokens, vocabs, run.coverage
+        )
     return _generate(run, prompt, prefill_step_size, on_prefill)
 
 
@@ -563,6 +600,7 @@ class Run:
     seen: int = 0
     lookup_tokens: int = 0  # longest lookup draft (0: drafts from the heads only)
     sources: Optional[SourceChoice] = None  # draft_source "auto": picks per round
+    coverage: Optional[Coverage] = None  # draft_vocab "auto": generated tokens' share
 
     @property
     def caches(self) -> Caches:
@@ -608,10 +646,33 @@ class Run:
             lookup = continuation(self.state.tokens, room) if room > 0 else None
             if lookup and self.sources is not None:
                 lookup = lookup[: self.sources.lookup_length(len(lookup), k)]
+        vocab = getattr(self.policy, "vocab", None)
         rnd = launch(
-            self.model, self.caches, self.state, k, self.params, sub, pending, lookup
+            self.model,
+            self.caches,
+            self.state,
+            k,
+            self.params,
+            sub,
+            pending,
+            lookup,
+            vocab,
         )
         self.queued.append(rnd)
+
+    def observe(self, rnd: Round, a: int, new: List[int]) -> None:
+        """Tell the policies how a committed round went (``new``: its tokens)."""
+        d, cov = rnd.draft, self.coverage
+        missed = cov is not None and a < d.k and not cov.contains(new[a], d.vocab)
+        if d.source == "heads":  # the policy sizes the heads' drafts
+            if isinstance(self.policy, AdaptiveLength):
+                self.policy.observe(d.k, a, missed)
+            else:
+                self.policy.observe(d.k, a)
+        if self.sources is not None and d.k:
+            self.sources.observe(d.source, d.k, a, missed)
+        if cov is not None:
+            cov.observe(new)
 
     def queue_plain_behind(self, rnd: Round) -> Optional[int]:
         """Before waiting for a plain round, plan the round after it and, if that one
@@ -657,11 +718,8 @@ def _generate(run: Run, prompt: List[int], step: int, on_prefill=None):
             commit(run.caches, run.state, rnd, a, new)
             run.queued.pop(0)
             run.kv.apply(run.caches.trunk)
-            stats.record(rnd.draft.k, a, rnd.draft.source)
-            if rnd.draft.source == "heads":  # the policy sizes the heads' drafts
-                run.policy.observe(rnd.draft.k, a)
-            if run.sources is not None and rnd.draft.k:
-                run.sources.observe(rnd.draft.source, rnd.draft.k, a)
+            stats.record(rnd.draft.k, a, rnd.draft.source, rnd.draft.vocab)
+            run.observe(rnd, a, new)
             if not run.queued and run.wanted(stats.emitted):
                 k = planned if planned is not None else run.plan(stats.emitted)
                 run.launch(k)
@@ -674,13 +732,60 @@ def _generate(run: Run, prompt: List[int], step: int, on_prefill=None):
         _settle(run.caches, run.state, run.queued, run.seen)
 
 
-def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):
-    """The draft-length policy for ``num_draft_tokens`` (see `mtp_generate_step`).
+def draft_vocabs(model, value: Union[int, str]):
+    """The draft vocabularies ``draft_vocab`` lets the heads choose from (None: their
+    own rows), and the `Coverage` that weighs them when there are several."""
+    from . import draft_vocab
+
+    value = draft_vocab.parse(value)
+    V = model.args.vocab_size
+    trained = "draft_vocab" in model.mtp
+    if model.assistant is not None or not model.num_mtp_layers:
+        if isinstance(value, int) and model.assistant is not None:
+            raise MTPError("draft_vocab: an assistant drafts from its own head")
+        return [None], None
+    if value == "full" or (isinstance(value, int) and value >= V):
+        return [V if trained else None], None
+    if value == "auto":
+        own_kind = model.family.head is None and model.family.own_logits
+        if trained or own_kind or model.group is not None:
+            return [None], None  # nothing cheaper to draft from
+        ranking = draft_vocab.ranking_for(model)
+        if ranking is None:
+            return [None], None
+        sizes = draft_vocab.auto_sizes(V)
+        return [None, *sizes], Coverage(ranking, sizes)
+    if trained:
+        raise MTPError(
+            f"these heads were trained to draft from their own "
+            f"{model.mtp.draft_vocab.shape[0]} tokens: draft_vocab takes 'auto' or "
+            "'full'"
+        )
+    if model.group is not None:
+        raise MTPError("draft_vocab: a trunk sharded over several ranks drafts whole")
+    if draft_vocab.ranking_for(model) is None:
+        raise MTPError(
+            f"draft_vocab {value}: {model.source} has no draft vocabulary and no "
+            "tokenizer to rank one with"
+        )
+    return [value], None
+
+
+def draft_policy(
+    model,
+    num_draft_tokens: Union[int, str, object],
+    max_k: int,
+    vocabs=(None,),
+    coverage: Optional[Coverage] = None,
+):
+    """The draft-length policy for ``num_draft_tokens`` (see `mtp_generate_step`),
+    which also picks the draft vocabulary among ``vocabs`` (`draft_vocabs`).
 
     "auto" chooses among 0 and depth..max_k, depth being the model's MTP layers in use:
     a round drafting fewer tokens than that would leave deeper layers' caches behind.
     """
     layers = model.num_mtp_layers
+    sizes = [n for n in vocabs if n is not None]
     if num_draft_tokens == "auto":
         if not 0 <= max_k <= MAX_DRAFT_TOKENS:
             raise MTPError(
@@ -690,14 +795,19 @@ def draft_policy(model, num_draft_tokens: Union[int, str, object], max_k: int):
             return FixedLength(0)
         depth = min(max_k, layers)
         allowed = [0, *range(depth, max_k + 1)]
-        return AdaptiveLength(model_costs(model, max_k), allowed)
+        costs = model_costs(model, max_k, sizes)
+        return AdaptiveLength(costs, allowed, vocabs=vocabs, coverage=coverage)
     if isinstance(num_draft_tokens, int):
         if not 0 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise MTPError(
                 f"num_draft_tokens must be from 0 to {MAX_DRAFT_TOKENS}, got "
                 f"{num_draft_tokens}"
             )
-        return FixedLength(num_draft_tokens if layers else 0)
+        k = num_draft_tokens if layers else 0
+        if k and len(vocabs) > 1:  # k fixed, the vocabulary chosen round by round
+            costs = model_costs(model, k, sizes)
+            return AdaptiveLength(costs, [k], vocabs=vocabs, coverage=coverage)
+        return FixedLength(k, vocabs[0])
     if isinstance(num_draft_tokens, str):
         raise MTPError(
             f"num_draft_tokens must be an integer or 'auto', got {num_draft_tokens!r}"

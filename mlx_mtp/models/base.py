@@ -72,6 +72,13 @@ class RowsHead:
         return mx.quantized_matmul(h, self.weight, transpose=True, **self.quantized)
 
 
+def expand(logits: mx.array, rows: mx.array, vocab_size: int) -> mx.array:
+    """``(..., V')`` logits over the token ids ``rows`` -> ``(..., V)``, -inf elsewhere."""
+    full = mx.full((*logits.shape[:-1], vocab_size), -mx.inf, dtype=logits.dtype)
+    full[..., rows] = logits
+    return full
+
+
 def trunk_embed(trunk: nn.Module, ids: mx.array) -> mx.array:
     """Token embeddings of the trunk, shared with the MTP layers."""
     return trunk.model.embed_tokens(ids)
@@ -104,6 +111,7 @@ class Model(nn.Module):
         self.assistant_source: Optional[Path] = None
         self.group = None  # the ranks the trunk is sharded over (mlx_mtp.distributed)
         self.sharding: Optional[str] = None  # "tensor" or "pipeline" when sharded
+        self.vocab_ranking = None  # `mlx_mtp.draft_vocab.Ranking`, once known
 
     def attach(self, assistant: nn.Module, reads: Dict[str, int], source=None):
         """Draft with ``assistant`` (it replaces any MTP layers)."""
@@ -136,19 +144,31 @@ class Model(nn.Module):
     def logits(self, h: mx.array) -> mx.array:
         return self.family.logits(self.trunk, h)
 
-    def draft_logits(self, h: mx.array) -> mx.array:
-        """``(..., V)`` logits an MTP output drafts from: the shared head, or, when the
-        heads have a draft vocabulary, only its rows of the head (-inf elsewhere)."""
-        if "draft_vocab" not in self.mtp:
+    def draft_logits(self, h: mx.array, vocab: Optional[int] = None) -> mx.array:
+        """``(..., V)`` logits an MTP output drafts from (-inf outside the rows drafted
+        from): with ``vocab``, the rows of the ``vocab`` tokens ranked first by
+        ``self.vocab_ranking`` (`mlx_mtp.draft_vocab`); without, the heads' own draft
+        vocabulary when they were trained with one, else the whole head."""
+        if vocab is None and "draft_vocab" not in self.mtp:
             return self.logits(h)
+        heads = self.__dict__.setdefault("_draft_heads", {})
+        if vocab not in heads:
+            heads[vocab] = self._draft_head(vocab)
+        return heads[vocab](h)
+
+    def _draft_head(self, vocab: Optional[int]):
+        """``h -> (..., V)`` logits of the draft vocabulary ``vocab`` (see
+        `draft_logits`): the head's rows gathered once, or, for a family whose logits
+        are its own kind, its logits masked."""
+        rows = self.mtp.draft_vocab if vocab is None else self.vocab_ranking.rows(vocab)
         head = self.family.head
         if head is None and self.family.own_logits:
-            return self.mtp.restrict(self.logits(h))  # a head of its own kind
-        if getattr(self, "_draft_head", None) is None:
-            full = (head or trunk_head)(self.trunk)
-            self._draft_head = RowsHead(full, self.mtp.draft_vocab)
-            self._vocab_size = full.weight.shape[0]
-        return self.mtp.expand(self._draft_head(h), self._vocab_size)
+            mask = mx.zeros((self.args.vocab_size,), dtype=mx.bool_)
+            mask[rows] = True
+            return lambda h: mx.where(mask, self.logits(h), -mx.inf)
+        full = (head or trunk_head)(self.trunk)
+        rows_head, size = RowsHead(full, rows), full.weight.shape[0]
+        return lambda h: expand(rows_head(h), rows, size)
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.family.embed(self.trunk, ids)

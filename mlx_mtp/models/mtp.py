@@ -80,22 +80,5 @@ class MTPStack(nn.Module):
         if draft_vocab_size:
             self.draft_vocab = mx.zeros((draft_vocab_size,), dtype=mx.int32)
 
-    def expand(self, logits: mx.array, vocab_size: int) -> mx.array:
-        """``(..., V')`` logits over the draft vocabulary -> ``(..., V)``, -inf elsewhere."""
-        full = mx.full((*logits.shape[:-1], vocab_size), -mx.inf, dtype=logits.dtype)
-        full[..., self.draft_vocab] = logits
-        return full
-
-    def restrict(self, logits: mx.array) -> mx.array:
-        """``(..., V)`` draft logits, -inf outside the draft vocabulary (if any)."""
-        if "draft_vocab" not in self:
-            return logits
-        mask = getattr(self, "_mask", None)
-        if mask is None or mask.shape[0] != logits.shape[-1]:
-            mask = mx.zeros((logits.shape[-1],), dtype=mx.bool_)
-            mask[self.draft_vocab] = True
-            self._mask = mask
-        return mx.where(mask, logits, -mx.inf)
-
 
 BlockFactory = Callable[[Any, int], nn.Module]
