@@ -489,7 +489,7 @@ def mtp_generate_step(
     on_prefill: Optional[Any] = None,
     draft_source: str = "heads",
     lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
-    draft_vocab: Union[int, str] = "full",
+    draft_vocab: Union[int, str, None] = None,
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
 
@@ -521,13 +521,13 @@ def mtp_generate_step(
             lookup length) its measured acceptance and the round costs say is
             fastest (`mlx_mtp.draft_length.SourceChoice`).
         lookup_tokens: The longest lookup draft.
-        draft_vocab: The rows of the shared head native MTP heads draft from
-            (`mlx_mtp.draft_vocab`): "full" (the whole head; heads trained with a
-            draft vocabulary keep theirs unless given a number), a number n of
-            tokens (the n the model is most expected to emit), or "auto": the full
-            head or one of a few sizes, round by round, whichever the measured
-            costs, acceptance and share of generated tokens inside say is fastest.
-            The target distribution is never restricted.
+        draft_vocab: The rows of the shared head the MTP heads draft from
+            (`mlx_mtp.draft_vocab`): None, their own (the whole head, or the draft
+            vocabulary heads were trained with); "full", the whole head; a number n
+            of tokens, the n the model is most expected to emit; or "auto", the
+            heads' own rows or one of a few sizes, round by round, whichever the
+            measured costs, acceptance and share of generated tokens inside say is
+            fastest. The target distribution is never restricted.
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -737,6 +737,8 @@ def draft_vocabs(model, value: Union[int, str]):
     own rows), and the `Coverage` that weighs them when there are several."""
     from . import draft_vocab
 
+    if value is None:
+        return [None], None
     value = draft_vocab.parse(value)
     V = model.args.vocab_size
     trained = "draft_vocab" in model.mtp

@@ -23,6 +23,33 @@ read off independently of head quality. The construction:
 Without ``--draft-vocab`` the heads are in the Hugging Face layout
 (``model.layers.{L}.*``); with it, the folder is an mlx-mtp conversion (trunk in
 ``model.safetensors``, heads and their draft vocabulary in ``mtp.safetensors``).
+
+``--zipf S`` makes a model for sampling (temperature 1) instead (vocabulary 32768 unless
+``--vocab`` says otherwise; not with ``--draft-vocab``). Token ``zipf_order[r]`` gets the
+Zipf weight Z ∝ 1/(r+1)^S, ``zipf_order`` a random permutation, and the trunk's
+next-token distribution after x is about the mixture p(pi(x)) = --follow (0.7), the
+rest spread ∝ Z:
+
+- every embedding is ``EMBED_SCALE * (d_x + u) / sqrt(2)``, d_x a random unit direction
+  orthogonal to a fixed unit vector u, so the final-norm hidden state h has a nearly
+  constant component m = h·u (measured, as are n = h·d_x and the rms s of h·d_y, y != x);
+- ``lm_head`` row y is ``alpha_y * d_{pi^-1(y)} + (log Z(y) - (alpha_y s)^2 / 2) * u / m``
+  with ``alpha_y n = lead - log Z(y) + (alpha_y s)^2 / 2``: the successor gets the logit
+  ``lead``, every other token log Z(y) plus cross-term noise of std alpha_y s (about
+  lead / sqrt(H) - log Z(y) / sqrt(H): 0.1 for the top tokens, 0.45 for the rarest at
+  H = 1024; the -(alpha_y s)^2 / 2 keeps its mean over contexts Zipf);
+  ``lead`` is set by bisection so that the mean p(pi(x)) over random contexts is --follow;
+- the head is built as above, and gamma is set so that the expected acceptance of a
+  sampled draft, mean over positions of sum_y min(p(y), q(y)) (teacher-forced on sampled
+  continuations, p the trunk's distribution at the position the head predicts, both at
+  temperature 1), equals --acceptance.
+
+``synthetic.json`` then records the measured trunk p(successor), the sampled acceptance,
+and the coverage by the top-N Zipf-ranked tokens (N = 1024 ... 16384) of the expected
+next-token distribution averaged over sampled contexts (``coverage``), of its
+non-successor part (``coverage_non_successor``) and of the sampled tokens (``sampled``).
+
+    python scripts/make_synthetic_model.py OUT --zipf 1.15 --acceptance 0.66
 """
 
 import argparse
@@ -40,6 +67,8 @@ from mlx_mtp.models.llama import LAYOUT  # noqa: E402  (DeepSeek-style head name
 
 EMBED_SCALE = 8.0
 DAMPING = 0.2
+ZIPF_VOCAB = 32768  # the vocabulary of a --zipf model, unless --vocab says otherwise
+COVERAGE_N = (1024, 2048, 4096, 8192, 16384)
 
 
 def llama_config(params: float, vocab: int, hidden: int = 1024) -> dict:
@@ -68,7 +97,10 @@ def llama_config(params: float, vocab: int, hidden: int = 1024) -> dict:
     }
 
 
-def build_weights(config: dict, seed: int, cycle: int = 0):
+def build_weights(config: dict, seed: int, cycle: int = 0, zipf: float = 0.0):
+    """The weights (``lm_head`` zero with ``zipf``: `zipf_head` writes it once the
+    hidden states are measured), the emitted tokens, and with ``zipf`` the parts
+    `zipf_head` needs (None without)."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
@@ -87,10 +119,16 @@ def build_weights(config: dict, seed: int, cycle: int = 0):
     order = rng.permutation(V)[: cycle or V]  # the tokens the trunk emits
     inverse = np.zeros(V, dtype=np.int64)  # lm_head row pi(x) = direction of x
     inverse[order] = np.roll(order, 1)  # pi(order[i]) = order[i + 1]
-    unit = embed / mx.linalg.norm(embed, axis=-1, keepdims=True)
-    emitted = np.zeros((V, 1), dtype=np.float32)
-    emitted[order] = 4.0
-    w["lm_head.weight"] = unit[mx.array(inverse)] * mx.array(emitted)
+    parts = None
+    if zipf:
+        parts = zipf_parts(embed, order, rng, zipf)
+        w["model.embed_tokens.weight"] = parts.pop("embed")
+        w["lm_head.weight"] = mx.zeros((V, H))
+    else:
+        unit = embed / mx.linalg.norm(embed, axis=-1, keepdims=True)
+        emitted = np.zeros((V, 1), dtype=np.float32)
+        emitted[order] = 4.0
+        w["lm_head.weight"] = unit[mx.array(inverse)] * mx.array(emitted)
     block = dict(tree_flatten(llama.TransformerBlock(args).parameters()))
     for k, v in block.items():
         scale = DAMPING if k.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
@@ -99,7 +137,205 @@ def build_weights(config: dict, seed: int, cycle: int = 0):
         w[f"{head}{LAYOUT.name(name)}.weight"] = mx.ones((H,))
     w[f"{head}{LAYOUT.name('norm')}.weight"] = mx.array(w["model.norm.weight"])
     w["_noise"] = mx.random.normal((H, H)) / np.sqrt(H)
-    return w, np.sort(order)
+    return w, np.sort(order), parts
+
+
+def zipf_parts(embed: mx.array, order, rng, zipf: float) -> dict:
+    """--zipf: embeddings with a shared component along a unit vector u, the token
+    directions orthogonal to it, the successor map and the Zipf log-weights."""
+    V, H = embed.shape
+    u = rng.standard_normal(H)
+    u = mx.array(u / np.linalg.norm(u), dtype=mx.float32)
+    dirs = embed - (embed @ u)[:, None] * u
+    dirs = dirs / mx.linalg.norm(dirs, axis=-1, keepdims=True)
+    succ = np.zeros(V, dtype=np.int64)
+    succ[order] = np.roll(order, -1)  # pi(order[i]) = order[i + 1]
+    inverse = np.zeros(V, dtype=np.int64)
+    inverse[succ] = np.arange(V)
+    zipf_order = rng.permutation(V)
+    logz = np.zeros(V)
+    logz[zipf_order] = -zipf * np.log(np.arange(1, V + 1))
+    logz -= np.logaddexp.reduce(logz)
+    return {
+        "embed": EMBED_SCALE * (dirs + u) / np.sqrt(2.0),
+        "dirs": dirs,
+        "u": u,
+        "succ": succ,
+        "inverse": inverse,
+        "zipf_order": zipf_order,
+        "logz": logz,
+    }
+
+
+def zipf_stats(parts: dict, h: mx.array, tokens: mx.array) -> dict:
+    """Statistics of post-norm hidden states ``h`` (N, H) at ``tokens`` (N,): m = mean
+    h·u; the mean of h off u, c (the damped layers add a nearly constant vector; its
+    products with the directions, kept in ``parts["const"]``, would raise some tokens
+    everywhere, so `zipf_coefficients` cancels them through u); n = mean (h - c)·d_x and
+    s = rms of (h - c)·d_y over y != x."""
+    hu = h @ parts["u"]
+    mean = h.mean(0)
+    c = mean - (mean @ parts["u"]) * parts["u"]
+    const = parts["dirs"] @ c
+    dots = h @ parts["dirs"].T - const
+    own = mx.take_along_axis(dots, tokens[:, None], axis=1)[:, 0]
+    N, V = dots.shape
+    s2 = ((dots * dots).sum() - (own * own).sum()) / (N * (V - 1))
+    parts["const"] = np.array(const)
+    norm = mx.linalg.norm(h, axis=-1).mean()
+    return {
+        "n": own.mean().item(),
+        "m": hu.mean().item(),
+        "s": mx.sqrt(s2).item(),
+        "m_rel_std": (mx.sqrt(((hu - hu.mean()) ** 2).mean()) / hu.mean()).item(),
+        "mean_off_u_rel": (mx.linalg.norm(c) / norm).item(),
+    }
+
+
+def zipf_coefficients(parts: dict, stats: dict, lead: float):
+    """``lm_head`` row y = alpha_y * d_{pi^-1(y)} + beta_y * u."""
+    n, m, s = stats["n"], stats["m"], stats["s"]
+    logz = parts["logz"]
+    alpha = (lead - logz) / n
+    for _ in range(4):  # alpha_y n - (alpha_y s)^2 / 2 = lead - log Z(y)
+        alpha = (lead - logz + (alpha * s) ** 2 / 2) / n
+    const = parts["const"][parts["inverse"]]
+    beta = (logz - (alpha * s) ** 2 / 2 - alpha * const) / m
+    return mx.array(alpha, dtype=mx.float32), mx.array(beta, dtype=mx.float32)
+
+
+def zipf_head(parts: dict, stats: dict, lead: float) -> mx.array:
+    alpha, beta = zipf_coefficients(parts, stats, lead)
+    rows = parts["dirs"][mx.array(parts["inverse"])]
+    return alpha[:, None] * rows + beta[:, None] * parts["u"]
+
+
+def zipf_lead(parts: dict, stats: dict, h: mx.array, tokens: mx.array, follow: float):
+    """The successor logit ``lead`` at which the mean p(pi(x)) over the rows is
+    ``follow`` (bisection; the rows' hidden states do not depend on ``lm_head``)."""
+    dots = (h @ parts["dirs"].T)[:, mx.array(parts["inverse"])]  # h·d_{pi^-1(y)}
+    hu = (h @ parts["u"])[:, None]
+    succ = mx.array(parts["succ"])[tokens][:, None]
+
+    def p_succ(lead):
+        alpha, beta = zipf_coefficients(parts, stats, lead)
+        logits = dots * alpha + hu * beta
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.exp(mx.take_along_axis(logp, succ, axis=1)).mean().item()
+
+    lo, hi = -10.0, 30.0
+    for _ in range(30):
+        lead = (lo + hi) / 2
+        if p_succ(lead) < follow:
+            lo = lead
+        else:
+            hi = lead
+    return (lo + hi) / 2
+
+
+def sampled_features(model, vocab_size: int, rng, seed: int, length: int = 256):
+    """Continuations of random prompts sampled from the trunk at temperature 1, with
+    their hidden states and the trunk's log-probabilities."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=1.0)
+    features = []
+    for _ in range(4):
+        prompt = rng.integers(0, vocab_size, 8).tolist()
+        steps = generate_step(
+            mx.array(prompt), model.trunk, max_tokens=length, sampler=sampler
+        )
+        seq = mx.array(prompt + [int(t) for t, _ in steps])[None]
+        h = model.hidden(seq)
+        logits = model.logits(h)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(h, logp)
+        features.append((seq, h, logp, len(prompt)))
+    return features
+
+
+def sampled_acceptance(model, features) -> float:
+    """Teacher-forced expected acceptance of a depth-1 draft sampled at temperature 1:
+    mean over rows of sum_y min(p(y), q(y)), p the trunk's distribution at the
+    position the head predicts."""
+    total = rows = 0
+    for seq, h, logp, _ in features:
+        z = model.mtp_forward(0, h[:, :-1], seq[:, 1:])
+        q = mx.softmax(model.logits(z), axis=-1)  # row i predicts token i + 2
+        total += mx.minimum(mx.exp(logp[:, 1:]), q).sum().item()
+        rows += q.shape[1]
+    return total / rows
+
+
+def zipf_report(parts: dict, features) -> dict:
+    """The trunk's measured distribution over the sampled contexts."""
+    succ = mx.array(parts["succ"])
+    order = mx.array(parts["zipf_order"])
+    logz = mx.array(parts["logz"], dtype=mx.float32)
+    V = logz.shape[0]
+    p_succ, mean_p, mean_ns, corr, rows = 0.0, 0.0, 0.0, 0.0, 0
+    sampled, jumped, followed = [], [], 0
+    for seq, h, logp, n_prompt in features:
+        tokens = seq[0]
+        logp = logp[0]
+        s = succ[tokens][:, None]
+        p = mx.exp(logp)
+        ps = mx.take_along_axis(p, s, axis=1)
+        is_succ = mx.arange(V)[None] == s
+        ns = mx.where(is_succ, 0.0, p) / (1 - ps)
+        # Pearson correlation of log p with log Z over the non-successor tokens.
+        keep = mx.logical_not(is_succ)
+        k = V - 1
+        a = mx.where(keep, logp, 0.0)
+        b = mx.where(keep, logz[None], 0.0)
+        am, bm = a.sum(1, keepdims=True) / k, b.sum(1, keepdims=True) / k
+        cov = (mx.where(keep, (a - am) * (b - bm), 0.0)).sum(1)
+        va = mx.where(keep, (a - am) ** 2, 0.0).sum(1)
+        vb = mx.where(keep, (b - bm) ** 2, 0.0).sum(1)
+        corr += (cov / mx.sqrt(va * vb)).sum().item()
+        p_succ += ps.sum().item()
+        mean_p = mean_p + p.sum(0)
+        mean_ns = mean_ns + ns.sum(0)
+        rows += p.shape[0]
+        gen = np.array(tokens).tolist()
+        for prev, t in zip(gen[n_prompt - 1 : -1], gen[n_prompt:]):
+            sampled.append(t)
+            if t == parts["succ"][prev]:
+                followed += 1
+            else:
+                jumped.append(t)
+    mean_p, mean_ns = mean_p / rows, mean_ns / rows
+    rank = np.zeros(V, dtype=np.int64)
+    rank[parts["zipf_order"]] = np.arange(V)
+    cum = np.cumsum(np.array(mean_p[order]))
+    cum_ns = np.cumsum(np.array(mean_ns[order]))
+    cum_z = np.cumsum(np.exp(parts["logz"][parts["zipf_order"]]))
+    ranks = rank[np.array(sampled)]
+    jumped_ranks = rank[np.array(jumped, dtype=np.int64)]
+    counts = np.bincount(np.array(jumped, dtype=np.int64), minlength=V)
+    top = np.argsort(-counts, kind="stable")[:10]
+    return {
+        "trunk_p_successor": p_succ / rows,
+        "zipf_logp_correlation": corr / rows,
+        "coverage": {N: float(cum[N - 1]) for N in COVERAGE_N if N <= V},
+        "coverage_non_successor": {
+            N: float(cum_ns[N - 1]) for N in COVERAGE_N if N <= V
+        },
+        "coverage_zipf": {N: float(cum_z[N - 1]) for N in COVERAGE_N if N <= V},
+        "sampled": {
+            "tokens": len(sampled),
+            "successor_fraction": followed / len(sampled),
+            "coverage": {N: float((ranks < N).mean()) for N in COVERAGE_N if N <= V},
+            "coverage_non_successor": {
+                N: float((jumped_ranks < N).mean()) for N in COVERAGE_N if N <= V
+            },
+            # the most frequent sampled non-successor tokens
+            "top10_counts": counts[top].tolist(),
+            "top10_zipf_ranks": rank[top].tolist(),
+        },
+    }
 
 
 def write_conversion(out: Path, config: dict, w: dict, vocab, info) -> None:
@@ -149,13 +385,35 @@ def main():
     p.add_argument("out", type=Path)
     p.add_argument("--acceptance", type=float, default=0.7)
     p.add_argument("--params", type=float, default=300e6)
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument(
+        "--vocab", type=int, default=None, help=f"32000 ({ZIPF_VOCAB} with --zipf)"
+    )
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--draft-vocab", type=int, default=0, help="tokens the trunk emits (0: all)"
     )
+    p.add_argument(
+        "--zipf",
+        type=float,
+        default=0.0,
+        help="Zipf exponent S of a model for sampling at temperature 1 (0: off)",
+    )
+    p.add_argument(
+        "--follow",
+        type=float,
+        default=0.7,
+        help="with --zipf: the trunk's mean probability of its successor token",
+    )
     args = p.parse_args()
+    if args.zipf and args.draft_vocab:
+        p.error("--zipf cannot be combined with --draft-vocab")
+    if args.zipf < 0:
+        p.error("--zipf must be >= 0")
+    if args.zipf and not 0 < args.follow < 1:
+        p.error("--follow must be in (0, 1)")
+    if args.vocab is None:
+        args.vocab = ZIPF_VOCAB if args.zipf else 32000
     blas = ensure_fast_blas()
     from mlx_lm.generate import generate_step
 
@@ -163,7 +421,7 @@ def main():
     from mlx_mtp.testing.fixtures import write_tokenizer
 
     config = llama_config(args.params, args.vocab, args.hidden)
-    w, emitted = build_weights(config, args.seed, args.draft_vocab)
+    w, emitted, parts = build_weights(config, args.seed, args.draft_vocab, args.zipf)
     vocab = mx.array(emitted, dtype=mx.int32) if args.draft_vocab else None
     noise = w.pop("_noise")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -179,13 +437,41 @@ def main():
 
     model = write(0.0)
     rng = np.random.default_rng(args.seed + 1)
-    features = []
-    for _ in range(4):  # greedy continuations of random prompts, trunk states fixed
-        prompt = rng.integers(0, args.vocab, 8).tolist()
-        steps = generate_step(mx.array(prompt), model.trunk, max_tokens=120)
-        seq = mx.array(prompt + [int(t) for t, _ in steps])[None]
-        h = model.hidden(seq)
-        features.append((seq, h, mx.argmax(model.logits(h), axis=-1)[0]))
+    zipf = {}
+    if args.zipf:
+        # Hidden states do not depend on lm_head: measure them on random tokens, set
+        # lm_head, then sample continuations from the finished trunk.
+        # Twice: first on random tokens, then on the contexts sampled from the first
+        # trunk (p(pi(x)) comes out ~0.01 lower there than on random tokens).
+        seq = mx.array(rng.integers(0, args.vocab, (4, 128)))
+        h = model.hidden(seq).reshape(-1, config["hidden_size"])
+        seq = seq.reshape(-1)
+        for round in range(2):
+            stats = zipf_stats(parts, h, seq)
+            lead = zipf_lead(parts, stats, h, seq, args.follow)
+            w["lm_head.weight"] = zipf_head(parts, stats, lead)
+            model.trunk.lm_head.weight = w["lm_head.weight"]
+            features = sampled_features(model, args.vocab, rng, args.seed + 2 + round)
+            h = mx.concatenate([f[1][0] for f in features])
+            seq = mx.concatenate([f[0][0] for f in features])
+        zipf = {"zipf": args.zipf, "follow": args.follow, "lead": lead, **stats}
+        zipf.update(zipf_report(parts, features))
+
+        def score():
+            return sampled_acceptance(model, features)
+
+    else:
+        features = []
+        for _ in range(4):  # greedy continuations of random prompts, trunk states fixed
+            prompt = rng.integers(0, args.vocab, 8).tolist()
+            steps = generate_step(mx.array(prompt), model.trunk, max_tokens=120)
+            seq = mx.array(prompt + [int(t) for t, _ in steps])[None]
+            h = model.hidden(seq)
+            features.append((seq, h, mx.argmax(model.logits(h), axis=-1)[0]))
+
+        def score():
+            return agreement(model, features, vocab)
+
     layer = model.mtp.layers[0]
     lo, hi = 0.0, 64.0
     for _ in range(14):  # bisection on gamma: agreement falls as gamma grows
@@ -193,7 +479,7 @@ def main():
         layer.eh_proj.weight = mx.concatenate(
             [mx.eye(noise.shape[0]), gamma * noise], axis=1
         )
-        if agreement(model, features, vocab) > args.acceptance:
+        if score() > args.acceptance:
             lo = gamma
         else:
             hi = gamma
@@ -201,7 +487,7 @@ def main():
     layer.eh_proj.weight = mx.concatenate(
         [mx.eye(noise.shape[0]), gamma * noise], axis=1
     )
-    measured = agreement(model, features, vocab)
+    measured = score()
     write(gamma)
     trunk_params = sum(
         v.size for k, v in w.items() if not k.startswith(LAYOUT.prefix(config, 0))
@@ -214,6 +500,8 @@ def main():
         "draft_vocab": args.draft_vocab,
         "blas": blas,
     }
+    if zipf:  # the measured agreement is then the sampled acceptance
+        info = {**info, "sampled_acceptance": measured, **zipf}
     if args.draft_vocab:
         write_conversion(args.out, config, w, emitted, info)
     (args.out / "synthetic.json").write_text(json.dumps(info, indent=2))

@@ -151,6 +151,8 @@ class Model(nn.Module):
         vocabulary when they were trained with one, else the whole head."""
         if vocab is None and "draft_vocab" not in self.mtp:
             return self.logits(h)
+        if vocab is not None and vocab >= self.args.vocab_size:
+            return self.logits(h)  # every row
         heads = self.__dict__.setdefault("_draft_heads", {})
         if vocab not in heads:
             heads[vocab] = self._draft_head(vocab)
