@@ -9,6 +9,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlx_mtp import draft_vocab as ranking
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import (
     HEADS_FILE,
@@ -21,6 +22,8 @@ from mlx_mtp.heads import (
 )
 from mlx_mtp.loading import build_mtp, load_trunk, read_config
 from mlx_mtp.models import get_family
+from mlx_mtp.models.base import Model
+from mlx_mtp.models.mtp import MTPStack
 
 from .hf import _cast, _save_config
 from .output import locked, replace_files
@@ -53,8 +56,11 @@ def graft_heads(
     revision: Optional[str] = None,
     head_bits: int = 8,
     overwrite: bool = False,
+    draft_vocab: bool = True,
 ) -> Path:
-    """Attach the MTP heads of ``hf_path`` to the MLX conversion at ``mlx_path``."""
+    """Attach the MTP heads of ``hf_path`` to the MLX conversion at ``mlx_path``, and
+    (``draft_vocab``) the ranking of its vocabulary for draft vocabularies
+    (`mlx_mtp.draft_vocab`)."""
     if head_bits not in (4, 8, 16):
         raise MTPError("head_bits must be 4, 8 or 16")
     dst = Path(mlx_path)
@@ -90,14 +96,16 @@ def graft_heads(
     revision = revision or snapshot_revision(src)
     record = provenance(source, head_bits, revision, src, grafted=True)
     dst_config["mtp"] = heads_section(stack, quantization, record)
+    writers = {dst / HEADS_FILE: lambda p: save_heads(p, stack)}
+    ranked = None
+    if draft_vocab and "draft_vocab" not in stack:
+        ranked = ranking.rank_folder(dst, Model(trunk, MTPStack([]), family, dst))
+    if ranked is not None:
+        dst_config["mtp"]["draft_vocab"] = ranked[1]
+        writers[dst / ranking.FILE] = lambda p: ranking.save_ranking(p, ranked[0])
+    writers[dst / "config.json"] = lambda p: _save_config(dst_config, p.parent, p.name)
     with locked(dst):
-        replace_files(
-            {
-                dst / HEADS_FILE: lambda p: save_heads(p, stack),
-                dst
-                / "config.json": lambda p: _save_config(dst_config, p.parent, p.name),
-            }
-        )
+        replace_files(writers)
     return dst
 
 

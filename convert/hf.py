@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_map_with_path
 
 from mlx_mtp import assistant as assistants
+from mlx_mtp import draft_vocab
 from mlx_mtp.assistant import is_assistant
 from mlx_mtp.errors import MissingHeadsError, MTPError
 from mlx_mtp.heads import (
@@ -27,7 +28,13 @@ from mlx_mtp.heads import (
     quantize_heads,
     save_heads,
 )
-from mlx_mtp.loading import build_mtp, check_declared, load_trunk, read_config
+from mlx_mtp.loading import (
+    build_mtp,
+    check_declared,
+    load_model,
+    load_trunk,
+    read_config,
+)
 from mlx_mtp.models import get_family
 
 from .assistant import convert_assistant, pair_section
@@ -65,6 +72,9 @@ class Options:
         copy_code: Copy the source's ``*.py`` files (custom tokenizer or model code,
             run only with ``trust_remote_code``); default: leave them out, with a
             warning.
+        draft_vocab: Rank the vocabulary for draft vocabularies (`mlx_mtp.draft_vocab`:
+            one pass of the converted model over a built-in text) and store the
+            ranking with the heads.
     """
 
     quantize: bool = False
@@ -78,6 +88,7 @@ class Options:
     shard_gb: float = 5.0
     progress: bool = True
     copy_code: bool = False
+    draft_vocab: bool = True
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -218,6 +229,21 @@ def _convert_folder(
         save_trunk(tmp, trunk, o.shard_gb, o.progress)
         _save_config(config, tmp)
         copy_side_files(src, tmp, code=o.copy_code)
+        if stack is not None and o.draft_vocab and "draft_vocab" not in stack:
+            _store_ranking(tmp, config)
+
+
+def _store_ranking(folder: Path, config: dict) -> None:
+    """Rank the vocabulary of the conversion written in ``folder`` for draft
+    vocabularies (`mlx_mtp.draft_vocab`), as it will run: quantized if it is."""
+    ranked = draft_vocab.rank_folder(folder, load_model(str(folder), group=None)[0])
+    if ranked is None:
+        log.warning("no tokenizer in the output: the vocabulary is ranked on first use")
+        return
+    ranking, entry = ranked
+    draft_vocab.save_ranking(folder / draft_vocab.FILE, ranking)
+    config["mtp"]["draft_vocab"] = entry
+    _save_config(config, folder)
 
 
 def _cast(module, dtype, predicate) -> None:

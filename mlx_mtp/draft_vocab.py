@@ -174,7 +174,8 @@ def ranking_for(model, tokenizer=None) -> Optional[Ranking]:
         except MTPError:
             ranking = None
     if ranking is None:
-        tokenizer = tokenizer or getattr(model, "tokenizer", None) or _tokenizer(model)
+        if tokenizer is None and model.source is not None:
+            tokenizer = _tokenizer_of(model.source)
         if tokenizer is None:
             return None
         ranking = rank_tokens(model, calibration_ids(tokenizer))
@@ -186,17 +187,6 @@ def ranking_for(model, tokenizer=None) -> Optional[Ranking]:
                 pass
     model.vocab_ranking = ranking
     return ranking
-
-
-def _tokenizer(model):
-    if model.source is None:
-        return None
-    from mlx_lm.utils import load_tokenizer
-
-    try:
-        return load_tokenizer(Path(model.source))
-    except Exception:  # no usable tokenizer in the folder: no ranking
-        return None
 
 
 def auto_sizes(vocab_size: int) -> List[int]:
@@ -222,3 +212,38 @@ def parse(value: Union[int, str]) -> DraftVocab:
             f"got {value!r}"
         )
     return n
+
+
+def rank_folder(folder: Path, model):
+    """Rank the vocabulary of ``model``, loaded from ``folder`` (the ranking reads
+    only the trunk's logits, so it may be the trunk alone, wrapped in a
+    `mlx_mtp.models.base.Model`), with the folder's tokenizer.
+
+    Returns:
+        ``(ranking, entry)``, entry being the ``"draft_vocab"`` entry of the config's
+        ``"mtp"`` section once the ranking is saved as ``FILE``; None when the folder
+        has no tokenizer to read the calibration text with.
+    """
+    tokenizer = _tokenizer_of(folder)
+    if tokenizer is None:
+        return None
+    ids = calibration_ids(tokenizer)
+    entry = {"file": FILE, "criterion": CRITERION, "calibration_tokens": len(ids)}
+    return rank_tokens(model, ids), entry
+
+
+def _tokenizer_of(folder: Path):
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(Path(folder))
+    except Exception:  # no usable tokenizer in the folder
+        return None
+
+
+def load_stored(model_path: Path, section: dict, vocab_size: int) -> Optional[Ranking]:
+    """The ranking a conversion's ``"mtp"`` section names, if any."""
+    entry = section.get("draft_vocab")
+    if not isinstance(entry, dict):
+        return None
+    return load_ranking(Path(model_path) / entry.get("file", FILE), vocab_size)

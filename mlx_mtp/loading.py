@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import assistant as assistants
-from . import distributed
+from . import distributed, draft_vocab
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import safetensors_header
 from .heads import has_heads_file, load_heads, load_strict, quantize_like
@@ -361,6 +361,8 @@ def _load_model(
         if not lazy:
             mx.eval(stack.parameters())
     model = Model(trunk, stack, family, source=model_path)
+    if stack.layers and has_heads_file(config):
+        model.vocab_ranking = _stored_ranking(model_path, config, model)
     if group is not None:
         model.group, model.sharding = group, distributed.shard(trunk, group)
     if draft_model is not None:
@@ -379,6 +381,16 @@ def _load_model(
         evaluate_all(model)
     model.eval()
     return model, config, model_path
+
+
+def _stored_ranking(model_path: Path, config: dict, model: Model):
+    """The draft vocabulary ranking a conversion stores (`mlx_mtp.draft_vocab`); one
+    that cannot be read is ranked again on first use, with a warning."""
+    try:
+        return draft_vocab.load_stored(model_path, config["mtp"], model.args.vocab_size)
+    except MTPError as e:
+        log.warning("%s; the vocabulary is ranked again when first needed", e)
+        return None
 
 
 def check_shards(model_path: Path) -> None:

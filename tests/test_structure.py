@@ -22,6 +22,7 @@ LAYERS = [
         "paths",
     ],  # the root imports its names lazily
     ["models"],
+    ["draft_vocab"],
     ["heads", "assistant", "loading"],
     ["sampling", "rejection", "cache", "draft_length", "lookup"],
     ["speculative"],
