@@ -107,6 +107,21 @@ class DraftLength(click.ParamType):
         return k
 
 
+class DraftVocab(click.ParamType):
+    """``auto``, ``full`` or a positive number of tokens."""
+
+    name = "auto|full|N"
+
+    def convert(self, value, param, ctx):
+        from .draft_vocab import parse
+        from .errors import MTPError
+
+        try:
+            return parse(value)
+        except MTPError:
+            self.fail(f"{value!r} is not 'auto', 'full' or a number of tokens", param)
+
+
 def max_tokens_option(default: int, help: str):
     """``--max-tokens/-m``: a positive count, or -1 for no limit."""
 
@@ -246,6 +261,36 @@ SAMPLING_OPTIONS = [
 ]
 
 
+# Where drafts come from: shared by ``generate``, ``chat`` and ``serve``.
+SAMPLING_OPTIONS += [
+    click.option(
+        "--draft-source",
+        type=click.Choice(["heads", "lookup", "auto"]),
+        default="auto",
+        show_default=True,
+        help="heads: the MTP heads; lookup: also continuations found in the prompt "
+        "and the text so far (prompt lookup), else the heads; auto: the source "
+        "measured to be faster, round by round.",
+    ),
+    click.option(
+        "--lookup-tokens",
+        type=click.IntRange(1, MAX_DRAFT_TOKENS),
+        default=DEFAULT_LOOKUP_TOKENS,
+        show_default=True,
+        help="The longest lookup draft.",
+    ),
+    click.option(
+        "--draft-vocab",
+        type=DraftVocab(),
+        default="auto",
+        show_default=True,
+        help="Rows of the head the MTP heads draft from: full, the N tokens the "
+        "model emits most, or auto (full or a smaller set, round by round, as "
+        "measured fastest). The output is the same.",
+    ),
+]
+
+
 def sampling_options(fn):
     for option in reversed(SAMPLING_OPTIONS):
         fn = option(fn)
@@ -276,22 +321,6 @@ def decode_options(fn):
             default=5000,
             show_default=True,
             help="Positions before the KV cache is quantized.",
-        ),
-        click.option(
-            "--draft-source",
-            type=click.Choice(["heads", "lookup", "auto"]),
-            default="heads",
-            show_default=True,
-            help="lookup: also draft continuations found in the prompt and the text "
-            "so far (prompt lookup), falling back to the heads; auto: the source "
-            "measured to be faster, round by round.",
-        ),
-        click.option(
-            "--lookup-tokens",
-            type=click.IntRange(1, MAX_DRAFT_TOKENS),
-            default=DEFAULT_LOOKUP_TOKENS,
-            show_default=True,
-            help="The longest lookup draft.",
         ),
         click.option("--system-prompt", default=None),
         click.option(
@@ -327,6 +356,7 @@ def _decode_kwargs(options: dict) -> dict:
         "quantized_kv_start",
         "draft_source",
         "lookup_tokens",
+        "draft_vocab",
     )
     out = {k: options[k] for k in keys}
     out["kv_bits"] = None if options["kv_bits"] is None else int(options["kv_bits"])

@@ -77,8 +77,9 @@ def stream_generate(
     quantized_kv_start: int = 5000,
     session: Optional[Session] = None,
     on_prefill=None,
-    draft_source: str = "heads",
+    draft_source: str = "auto",
     lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
+    draft_vocab: Union[int, str] = "auto",
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a generation, one `GenerationResponse` per token.
 
@@ -98,9 +99,12 @@ def stream_generate(
         session: A `Session` to go on from (multi-turn chat): ``prompt`` is then what
             follows the tokens of earlier calls, whose caches are reused.
         on_prefill: Called with the session once the prompt is in its caches.
-        draft_source, lookup_tokens: "lookup" also drafts continuations found in the
-            context (prompt lookup), up to ``lookup_tokens`` tokens; see
+        draft_source, lookup_tokens: "heads", "lookup" (also draft continuations
+            found in the context, prompt lookup, up to ``lookup_tokens`` tokens) or
+            "auto" (the faster, round by round); see
             `mlx_mtp.speculative.mtp_generate_step`.
+        draft_vocab: The rows of the head native MTP heads draft from: "auto", "full"
+            or a number of tokens (`mlx_mtp.draft_vocab`; the output is the same).
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
@@ -130,6 +134,7 @@ def stream_generate(
         on_prefill=on_prefill,
         draft_source=draft_source,
         lookup_tokens=lookup_tokens,
+        draft_vocab=draft_vocab,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -188,13 +193,18 @@ def format_stats(r: GenerationResponse) -> str:
         f"peak {r.peak_memory:.2f} GB"
     )
     stats = r.mtp
-    if stats is not None and stats.num_draft_tokens:
+    if stats is not None and stats.positions:
         per_pos = " ".join(f"{x:.2f}" for x in stats.acceptance_per_position)
         line += (
             f" | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.2f}),"
             f" per position [{per_pos}] | {stats.tokens_per_round:.2f} tok/round,"
             f" {stats.mean_draft_length:.2f} drafts/round"
         )
+        vocabs = stats.drafted_by_vocab
+        if set(vocabs) - {"full"}:
+            line += " | draft vocab " + ", ".join(
+                f"{v} {n}" for v, n in sorted(vocabs.items(), key=lambda x: x[0])
+            )
         if len(stats.drafted_by_source) > 1 or "lookup" in stats.drafted_by_source:
             line += " | by source " + ", ".join(
                 f"{source} {stats.accepted_by_source[source]}/{n}"

@@ -35,6 +35,7 @@ from typing import List, Optional
 import mlx.core as mx
 from mlx_lm import server as lm_server
 
+from .draft_vocab import parse as parse_draft_vocab
 from .errors import MTPError, one_line
 from .generate import stream_generate
 from .loading import load
@@ -265,7 +266,9 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             max_tokens=args.max_tokens,
             num_draft_tokens=args.num_draft_tokens,
             max_draft_tokens=self.cli_args.max_draft_tokens,
-            draft_source=getattr(args, "draft_source", "heads"),
+            draft_source=getattr(args, "draft_source", self.cli_args.draft_source),
+            lookup_tokens=self.cli_args.lookup_tokens,
+            draft_vocab=getattr(args, "draft_vocab", self.cli_args.draft_vocab),
             temp=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -472,12 +475,18 @@ class MTPHandler(lm_server.APIHandler):
                 "num_draft_tokens",
             )
         self._num_draft_tokens = k
-        source = body.pop("draft_source", "heads")
+        source = body.pop("draft_source", args.draft_source)
         if source not in ("heads", "lookup", "auto"):
             raise bad_request(
                 "draft_source must be 'heads', 'lookup' or 'auto'", "draft_source"
             )
         self._draft_source = source
+        try:
+            self._draft_vocab = parse_draft_vocab(
+                body.pop("draft_vocab", args.draft_vocab)
+            )
+        except MTPError as e:
+            raise bad_request(str(e), "draft_vocab") from None
         for key in ("max_tokens", "max_completion_tokens"):
             n = body.get(key)
             if n is not None and type(n) is int and n > args.max_tokens_limit:
@@ -522,6 +531,7 @@ class MTPHandler(lm_server.APIHandler):
             def generate(self, request, args, progress_callback=None):
                 args.num_draft_tokens = handler._num_draft_tokens
                 args.draft_source = handler._draft_source
+                args.draft_vocab = handler._draft_vocab
                 try:
                     ctx, responses = handler._generator.generate(
                         request, args, progress_callback
@@ -578,6 +588,7 @@ def mtp_block(stats) -> dict:
     """The ``mtp`` block of a response: what was drafted and accepted."""
     return {
         "num_draft_tokens": stats.num_draft_tokens,
+        "positions": stats.positions,
         "rounds": stats.rounds,
         "drafted": stats.drafted,
         "accepted": stats.accepted,
@@ -586,6 +597,7 @@ def mtp_block(stats) -> dict:
         "tokens_per_round": stats.tokens_per_round,
         "drafted_by_source": dict(stats.drafted_by_source),
         "accepted_by_source": dict(stats.accepted_by_source),
+        "drafted_by_vocab": dict(stats.drafted_by_vocab),
     }
 
 
@@ -626,6 +638,9 @@ def server_args(**options) -> argparse.Namespace:
         allowed_origins=["*"],
         num_draft_tokens="auto",  # the server's default; mlx-lm's field is 0
         max_draft_tokens=4,
+        draft_source="auto",
+        lookup_tokens=8,
+        draft_vocab="auto",
         trust_remote_code=False,
         chat_template="",
         use_default_chat_template=False,

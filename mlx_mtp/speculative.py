@@ -60,7 +60,8 @@ DRAFT_SOURCES = ("heads", "lookup", "auto")
 class MTPStats:
     """Running speculative-decoding statistics of one generation."""
 
-    num_draft_tokens: int
+    num_draft_tokens: int  # the heads' longest draft
+    positions: int = 0  # the longest draft of any source (default: the heads')
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -77,10 +78,11 @@ class MTPStats:
     drafted_by_vocab: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.drafted_per_position = [0] * self.num_draft_tokens
-        self.accepted_per_position = [0] * self.num_draft_tokens
+        self.positions = max(self.positions, self.num_draft_tokens)
+        self.drafted_per_position = [0] * self.positions
+        self.accepted_per_position = [0] * self.positions
         self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
-        self.rounds_by_k = [0] * (self.num_draft_tokens + 1)
+        self.rounds_by_k = [0] * (self.positions + 1)
 
     @property
     def acceptance_rate(self) -> float:
@@ -619,7 +621,7 @@ class Run:
         else:
             depth = min(self.policy.max_k, model.num_mtp_layers)
             s.state = prefill(model, s.caches, prompt, depth, step, self.kv)
-        self.stats = MTPStats(max(self.policy.max_k, self.lookup_tokens))
+        self.stats = MTPStats(self.policy.max_k, self.lookup_tokens)
         self.seen = len(self.state.tokens) - 1
 
     def wanted(self, emitted: int) -> bool:

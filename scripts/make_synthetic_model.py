@@ -441,13 +441,14 @@ def main():
     if args.zipf:
         # Hidden states do not depend on lm_head: measure them on random tokens, set
         # lm_head, then sample continuations from the finished trunk.
-        # Twice: first on random tokens, then on the contexts sampled from the first
-        # trunk (p(pi(x)) comes out ~0.01 lower there than on random tokens).
+        # The statistics on random tokens (sampled contexts repeat the frequent ones);
+        # lead twice: on random tokens, then on contexts sampled from the first trunk
+        # (p(pi(x)) comes out ~0.01 lower there than on random tokens).
         seq = mx.array(rng.integers(0, args.vocab, (4, 128)))
         h = model.hidden(seq).reshape(-1, config["hidden_size"])
         seq = seq.reshape(-1)
+        stats = zipf_stats(parts, h, seq)
         for round in range(2):
-            stats = zipf_stats(parts, h, seq)
             lead = zipf_lead(parts, stats, h, seq, args.follow)
             w["lm_head.weight"] = zipf_head(parts, stats, lead)
             model.trunk.lm_head.weight = w["lm_head.weight"]

@@ -78,7 +78,9 @@ def test_chat_equals_generate_with_usage_and_mtp(client, local):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert mtp["drafted"] >= mtp["accepted"] > 0
     assert mtp["rounds"] * mtp["tokens_per_round"] >= usage.completion_tokens
-    assert len(mtp["acceptance_per_position"]) == mtp["num_draft_tokens"]
+    assert mtp["num_draft_tokens"] == 3
+    # per position up to the longest draft of any source (lookup drafts up to 8)
+    assert len(mtp["acceptance_per_position"]) == mtp["positions"] == 8
 
 
 def test_lookup_drafts_through_the_server(client, local):
