@@ -68,6 +68,7 @@ class Row:
     k: Union[int, str, None]  # None: mlx-lm plain decoding; "auto"
     tok_s: float
     source: str = "heads"  # the draft source (`mtp_generate_step`'s draft_source)
+    vocab: Union[int, str, None] = None  # its draft_vocab (None: the heads' own)
     ratio: float = 1.0
     acceptance: List[float] = field(default_factory=list)
     tokens_per_round: float = 1.0
@@ -112,7 +113,9 @@ def run_plain(model, prompt, n: int, temp: float, seed: int) -> float:
     return (n - 1) / _decode_time(steps, n)
 
 
-def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int, source="heads"):
+def run_mtp(
+    model, prompt, n: int, temp: float, k: int, seed: int, source="heads", vocab=None
+):
     steps = mtp_generate_step(
         prompt,
         model,
@@ -121,6 +124,7 @@ def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int, source="heads
         max_tokens=n,
         seed=seed,
         draft_source=source,
+        draft_vocab=vocab,
     )
     tic, last = None, None
     with mx.stream(generation_stream):  # as stream_generate (and mlx-lm) run it
@@ -131,14 +135,17 @@ def run_mtp(model, prompt, n: int, temp: float, k: int, seed: int, source="heads
     return (n - 1) / (time.perf_counter() - tic), last.stats
 
 
-def costs(model, prompt, max_k: int, reps: int) -> Dict[str, float]:
-    """Medians of t_verify(n) for n = 1..max_k+1 and of one draft step, in seconds,
-    after ``prompt`` (`mlx_mtp.draft_length.time_round`, with more repetitions)."""
+def costs(model, prompt, max_k: int, reps: int, vocabs=()) -> Dict[str, float]:
+    """Medians of t_verify(n) for n = 1..max_k+1, of one draft step and of one draft
+    step from each draft vocabulary size in ``vocabs`` (``draft_N``), in seconds, after
+    ``prompt`` (`mlx_mtp.draft_length.time_round`, with more repetitions)."""
     reps = max(7, 2 * reps)  # small, noisy timings: take more
-    t, draft = time_round(model, mx.array(prompt, dtype=mx.int32), max_k, reps)
+    ids = mx.array(prompt, dtype=mx.int32)
+    t, draft, drafts = time_round(model, ids, max_k, reps, vocabs)
     out = {f"verify_{n}": x for n, x in enumerate(t, start=1)}
     if model.num_mtp_layers:
         out["draft"] = draft
+        out.update({f"draft_{n}": d for n, d in drafts.items()})
     return out
 
 
@@ -154,37 +161,45 @@ def bench(
     seed: int = 0,
     log=print,
     sources: Sequence[str] = ("heads",),
+    vocabs: Sequence[Union[int, str, None]] = (None,),
 ) -> dict:
     """Run the benchmark; returns {"rows": [...], "costs": {...}} (see module docstring).
     ``sources``: the draft sources to run each k with ("heads", "lookup", "auto");
-    the ideal speedup is reported for heads drafts only."""
+    the ideal speedup is reported for heads drafts only. ``vocabs``: the draft
+    vocabularies to run heads drafts with (None: the heads' own rows; "full", a
+    number of tokens, "auto": see `mlx_mtp.draft_vocab`)."""
     ks = [k for k in ks if k == 0 or model.num_mtp_layers]
     all_prompts = prompts(tokenizer, model, seed)
     names = list(workloads or all_prompts)
     max_k = max(DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k for k in ks)
-    c = costs(model, all_prompts["code"], max_k, reps)
+    sizes = _sizes(model, vocabs)
+    c = costs(model, all_prompts["code"], max_k, reps, sizes)
     rows = []
     for name in names:
         prompt = all_prompts[name]
         for temp in temps:
-            runs_of = [(None, "heads")] + [
-                (k, src) for src in sources for k in ks if k != 0 or src == "heads"
+            runs_of = [(None, "heads", None)] + [
+                (k, src, v)
+                for src in sources
+                for k in ks
+                for v in (vocabs if k != 0 else vocabs[:1])
+                if k != 0 or src == "heads"
             ]
             samples = {run: [] for run in runs_of}
             stats = {}
             for rep in range(reps + 1):  # the first round warms up
-                for k, src in samples:
+                for k, src, v in samples:
                     mx.reset_peak_memory()
                     if k is None:
                         rate = run_plain(model, prompt, tokens, temp, seed + rep)
                     else:
-                        rate, stats[k, src] = run_mtp(
-                            model, prompt, tokens, temp, k, seed + rep, src
+                        rate, stats[k, src, v] = run_mtp(
+                            model, prompt, tokens, temp, k, seed + rep, src, v
                         )
                     if rep:
-                        samples[k, src].append((rate, mx.get_peak_memory() / 1e9))
-            base = statistics.median(r for r, _ in samples[None, "heads"])
-            for (k, src), runs in samples.items():
+                        samples[k, src, v].append((rate, mx.get_peak_memory() / 1e9))
+            base = statistics.median(r for r, _ in samples[None, "heads", None])
+            for (k, src, v), runs in samples.items():
                 rate = statistics.median(r for r, _ in runs)
                 row = Row(
                     name,
@@ -192,11 +207,12 @@ def bench(
                     k,
                     rate,
                     src,
+                    v,
                     rate / base,
                     peak_gb=max(p for _, p in runs),
                 )
                 if k is not None:
-                    s = stats[k, src]
+                    s = stats[k, src, v]
                     row.acceptance = s.acceptance_per_position
                     row.tokens_per_round = s.tokens_per_round
                     row.mean_k = s.mean_draft_length
@@ -208,11 +224,36 @@ def bench(
     return {"rows": [asdict(r) for r in rows], "costs": c}
 
 
+def _sizes(model, vocabs) -> List[int]:
+    """The draft vocabulary sizes whose draft steps the runs of ``vocabs`` time."""
+    from .draft_vocab import auto_sizes
+
+    V = model.args.vocab_size
+    out = set()
+    for v in vocabs:
+        if v == "auto":
+            out.update(auto_sizes(V))
+        elif isinstance(v, int) and v < V:
+            out.add(v)
+    return sorted(out) if model.num_mtp_layers and model.assistant is None else []
+
+
 def ideal_speedup(stats, c: Dict[str, float]) -> float:
-    """Tokens per round over the mean round cost, in plain decode steps."""
+    """Tokens per round over the mean round cost, in plain decode steps (a draft step
+    costs the mean over the draft vocabularies the run drafted from)."""
+    by_vocab = stats.drafted_by_vocab
+    drafted = sum(by_vocab.values())
+    step = c.get("draft", 0.0)
+    if drafted:
+        step = (
+            sum(
+                n * c.get("draft" if v == "full" else f"draft_{v}", c.get("draft", 0.0))
+                for v, n in by_vocab.items()
+            )
+            / drafted
+        )
     cost = sum(
-        n * (c[f"verify_{k + 1}"] + k * c.get("draft", 0.0))
-        for k, n in enumerate(stats.rounds_by_k)
+        n * (c[f"verify_{k + 1}"] + k * step) for k, n in enumerate(stats.rounds_by_k)
     )
     return stats.emitted * c["verify_1"] / cost if cost else 1.0
 
@@ -223,6 +264,8 @@ def format_row(r: Row) -> str:
         who += f"~{r.mean_k:.1f}"
     if r.k is not None and r.source != "heads":
         who += f" {r.source}"
+    if r.k is not None and r.vocab is not None:
+        who += f" dv={r.vocab}"
     acc = " ".join(f"{a:.2f}" for a in r.acceptance)
     ideal = f"{r.ideal:5.2f}x" if r.ideal is not None else "     -"
     eff = f"{r.efficiency:5.2f}" if r.efficiency is not None else "    -"

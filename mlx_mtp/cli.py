@@ -954,14 +954,43 @@ def serve(model, chat_template_args, **options):
     "--workload",
     "workloads",
     multiple=True,
-    type=click.Choice(["code", "chat", "prose", "adversarial"]),
+    type=click.Choice(
+        ["code", "chat", "prose", "code-edit", "summarise", "adversarial"]
+    ),
+)
+@click.option(
+    "--draft-source",
+    "sources",
+    type=click.Choice(["heads", "lookup", "auto"]),
+    multiple=True,
+    default=("heads",),
+    show_default=True,
+    help="Draft sources to run each k with (repeat the option for several).",
+)
+@click.option(
+    "--draft-vocab",
+    "vocabs",
+    type=DraftVocab(),
+    multiple=True,
+    help="Draft vocabularies to run heads drafts with (repeat for several) "
+    "[the heads' own rows].",
 )
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
 @DRAFT_MODEL
 @TRUST_REMOTE_CODE
 @friendly_errors
 def bench(
-    model, tokens, reps, ks, temps, workloads, json_path, draft_model, trust_remote_code
+    model,
+    tokens,
+    reps,
+    ks,
+    temps,
+    workloads,
+    sources,
+    vocabs,
+    json_path,
+    draft_model,
+    trust_remote_code,
 ):
     """Speed against mlx-lm plain decoding, interleaved in one process (see
     scripts/bench.py for CPU timing with a fast BLAS)."""
@@ -994,6 +1023,8 @@ def bench(
         tokens=tokens,
         reps=reps,
         workloads=workloads or None,
+        sources=sources,
+        vocabs=vocabs or (None,),
         log=click.echo,
     )
     if json_path:

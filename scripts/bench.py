@@ -4,7 +4,7 @@
 
     python scripts/bench.py --model PATH [--draft-model ASSISTANT] [--tokens 128] [--reps 5] [--k 0 1 2 3 4 auto]
         [--temp 0 0.7] [--workloads code chat prose code-edit summarise adversarial]
-        [--sources heads lookup auto] [--json out.json]
+        [--sources heads lookup auto] [--vocabs own full 4096 auto] [--json out.json]
 """
 
 import argparse
@@ -20,6 +20,12 @@ def _draft_length(value: str):
     return value if value == "auto" else int(value)
 
 
+def _draft_vocab(value: str):
+    return (
+        None if value == "own" else (value if value in ("auto", "full") else int(value))
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -33,6 +39,14 @@ def main():
     p.add_argument("--workloads", nargs="+", default=None)
     p.add_argument(
         "--sources", nargs="+", default=["heads"], choices=["heads", "lookup", "auto"]
+    )
+    p.add_argument(
+        "--vocabs",
+        type=_draft_vocab,
+        nargs="+",
+        default=[None],
+        help="draft vocabularies for heads drafts: own (the heads' own rows), full, "
+        "a number of tokens, auto",
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -55,6 +69,7 @@ def main():
         reps=args.reps,
         workloads=args.workloads,
         sources=args.sources,
+        vocabs=args.vocabs,
         log=lambda line: print(line, flush=True),
     )
     result.update(blas=blas, model=args.model, tokens=args.tokens, reps=args.reps)
