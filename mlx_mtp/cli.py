@@ -655,6 +655,13 @@ def head_bits_option(default: str):
     default=None,
     help="A Gemma 4 assistant to write beside the target (the folder runs the pair).",
 )
+@click.option(
+    "--draft-vocab/--no-draft-vocab",
+    default=True,
+    show_default=True,
+    help="Rank the vocabulary for draft vocabularies (one pass of the model over a "
+    "built-in text) and store it with the heads.",
+)
 @click.option("--graft-heads-from", "graft_from", hidden=True)
 @click.option("--check", "check_path", hidden=True)
 @click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, hidden=True)
@@ -703,6 +710,13 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
 @head_bits_option("8")
 @REVISION
 @click.option("--overwrite", is_flag=True, help="Replace heads the folder already has.")
+@click.option(
+    "--draft-vocab/--no-draft-vocab",
+    default=True,
+    show_default=True,
+    help="Rank the vocabulary for draft vocabularies (one pass of the model over a "
+    "built-in text) and store it with the heads.",
+)
 @friendly_errors
 def graft(source, mlx_path, **options):
     """Add MTP heads to an existing MLX conversion (e.g. an mlx-community model).
@@ -722,12 +736,14 @@ def _graft(source, mlx_path, options: dict) -> None:
     if not mlx_path:
         raise click.UsageError("--mlx-path is required")
     assistant = is_assistant_source(source, options["revision"])
+    extra = {} if assistant else {"draft_vocab": options.get("draft_vocab", True)}
     out = (graft_assistant if assistant else graft_heads)(
         source,
         mlx_path,
         revision=options["revision"],
         head_bits=options["head_bits"] or 8,
         overwrite=options["overwrite"],
+        **extra,
     )
     what = "the assistant" if assistant else "MTP heads"
     click.echo(f"grafted {what} from {source} onto {out}")

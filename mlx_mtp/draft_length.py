@@ -24,7 +24,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import assistant_kv, begin_verify, make_caches, rewind
+from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS
 from .distributed import Sync
+from .draft_vocab import auto_sizes
 from .paths import home
 
 
@@ -131,7 +133,13 @@ def model_costs(model, max_k: int, vocabs: Sequence[int] = ()) -> RoundCosts:
         zeros = RoundCosts([0.0] * (max_k + 1), 0.0, dict.fromkeys(vocabs, 0.0))
         costs = stored or zeros
     else:  # every rank times the same passes (a sharded trunk's collectives match)
-        costs = measure_costs(model, max_k, vocabs=vocabs)
+        # Measured for what the default options need too, so that a later run with
+        # other options finds the same costs (a seeded run then drafts the same ks).
+        reach = max(max_k, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_LOOKUP_TOKENS)
+        sizes = set(vocabs)
+        if model.vocab_ranking is not None:
+            sizes.update(auto_sizes(model.args.vocab_size))
+        costs = measure_costs(model, reach, vocabs=sorted(sizes))
         if key and sync.rank == 0:
             _store_costs(key, costs)
     if sync.group is not None:  # rank 0's costs, so that every rank picks the same k

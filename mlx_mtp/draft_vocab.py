@@ -93,9 +93,10 @@ def rank_tokens(model, ids: Sequence[int], context: int = 512, rows: int = 128):
     return Ranking(order, mass[order].astype(np.float32))
 
 
-def calibration_ids(tokenizer, limit: int = MAX_CALIBRATION_TOKENS) -> List[int]:
+def calibration_ids(tokenizer, limit: Optional[int] = None) -> List[int]:
     """The built-in calibration text as token ids, section by section (sections are
-    separated by blank lines), at most ``limit``."""
+    separated by blank lines), at most ``limit`` (default `MAX_CALIBRATION_TOKENS`)."""
+    limit = limit or MAX_CALIBRATION_TOKENS
     ids: List[int] = []
     for section in CALIBRATION.read_text(encoding="utf-8").split("\n\n"):
         if len(ids) >= limit:

@@ -109,6 +109,29 @@ def test_lookup_drafts_through_the_server(client, local):
         )
 
 
+def test_draft_vocab_through_the_server(client, local):
+    """``draft_vocab`` in the request: the reply equals plain decoding and the mtp
+    block counts the drafts from that vocabulary; a bad value is a 400."""
+    r = client.chat.completions.create(
+        model="default_model",
+        messages=MESSAGES,
+        max_tokens=12,
+        extra_body={"num_draft_tokens": 2, "draft_vocab": 64, "draft_source": "heads"},
+    )
+    assert r.choices[0].message.content == expected(
+        local, MESSAGES, 12, num_draft_tokens=0
+    )
+    mtp = r.model_extra["mtp"]
+    assert mtp["drafted_by_vocab"] == {"64": mtp["drafted"]} and mtp["drafted"]
+    with pytest.raises(openai.BadRequestError, match="draft_vocab"):
+        client.chat.completions.create(
+            model="default_model",
+            messages=MESSAGES,
+            max_tokens=4,
+            extra_body={"draft_vocab": "most"},
+        )
+
+
 def test_streaming_chat_and_text_completions(client, local):
     chunks = list(
         client.chat.completions.create(
