@@ -390,12 +390,29 @@ def _load_for_decoding(model, options: dict):
         from .demo import demo_model
 
         model = str(demo_model())
-    return load(
+    mdl, tokenizer = load(
         model,
         allow_missing_heads=options["allow_missing_heads"],
         trust_remote_code=options["trust_remote_code"],
         draft_model=options["draft_model"],
     )
+    _rank_vocabulary(mdl, tokenizer, options["draft_vocab"])
+    return mdl, tokenizer
+
+
+def _rank_vocabulary(model, tokenizer, value) -> None:
+    """Rank the vocabulary for draft vocabularies now, saying so, when ``value``
+    needs a ranking that is neither stored with the model nor cached."""
+    from . import draft_vocab
+
+    if value == "full" or not draft_vocab.wants_ranking(model):
+        return
+    if not draft_vocab.has_ranking(model):
+        click.echo(
+            "ranking the vocabulary for draft vocabularies (once for this model)...",
+            err=True,
+        )
+    draft_vocab.ranking_for(model, tokenizer)
 
 
 MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo model]."

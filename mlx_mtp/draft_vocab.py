@@ -160,6 +160,25 @@ def _cache_path(model) -> Optional[Path]:
     return home() / "draft-vocab" / f"{key.hexdigest()[:32]}.safetensors"
 
 
+def wants_ranking(model) -> bool:
+    """Whether the model's heads can draft from a draft vocabulary of a ranking:
+    native MTP heads (not an assistant, not heads trained with their own draft
+    vocabulary) on a trunk that is not sharded, whose head is a plain projection."""
+    return (
+        model.num_mtp_layers > 0
+        and model.assistant is None
+        and "draft_vocab" not in model.mtp
+        and model.group is None
+        and not (model.family.head is None and model.family.own_logits)
+    )
+
+
+def has_ranking(model) -> bool:
+    """Whether the ranking is known without computing it (stored or cached)."""
+    path = _cache_path(model)
+    return model.vocab_ranking is not None or (path is not None and path.is_file())
+
+
 def ranking_for(model, tokenizer=None) -> Optional[Ranking]:
     """The model's ranking: the one its conversion stores, else the one computed for
     it earlier, else computed now from the calibration text (with ``tokenizer``, or

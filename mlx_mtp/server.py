@@ -35,6 +35,7 @@ from typing import List, Optional
 import mlx.core as mx
 from mlx_lm import server as lm_server
 
+from . import draft_vocab
 from .draft_vocab import parse as parse_draft_vocab
 from .errors import MTPError, one_line
 from .generate import stream_generate
@@ -161,6 +162,8 @@ class MTPModelProvider(lm_server.ModelProvider):
             trust_remote_code=self.cli_args.trust_remote_code,
             tokenizer_config=self._tokenizer_config,
         )
+        if draft_vocab.wants_ranking(model):  # before serving, not in a request
+            draft_vocab.ranking_for(model, tokenizer)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (self.cli_args.model, None, self.cli_args.draft_model)

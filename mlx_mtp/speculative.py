@@ -751,8 +751,7 @@ def draft_vocabs(model, value: Union[int, str]):
     if value == "full" or (isinstance(value, int) and value >= V):
         return [V if trained else None], None
     if value == "auto":
-        own_kind = model.family.head is None and model.family.own_logits
-        if trained or own_kind or model.group is not None:
+        if not draft_vocab.wants_ranking(model):
             return [None], None  # nothing cheaper to draft from
         ranking = draft_vocab.ranking_for(model)
         if ranking is None:
