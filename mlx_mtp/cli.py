@@ -396,7 +396,6 @@ def _load_for_decoding(model, options: dict):
         trust_remote_code=options["trust_remote_code"],
         draft_model=options["draft_model"],
     )
-    _rank_vocabulary(mdl, tokenizer, options["draft_vocab"])
     return mdl, tokenizer
 
 
@@ -461,6 +460,7 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
     sync = Sync(mdl.group)
     sync.all_ok(error)
     ids = sync.share_tokens(ids)
+    _rank_vocabulary(mdl, tokenizer, options["draft_vocab"])
     response = None
     try:
         for response in stream_generate(
@@ -511,6 +511,7 @@ def chat(model, max_tokens, **options):
     if system:
         start = [{"role": "system", "content": check_text(system, "--system-prompt")}]
     render_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # fail now
+    _rank_vocabulary(mdl, tokenizer, options["draft_vocab"])
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")  # bad bytes: checked per line
     messages, session = list(start), Session()
