@@ -23,8 +23,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
+from . import draft_vocab
 from .defaults import DEFAULT_MAX_DRAFT_TOKENS
 from .draft_length import time_round
+from .errors import MTPError
 from .sampling import SamplingParams
 from .speculative import mtp_generate_step
 
@@ -173,6 +175,8 @@ def bench(
     names = list(workloads or all_prompts)
     max_k = max(DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k for k in ks)
     sizes = _sizes(model, vocabs)
+    if sizes and draft_vocab.ranking_for(model, tokenizer) is None:
+        raise MTPError("no ranking of the vocabulary for draft vocabularies")
     c = costs(model, all_prompts["code"], max_k, reps, sizes)
     rows = []
     for name in names:
@@ -226,13 +230,11 @@ def bench(
 
 def _sizes(model, vocabs) -> List[int]:
     """The draft vocabulary sizes whose draft steps the runs of ``vocabs`` time."""
-    from .draft_vocab import auto_sizes
-
     V = model.args.vocab_size
     out = set()
     for v in vocabs:
         if v == "auto":
-            out.update(auto_sizes(V))
+            out.update(draft_vocab.auto_sizes(V))
         elif isinstance(v, int) and v < V:
             out.add(v)
     return sorted(out) if model.num_mtp_layers and model.assistant is None else []

@@ -57,6 +57,30 @@ def test_bench_cli(checkpoint, tmp_path):
     assert "mtp k=2" in result.output
 
 
+def test_bench_with_sources_and_draft_vocabularies(checkpoint, tmp_path):
+    """Runs per draft source and draft vocabulary; the draft step is timed for each
+    vocabulary size, and each run's ideal uses its own."""
+    out = tmp_path / "bench.json"
+    path = str(checkpoint("deepseek_v3", predictable=True))
+    args = ["bench", "--model", path, "--tokens", "16", "--reps", "1", "-k", "2"]
+    args += ["--temp", "0", "--workload", "code-edit", "--json", str(out)]
+    args += ["--draft-source", "heads", "--draft-source", "lookup"]
+    args += ["--draft-vocab", "full", "--draft-vocab", "64"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    runs = [(r["k"], r["source"], r["vocab"]) for r in data["rows"]]
+    assert runs == [
+        (None, "heads", None),
+        (2, "heads", "full"),
+        (2, "heads", 64),
+        (2, "lookup", "full"),
+        (2, "lookup", 64),
+    ]
+    assert data["costs"]["draft_64"] > 0 and data["costs"]["draft"] > 0
+    assert "dv=64" in result.output
+
+
 @pytest.mark.parametrize("draft_vocab", [0, 256])
 def test_synthetic_model_lands_near_its_acceptance(tmp_path, draft_vocab):
     out = tmp_path / "syn"
