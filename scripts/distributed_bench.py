@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fast_blas import ensure_fast_blas  # noqa: E402
-
 import mlx.core as mx  # noqa: E402
+from fast_blas import ensure_fast_blas  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from mlx_mtp import load  # noqa: E402
