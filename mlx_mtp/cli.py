@@ -399,14 +399,19 @@ def _load_for_decoding(model, options: dict):
     return mdl, tokenizer
 
 
-def _rank_vocabulary(model, tokenizer, value) -> None:
-    """Rank the vocabulary for draft vocabularies now, saying so, when ``value``
-    needs a ranking that is neither stored with the model nor cached."""
+def _rank_vocabulary(model, tokenizer, options: dict, rank: int) -> None:
+    """Rank the vocabulary for draft vocabularies now, before decoding, when the
+    options draft with the heads from a draft vocabulary and the ranking is neither
+    stored with the model nor cached; rank 0 says so on stderr unless ``--quiet``."""
     from . import draft_vocab
 
-    if value == "full" or not draft_vocab.wants_ranking(model):
+    if (
+        options["draft_vocab"] == "full"
+        or options["num_draft_tokens"] == 0
+        or not draft_vocab.wants_ranking(model)
+    ):
         return
-    if not draft_vocab.has_ranking(model):
+    if not draft_vocab.has_ranking(model) and options["verbose"] and rank == 0:
         click.echo(
             "ranking the vocabulary for draft vocabularies (once for this model)...",
             err=True,
@@ -460,7 +465,7 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
     sync = Sync(mdl.group)
     sync.all_ok(error)
     ids = sync.share_tokens(ids)
-    _rank_vocabulary(mdl, tokenizer, options["draft_vocab"])
+    _rank_vocabulary(mdl, tokenizer, options, rank)
     response = None
     try:
         for response in stream_generate(
@@ -511,7 +516,7 @@ def chat(model, max_tokens, **options):
     if system:
         start = [{"role": "system", "content": check_text(system, "--system-prompt")}]
     render_chat(tokenizer, start + [{"role": "user", "content": "hi"}])  # fail now
-    _rank_vocabulary(mdl, tokenizer, options["draft_vocab"])
+    _rank_vocabulary(mdl, tokenizer, options, rank)
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")  # bad bytes: checked per line
     messages, session = list(start), Session()
