@@ -3,8 +3,9 @@ process, interleaved, medians of several runs.
 
 For every workload (code, chat, prose, and an adversarial prompt of random tokens) and
 temperature it reports decode tokens/s (the first token, i.e. the prompt, excluded),
-the ratio to mlx-lm, acceptance per draft position, tokens per round, peak memory, and
-the **ideal** speedup the measured acceptance allows given the measured costs:
+the ratio to mlx-lm, acceptance per draft position and tokens per round (over all the
+timed runs together), peak memory, and the **ideal** speedup the measured acceptance
+allows given the measured costs:
 
     ideal(k) = tokens_per_round(k) / (t(k + 1) / t(1) + k * t_draft / t(1))
 
@@ -197,9 +198,11 @@ def bench(
                     if k is None:
                         rate = run_plain(model, prompt, tokens, temp, seed + rep)
                     else:
-                        rate, stats[k, src, v] = run_mtp(
+                        rate, s = run_mtp(
                             model, prompt, tokens, temp, k, seed + rep, src, v
                         )
+                        if rep:  # acceptance over every timed run
+                            stats[k, src, v] = stats[k, src, v] + s if rep > 1 else s
                     if rep:
                         samples[k, src, v].append((rate, mx.get_peak_memory() / 1e9))
             base = statistics.median(r for r, _ in samples[None, "heads", None])

@@ -20,7 +20,7 @@ there is one host sync per round.
 
 import copy
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Generator, List, Optional, Union
 
 import mlx.core as mx
@@ -98,6 +98,26 @@ class MTPStats:
     @property
     def tokens_per_round(self) -> float:
         return self.emitted / self.rounds if self.rounds else 0.0
+
+    def __add__(self, other: "MTPStats") -> "MTPStats":
+        """The statistics of both generations together (runs of one benchmark)."""
+        out = MTPStats(
+            max(self.num_draft_tokens, other.num_draft_tokens),
+            max(self.positions, other.positions),
+        )
+        for f in fields(out):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, list):
+                a, b = a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b))
+                value = [x + y for x, y in zip(a, b)]
+            elif isinstance(a, dict):
+                value = {key: a.get(key, 0) + b.get(key, 0) for key in {**a, **b}}
+            elif f.name in ("num_draft_tokens", "positions"):
+                continue
+            else:
+                value = a + b
+            setattr(out, f.name, value)
+        return out
 
     def record(self, k: int, a: int, source: str = "heads", vocab=None) -> None:
         if k:

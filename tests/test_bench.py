@@ -119,3 +119,24 @@ def test_synthetic_model_lands_near_its_acceptance(tmp_path, draft_vocab):
         assert model.mtp.draft_vocab.shape == (draft_vocab,)
         emitted = {o.token for o in outs[1:]}  # after the first, from the cycle
         assert emitted <= set(np.array(model.mtp.draft_vocab).tolist())
+
+
+def test_stats_of_several_runs_add_up():
+    """The benchmark reports acceptance over all its timed runs: MTPStats add."""
+    from mlx_mtp.speculative import MTPStats
+
+    rounds_a = [(3, 2, "heads", None), (3, 0, "heads", 512), (8, 5, "lookup", None)]
+    rounds_b = [(2, 2, "heads", None), (0, 0, "heads", None)]
+    a, b, both = MTPStats(3, 8), MTPStats(2, 2), MTPStats(3, 8)
+    for stats, rounds in ((a, rounds_a), (b, rounds_b), (both, rounds_a + rounds_b)):
+        for k, n, source, vocab in rounds:
+            stats.record(k, n, source, vocab)
+    total = a + b
+    for name in ("rounds", "drafted", "accepted", "emitted", "rounds_by_k"):
+        assert getattr(total, name) == getattr(both, name), name
+    assert total.drafted_per_position == both.drafted_per_position
+    assert total.accepted_per_position == both.accepted_per_position
+    assert total.drafted_by_source == {"heads": 8, "lookup": 8}
+    assert total.accepted_by_source == both.accepted_by_source
+    assert total.drafted_by_vocab == {"full": 5, "512": 3}
+    assert total.tokens_per_round == both.tokens_per_round
