@@ -193,8 +193,14 @@ def format_stats(r: GenerationResponse) -> str:
         f"peak {r.peak_memory:.2f} GB"
     )
     stats = r.mtp
-    if stats is not None and stats.positions:
-        per_pos = " ".join(f"{x:.2f}" for x in stats.acceptance_per_position)
+    if stats is not None and stats.positions and not stats.drafted:
+        line += " | no drafts (plain decoding)"
+    elif stats is not None and stats.positions:
+        drafted = [d > 0 for d in stats.drafted_per_position]
+        acceptance = stats.acceptance_per_position[
+            : len(drafted) - drafted[::-1].index(True)
+        ]
+        per_pos = " ".join(f"{x:.2f}" for x in acceptance)
         line += (
             f" | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.2f}),"
             f" per position [{per_pos}] | {stats.tokens_per_round:.2f} tok/round,"

@@ -26,6 +26,7 @@ def test_generate_streams_text_and_stats(checkpoint, tmp_path, monkeypatch):
     assert again.output.splitlines()[:-1] == text  # same greedy text, no note
     plain = run(*args, "-k", "0")
     assert plain.output.splitlines()[:-1] == text
+    assert plain.output.splitlines()[-1].endswith("| no drafts (plain decoding)")
 
 
 def test_quiet_prints_only_the_text(checkpoint, tmp_path, monkeypatch):
