@@ -235,8 +235,8 @@ SAMPLING_OPTIONS = [
         type=DraftLength(),
         default="auto",
         show_default=True,
-        help="MTP drafts per round (0: plain decoding; auto: the fastest k, "
-        "each round).",
+        help="MTP drafts per round (0: plain decoding, or lookup drafts only with "
+        "--draft-source lookup; auto: the fastest k, each round).",
     ),
     click.option(
         "--max-draft-tokens",

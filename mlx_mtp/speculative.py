@@ -541,7 +541,9 @@ def mtp_generate_step(
             ``lookup_tokens`` tokens, and falls back to the heads otherwise (it works
             for a model without heads too); "auto" drafts from whichever source (and
             lookup length) its measured acceptance and the round costs say is
-            fastest (`mlx_mtp.draft_length.SourceChoice`).
+            fastest (`mlx_mtp.draft_length.SourceChoice`). With
+            ``num_draft_tokens=0`` "auto" decodes plainly and "lookup" drafts from
+            the context only.
         lookup_tokens: The longest lookup draft.
         draft_vocab: The rows of the shared head the MTP heads draft from
             (`mlx_mtp.draft_vocab`): None, their own (the whole head, or the draft
@@ -573,6 +575,8 @@ def mtp_generate_step(
         raise MTPError(
             f"lookup_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {lookup_tokens}"
         )
+    if num_draft_tokens == 0 and draft_source == "auto":
+        draft_source = "heads"  # k = 0 is plain decoding unless lookup is asked for
     vocabs, coverage = draft_vocabs(model, draft_vocab)
     policy = draft_policy(model, num_draft_tokens, max_draft_tokens, vocabs, coverage)
     session = session if session is not None else Session(caches)

@@ -26,7 +26,7 @@ def test_generate_streams_text_and_stats(checkpoint, tmp_path, monkeypatch):
     assert again.output.splitlines()[:-1] == text  # same greedy text, no note
     plain = run(*args, "-k", "0")
     assert plain.output.splitlines()[:-1] == text
-    assert plain.output.splitlines()[-1].endswith("| no drafts (plain decoding)")
+    assert plain.output.splitlines()[-1].endswith(" GB")  # -k 0: plain, no drafts
 
 
 def test_quiet_prints_only_the_text(checkpoint, tmp_path, monkeypatch):
@@ -98,3 +98,22 @@ def test_kv_cache_flags(checkpoint):
     assert drafted.output == plain.output
     both = run(*args, "-k", "0", "--max-kv-size", "16", "--kv-bits", "4")
     assert both.exit_code == 1 and "rotating" in both.output
+
+
+def test_stats_line_shows_the_drafted_positions_only():
+    from types import SimpleNamespace
+
+    from mlx_mtp.generate import format_stats
+    from mlx_mtp.speculative import MTPStats
+
+    def line(stats):
+        r = SimpleNamespace(
+            prompt_tokens=5, prompt_tps=1.0, generation_tokens=9, generation_tps=1.0
+        )
+        return format_stats(SimpleNamespace(**vars(r), peak_memory=0.1, mtp=stats))
+
+    stats = MTPStats(3, 8)  # heads up to 3, lookup up to 8
+    stats.record(0, 0)
+    assert line(stats).endswith("| no drafts (plain decoding)")
+    stats.record(2, 1)
+    assert "per position [1.00 0.00] |" in line(stats)
