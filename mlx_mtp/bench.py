@@ -79,6 +79,9 @@ class Row:
     ideal: Optional[float] = None
     efficiency: Optional[float] = None
     peak_gb: float = 0.0
+    # drafts by source and, for heads drafts, by draft vocabulary ("full" or its size)
+    drafted_by_source: Dict[str, int] = field(default_factory=dict)
+    drafted_by_vocab: Dict[str, int] = field(default_factory=dict)
 
 
 def prompts(tokenizer, model, seed: int) -> Dict[str, List[int]]:
@@ -223,6 +226,8 @@ def bench(
                     row.acceptance = s.acceptance_per_position
                     row.tokens_per_round = s.tokens_per_round
                     row.mean_k = s.mean_draft_length
+                    row.drafted_by_source = dict(s.drafted_by_source)
+                    row.drafted_by_vocab = dict(s.drafted_by_vocab)
                     if src == "heads":
                         row.ideal = ideal_speedup(s, c)
                         row.efficiency = row.ratio / row.ideal

@@ -78,6 +78,9 @@ def test_bench_with_sources_and_draft_vocabularies(checkpoint, tmp_path):
         (2, "lookup", 64),
     ]
     assert data["costs"]["draft_64"] > 0 and data["costs"]["draft"] > 0
+    heads_64 = data["rows"][2]
+    assert set(heads_64["drafted_by_vocab"]) == {"64"}
+    assert set(heads_64["drafted_by_source"]) == {"heads"}
     assert "dv=64" in result.output
 
 
