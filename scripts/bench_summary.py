@@ -12,8 +12,8 @@ from pathlib import Path
 
 def main():
     print(
-        f"{'file':22} {'workload':11} {'T':>3} {'k':>7} {'tok/s':>7} {'vs mlx-lm':>9} "
-        f"{'ideal':>6} {'eff':>5} {'tok/round':>9}  acceptance"
+        f"{'file':22} {'workload':11} {'T':>3} {'run':>18} {'tok/s':>7} "
+        f"{'vs mlx-lm':>9} {'ideal':>6} {'eff':>5} {'tok/round':>9}  acceptance"
     )
     for path in map(Path, sys.argv[1:]):
         data = json.loads(path.read_text())
@@ -21,16 +21,28 @@ def main():
         for r in data["rows"]:
             k = r["k"]
             ideal = eff = None
-            if k is not None:
+            if k is not None and r.get("source", "heads") == "heads":
                 ideal = r.get("ideal") or _ideal(r, k, c)
                 eff = r["ratio"] / ideal
-            who = "mlx-lm" if k is None else f"k={k}"
             acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
             print(
-                f"{path.stem:22} {r['workload']:11} {r['temp']:>3} {who:>7} {r['tok_s']:7.2f} "
-                f"{r['ratio']:8.2f}x {ideal or 0:6.2f} {eff or 0:5.2f} "
+                f"{path.stem:22} {r['workload']:11} {r['temp']:>3} {_run(r):>18} "
+                f"{r['tok_s']:7.2f} {r['ratio']:8.2f}x {ideal or 0:6.2f} {eff or 0:5.2f} "
                 f"{r['tokens_per_round']:9.2f}  [{acc}]"
             )
+
+
+def _run(r: dict) -> str:
+    """``mlx-lm``, or k with the draft source and draft vocabulary when not the
+    defaults of files written before they existed."""
+    if r["k"] is None:
+        return "mlx-lm"
+    out = f"k={r['k']}"
+    if r.get("source", "heads") != "heads":
+        out += f" {r['source']}"
+    if r.get("vocab") is not None:
+        out += f" dv={r['vocab']}"
+    return out
 
 
 def _ideal(r: dict, k: int, c: dict) -> float:
