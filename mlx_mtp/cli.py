@@ -12,6 +12,7 @@ import click
 from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 DEFAULT_MAX_TOKENS = 256
+SEED = click.IntRange(0, 2**64 - 1)  # MLX's seeds (mlx_mtp.sampling.check_seed)
 
 
 def _fail(message: str, code: int = 1):
@@ -301,7 +302,7 @@ def decode_options(fn):
     """Drafting, sampling and KV-cache options shared by ``generate`` and ``chat``."""
     options = SAMPLING_OPTIONS + [
         click.option(
-            "--seed", type=int, default=None, help="Seed for reproducible sampling."
+            "--seed", type=SEED, default=None, help="Seed for reproducible sampling."
         ),
         click.option(
             "--kv-bits",
@@ -856,7 +857,7 @@ def _check(path, source, min_agreement, trust_remote_code):
 @click.option(
     "--save-every", type=click.IntRange(min=1), default=100, show_default=True
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--work-dir", default=None, help="Features and checkpoints [OUT.train].")
 @click.option("--resume", is_flag=True, help="Continue the run in the work folder.")
 @OVERWRITE

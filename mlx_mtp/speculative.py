@@ -51,7 +51,13 @@ from .draft_length import (
 from .errors import MTPError
 from .lookup import continuation
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
-from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
+from .sampling import (
+    SamplingParams,
+    check_seed,
+    filtered_logprobs,
+    log_softmax,
+    sample,
+)
 
 DRAFT_SOURCES = ("heads", "lookup", "auto")
 
@@ -562,6 +568,7 @@ def mtp_generate_step(
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt:
         raise MTPError("the prompt is empty")
+    check_seed(seed)
     if kv.bits is not None and max_kv_size is not None:
         raise MTPError("KV quantization cannot be combined with a rotating KV window")
     if session is not None and max_kv_size is not None:
