@@ -1,19 +1,35 @@
 """GGUF input: a tiny llama checkpoint written as llama.cpp would, converted back."""
 
+import errno
 import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_mtp.convert import convert
-from mlx_mtp.errors import MTPError
+from mlx_mtp.errors import DiskFullError, MTPError
 from mlx_mtp.heads import source_fingerprint
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing.fixtures import write_llama
 
-from .gguf_writer import permute, write_gguf
+from .gguf_writer import (
+    ARRAY,
+    F32,
+    Q8_0,
+    STRING,
+    U32,
+    header,
+    kv,
+    permute,
+    tensor_info,
+    write_gguf,
+)
 
 GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",
@@ -46,8 +62,9 @@ def vocab_size(tok: dict) -> int:
     return 1 + max(ids)
 
 
-def to_gguf(hf, path, quantize=False):
-    """Write ``hf`` as llama.cpp does: GGUF names, permuted q/k, tokenizer metadata."""
+def to_gguf(hf, path, quantize=False, extra=None):
+    """Write ``hf`` as llama.cpp does: GGUF names, permuted q/k, tokenizer metadata
+    (and the metadata ``extra``)."""
     config = json.loads((hf / "config.json").read_text())
     tok = json.loads((hf / "tokenizer.json").read_text())
     tok_config = json.loads((hf / "tokenizer_config.json").read_text())
@@ -100,6 +117,7 @@ def to_gguf(hf, path, quantize=False):
         "tokenizer.ggml.bos_token_id": eos,
         "tokenizer.ggml.eos_token_id": eos,
         "tokenizer.chat_template": tok_config["chat_template"],
+        **(extra or {}),
     }
     big = {k for k, v in tensors.items() if v.ndim == 2 and v.shape[1] % 32 == 0}
     write_gguf(path, meta, tensors, quantize=big if quantize else ())
@@ -171,6 +189,164 @@ def test_gguf_errors(tmp_path):
         ["convert", "--hf-path", str(truncated), "--mlx-path", str(tmp_path / "o")],
     )
     assert result.exit_code == 1 and "cannot read" in result.output
+
+
+def crafted_files() -> dict:
+    """Broken GGUF files that crashed MLX's native reader (string and key lengths,
+    dimension and tensor counts), or would have a reader read past the file, or
+    misread it: name -> (bytes, what the one-line error says)."""
+    q = struct.pack
+    pad = b"\0" * 64  # what a length or count claims more than
+    arch = kv("general.architecture", "llama")
+    data = np.zeros((2, 32), np.float32).tobytes()
+    valid = header(1, 1, arch, tensor_info("token_embd.weight", [32, 2], F32, 0))
+
+    def entry(key: bytes, kind: int, value: bytes = b"") -> bytes:
+        return q("<Q", len(key)) + key + q("<I", kind) + value
+
+    def tensor(dims, kind=F32, offset=0, body=data):
+        info = tensor_info("token_embd.weight", dims, kind, offset)
+        return header(1, 1, arch, info) + body
+
+    many_dims = q("<Q", 1) + b"t" + q("<I", 1000) + q("<Q", 1) * 1000 + q("<IQ", F32, 0)
+    return {
+        "string-2^62": (
+            header(0, 1, entry(b"name", STRING, q("<Q", 1 << 62) + pad)),
+            "4611686018427387904 bytes, past the end",
+        ),
+        "key-2^40": (header(0, 1, q("<Q", 1 << 40) + b"general.name" + pad), "past"),
+        "1000-dims": (header(1, 0, b"", many_dims) + data, "1000 dimensions"),
+        "tensors-2^60": (header(1 << 60, 0) + pad, "1152921504606846976 tensors"),
+        "kv-2^60": (header(0, 1 << 60) + pad, "metadata entries"),
+        "array-2^50": (
+            header(0, 1, entry(b"a", ARRAY, q("<IQ", U32, 1 << 50) + pad)),
+            "past the end",
+        ),
+        "strings-2^50": (
+            header(0, 1, entry(b"a", ARRAY, q("<IQ", STRING, 1 << 50) + pad)),
+            "strings in 'a'",
+        ),
+        "nested-array": (
+            header(0, 1, entry(b"a", ARRAY, q("<IQ", ARRAY, 1) + pad)),
+            "nested",
+        ),
+        "too-short": (b"GGUF" + b"\0" * 10, "too short"),
+        "truncated-header": ((valid + data)[:40], "past the end"),
+        "truncated-data": ((valid + data)[:-8], "past the end"),
+        "data-past-eof": (tensor([32, 2], offset=1 << 40), "past the end"),
+        "misaligned": (tensor([32, 1], offset=8), "not 32-aligned"),
+        "dims-overflow": (tensor([2**31 - 1] * 4), "past the end"),
+        "dim-2^32": (tensor([1 << 32, 1]), "dimension out of range"),
+        "zero-dim": (tensor([32, 0]), "dimension out of range"),
+        "partial-block": (tensor([33, 1], kind=Q8_0), "not whole 32-blocks"),
+        "version-1": (header(0, 0, version=1), "version 1 is not supported"),
+        "version-99": (header(0, 0, version=99), "version 99 is not supported"),
+        "value-type-99": (header(0, 1, entry(b"a", 99) + pad), "value type 99"),
+        "ggml-type-99": (tensor([32, 2], kind=99), "ggml type 99"),
+        "alignment-3": (
+            header(0, 1, entry(b"general.alignment", U32, q("<I", 3))),
+            "not a power of two",
+        ),
+        "key-twice": (header(0, 2, arch + arch), "appears twice"),
+        "key-not-utf8": (header(0, 1, entry(b"\xff", U32, q("<I", 1))), "UTF-8"),
+    }
+
+
+# Runs each crafted file through the CLI in one process (a native crash ends it with
+# 139 or 134 and shows as such): one JSON line per file, exit code and stderr.
+CLI_LOOP = """
+import contextlib, io, json, sys
+from mlx_mtp.cli import run
+for src in sys.argv[1:]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            run(["convert", "--hf-path", src, "--mlx-path", src + ".out"])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps([src, code, err.getvalue()]), flush=True)
+"""
+
+
+def test_crafted_gguf_files_are_one_line_errors(tmp_path):
+    """Every length, count, dimension, type and offset in a GGUF header is checked in
+    Python before a native reader sees the file: a crafted file is one line (exit 1),
+    no traceback, the source untouched and nothing left beside the output path."""
+    cases, paths = crafted_files(), []
+    for name, (blob, _) in cases.items():
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / f"{name}.gguf")
+        paths[-1].write_bytes(blob)
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI_LOOP, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == len(cases)
+    for (src, code, err), (name, (blob, says)) in zip(results, cases.items()):
+        assert code == 1, (name, err)
+        assert err.startswith("mlx-mtp: error: cannot read") and says in err, name
+        assert err.count("\n") == 1 and "Traceback" not in err, name
+        assert [p.name for p in (tmp_path / name).iterdir()] == [f"{name}.gguf"]
+        assert (tmp_path / name / f"{name}.gguf").read_bytes() == blob
+
+
+def test_gguf_with_float64_metadata_converts(llama_hf, tmp_path):
+    """MLX's reader crashes on float64 metadata (a valid GGUF value type): such a file
+    goes to the ``gguf`` package and converts (in a subprocess: a crash shows)."""
+    gguf = to_gguf(llama_hf, tmp_path / "f64.gguf", extra={"x.f64": np.float64(0.5)})
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI_LOOP, str(gguf)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _, code, err = json.loads(proc.stdout.splitlines()[-1])
+    assert code == 0 and "error" not in err
+    assert load(str(tmp_path / "f64.gguf.out"))[0].num_mtp_layers == 1
+
+
+@pytest.mark.parametrize(
+    "module, name, error",
+    [
+        (mx, "save_safetensors", RuntimeError("[write] Unable to write 4096 bytes")),
+        (Path, "write_text", OSError(errno.ENOSPC, "No space left on device")),
+    ],
+    ids=["weights", "configs"],
+)
+def test_full_disk_while_writing_the_scratch_copy(
+    llama_hf, tmp_path, monkeypatch, module, name, error
+):
+    """A full disk while the GGUF file's Hugging Face scratch copy is written is one
+    `DiskFullError`, through the CLI one line, and nothing is left beside the output
+    path."""
+    from click.testing import CliRunner
+
+    from mlx_mtp.cli import main
+
+    (tmp_path / "src").mkdir()
+    gguf = to_gguf(llama_hf, tmp_path / "src" / "tiny.gguf")
+    out = tmp_path / "out" / "mlx"
+
+    def full(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(module, name, full)
+    with pytest.raises(DiskFullError, match=f"no space left on {out.parent}"):
+        convert(str(gguf), out, progress=False)
+    assert list(out.parent.iterdir()) == []
+    result = CliRunner().invoke(
+        main, ["convert", "--hf-path", str(gguf), "--mlx-path", str(out)]
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith("mlx-mtp: error: no space left on")
+    assert result.output.count("\n") == 1 and list(out.parent.iterdir()) == []
+    assert [p.name for p in gguf.parent.iterdir()] == ["tiny.gguf"]
 
 
 def test_demo_model_is_built_from_a_wheel_and_shipped_heads(
