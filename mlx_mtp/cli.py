@@ -887,6 +887,28 @@ def train_heads(model, data, mlx_path, **options):
     help="Require 'Authorization: Bearer KEY' (all endpoints but /health) "
     "[default: $MLX_MTP_API_KEY, else none].",
 )
+@click.option(
+    "--allowed-origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help="Let web pages from ORIGIN (e.g. https://app.example.com; '*' for any) "
+    "call the server; repeatable [default: pages of this machine only].",
+)
+@click.option(
+    "--timeout",
+    "request_timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds a client has to send its request, and may leave the reply unread.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="Connections open at once; one more gets a 503.",
+)
 @sampling_options
 @click.option(
     "--max-tokens",

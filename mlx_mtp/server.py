@@ -11,9 +11,12 @@ words, server-sent events, ``usage``. Three subclasses change what MTP needs:
   through the MTP loop (`mlx_mtp.generate.stream_generate`), going on from the
   `Session` of an earlier conversation when the prompt extends its tokens (`Sessions`,
   an LRU bounded in count and bytes);
-- `MTPHandler` adds a bearer-token check, a body-size bound, OpenAI-style error bodies
-  with the right status codes, ``num_draft_tokens`` as an int or "auto", refusals of
-  options the MTP loop does not implement, and an ``mtp`` block with the statistics.
+- `MTPHandler` adds a bearer-token check, checks that keep web pages out (Origin,
+  Host, Content-Type), bounds on bodies, time and connections (with `_HTTPServer`),
+  checks of the messages' shape (no image is taken, no URL fetched), OpenAI-style
+  error bodies with the right status codes, ``num_draft_tokens`` as an int or
+  "auto", refusals of options the MTP loop does not implement, and an ``mtp`` block
+  with the statistics.
 
 A client that goes away mid-stream stops its generation within one round (mlx-lm's
 handler stops the request's context; the loop checks it after every token), and the
@@ -22,15 +25,21 @@ session it used is left consistent (`mtp_generate_step`'s exit contract).
 
 import argparse
 import io
+import ipaddress
 import json
 import logging
 import os
+import re
+import socket
 import threading
 import time
+import uuid
 from collections import OrderedDict
+from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import List, Optional
+from urllib.parse import urlsplit
 
 import mlx.core as mx
 from mlx_lm import server as lm_server
@@ -355,44 +364,468 @@ def _chain(first, rest):
 
 # --- HTTP ----------------------------------------------------------------------------
 
+MAX_DEPTH = 100  # levels of nesting a request's JSON may have
+ROLES = ("system", "user", "assistant", "tool", "developer")
+IMAGE_PARTS = ("image_url", "input_image", "image")  # mlx-lm's image content parts
+# apply_chat_template's own parameters, which chat_template_kwargs may not set
+TEMPLATE_PARAMETERS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt "
+    "continue_final_message tokenize padding truncation max_length return_tensors "
+    "return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
+
+
+def check_origins(origins) -> frozenset:
+    """``--allowed-origins`` as browsers spell them (lower case, no trailing slash):
+    each an origin (``scheme://host[:port]``), ``null`` or ``*``; anything else is an
+    `MTPError`."""
+    checked = set()
+    for origin in origins:
+        spelled = origin.strip().lower().rstrip("/")
+        if spelled not in ("*", "null") and not _is_origin(spelled):
+            raise MTPError(
+                f"--allowed-origins: {origin!r} is not an origin "
+                "(scheme://host[:port], 'null' or '*')"
+            )
+        checked.add(spelled)
+    return frozenset(checked)
+
+
+def _is_origin(origin: str) -> bool:
+    try:
+        parts = urlsplit(origin)
+        parts.port  # a malformed port raises
+    except ValueError:
+        return False
+    extra = parts.path or parts.query or parts.fragment or "@" in parts.netloc
+    return bool(parts.scheme and parts.hostname) and not extra
+
+
+def local_origin(origin: str) -> bool:
+    """Whether ``origin`` is a page served from this machine: http(s) on localhost, a
+    ``*.localhost`` name or a loopback address, any port (Ollama's default)."""
+    if not _is_origin(origin):
+        return False
+    parts = urlsplit(origin)
+    return parts.scheme in ("http", "https") and _local_name(parts.hostname)
+
+
+def _local_name(name: str) -> bool:
+    """localhost, a ``*.localhost`` name (RFC 6761: never leaves the machine) or a
+    loopback address."""
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_allowed(host: Optional[str], bound: str) -> bool:
+    """Whether a request's ``Host`` is safe from DNS rebinding: none (no browser sends
+    none), an IP address (no name to rebind), localhost, a ``*.localhost`` name, or
+    ``bound``, the name the server was started on. A page on a name of its own that
+    now resolves to 127.0.0.1 sends its own name, and is refused."""
+    if not host:
+        return True
+    try:
+        parts = urlsplit("//" + host)
+        parts.port
+    except ValueError:
+        return False
+    name = (parts.hostname or "").rstrip(".")
+    if not name or parts.path or parts.query or "@" in parts.netloc:
+        return False
+    if name == bound.lower().rstrip(".") or _local_name(name):
+        return True
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def check_json(value, param: Optional[str] = None) -> None:
+    """400 for JSON nested deeper than `MAX_DEPTH` or holding a string that is not
+    Unicode text (a lone surrogate, which a ``\\ud800`` escape makes): the chat
+    template and the tokenizer would fail on them, deep in a request's serving."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, param)
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_DEPTH:
+            raise bad_request(
+                f"the request nests deeper than {MAX_DEPTH} levels", param
+            )
+        if isinstance(item, dict):
+            for key in item:
+                _check_text(key, param)
+        values = item.values() if isinstance(item, dict) else item
+        stack.extend((v, depth + 1) for v in values)
+
+
+def _check_text(text: str, param: Optional[str]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(
+            f"{param or 'the request'} holds a lone surrogate "
+            f"({text[e.start]!r}); text must be valid Unicode",
+            param,
+        ) from None
+
+
+def check_messages(messages: list) -> None:
+    """400 for any message mlx-lm could not turn into a prompt: each an object with
+    a role among `ROLES`, content a string, null or a list of text parts (image parts
+    are refused: mlx-mtp serves text-only models, and never fetches a URL), and
+    ``tool_calls`` whose string arguments are JSON."""
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object", "messages")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise bad_request(
+                f"{where}.role must be one of {', '.join(ROLES)}", "messages"
+            )
+        _check_content(message.get("content"), where)
+        calls = message.get("tool_calls")
+        if calls is not None:
+            _check_tool_calls(calls, where)
+
+
+def _check_content(content, where: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise bad_request(
+            f"{where}.content must be a string, null or a list of parts", "messages"
+        )
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise bad_request(
+                f"{where}.content[{j}] must be an object with a type", "messages"
+            )
+        if kind in IMAGE_PARTS:
+            raise bad_request(
+                f"{where}.content[{j}] is an image: this model takes no images",
+                "messages",
+            )
+        if kind != "text":
+            raise bad_request(
+                f"{where}.content[{j}] is {kind!r}: only text parts are supported",
+                "messages",
+            )
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.content[{j}].text must be a string", "messages")
+
+
+def _check_tool_calls(calls, where: str) -> None:
+    """As mlx-lm reads them: a list of objects whose ``function`` (an object) may
+    hold ``arguments`` as a JSON string, which it parses."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise bad_request(f"{where}.tool_calls must be a list of objects", "messages")
+    for j, call in enumerate(calls):
+        function = call.get("function")
+        if function is None:
+            continue
+        if not isinstance(function, dict):
+            raise bad_request(
+                f"{where}.tool_calls[{j}].function must be an object", "messages"
+            )
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            try:
+                check_json(json.loads(arguments), "messages")
+            except (ValueError, RecursionError):
+                raise bad_request(
+                    f"{where}.tool_calls[{j}].function.arguments is not JSON",
+                    "messages",
+                ) from None
+
+
+def check_chat_fields(body: dict) -> None:
+    """400 for chat fields of the wrong shape: ``tools`` a list of objects,
+    ``chat_template_kwargs`` and ``role_mapping`` objects (the former not setting
+    `TEMPLATE_PARAMETERS`), and the messages (`check_messages`)."""
+    check_messages(body["messages"])
+    tools = body.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise bad_request("tools must be a list of objects", "tools")
+    for field in ("chat_template_kwargs", "role_mapping"):
+        if body.get(field) is not None and not isinstance(body[field], dict):
+            raise bad_request(f"{field} must be an object", field)
+    reserved = TEMPLATE_PARAMETERS.intersection(body.get("chat_template_kwargs") or {})
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+            "chat_template_kwargs",
+        )
+
+
+def prompt_bytes_per_token(tokenizer) -> Optional[int]:
+    """The most UTF-8 bytes of prompt text that one token of ``tokenizer`` stands
+    for, or None when its pipeline gives no such bound.
+
+    A prompt of B bytes then has at least B / that many tokens. The bound holds for a
+    BPE model that never fuses unknown characters into one token, after
+    pre-tokenizers that keep every byte (`_keeps_text`) and normalizers that shrink
+    the text by a known factor at most (`_normalizer_shrink`): a token stands for at
+    most as many bytes as its own UTF-8 spelling in the vocabulary (byte-level and
+    ``▁`` spellings only lengthen), an unknown character for at most 4. Added tokens
+    that strip the whitespace around them could stand for any length: no bound."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    whole = model.get("type") == "BPE" and (
+        model.get("byte_fallback") or not model.get("fuse_unk")
+    )
+    added = spec.get("added_tokens") or []
+    stripping = any(t.get("lstrip") or t.get("rstrip") for t in added)
+    if shrink is None or not whole or stripping:
+        return None
+    if not _keeps_text(spec.get("pre_tokenizer")):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return shrink * max(4, max(len(t.encode("utf-8")) for t in vocab))
+
+
+def _normalizer_shrink(spec) -> Optional[int]:
+    """How many times fewer UTF-8 bytes a normalizer can leave, None if unknown: 1
+    for none, Prepend, and Replace by something no shorter; 4 for the Unicode normal
+    forms (a 4-byte character can have a 1-byte compatibility form, U+1D400 -> A)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers") or []:
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in ("NFC", "NFD", "NFKC", "NFKD"):
+        return 4
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern = (spec.get("pattern") or {}).get("String")
+        content = spec.get("content") or ""
+        if pattern and len(content.encode()) >= len(pattern.encode()):
+            return 1
+    return None
+
+
+def _keeps_text(spec) -> bool:
+    """Whether a pre-tokenizer keeps every byte of the text (splits it, maps bytes
+    to characters, spaces to ``▁``)."""
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(part) for part in spec.get("pretokenizers") or [])
+    if kind in ("Split", "Punctuation"):
+        return spec.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+
+
+class _Deadline:
+    """A connection's request stream, read within a deadline: every read waits until
+    then at most (TimeoutError after), so a client that sends its request a byte at a
+    time is cut off as one that sends nothing."""
+
+    def __init__(self, raw, sock, seconds: float):
+        self._raw, self._sock = raw, sock
+        self._deadline = time.monotonic() + seconds
+
+    def _wait(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self._sock.settimeout(left)
+
+    def readline(self, limit: int = -1) -> bytes:
+        parts, size = [], 0
+        while limit < 0 or size < limit:
+            self._wait()
+            ahead = self._raw.peek(1)  # one read of the socket at most
+            if not ahead:
+                break
+            n = ahead.find(b"\n") + 1 or len(ahead)
+            part = self._raw.read(n if limit < 0 else min(n, limit - size))
+            parts.append(part)
+            size += len(part)
+            if part.endswith(b"\n"):
+                break
+        return b"".join(parts)
+
+    def read(self, n: int = -1) -> bytes:
+        parts, size = [], 0
+        while n < 0 or size < n:
+            self._wait()
+            part = self._raw.read1(1 << 20 if n < 0 else n - size)
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self._raw.close()
+
 
 class MTPHandler(lm_server.APIHandler):
-    """mlx-lm's handler with authentication, bounds, OpenAI-style errors, the
+    """mlx-lm's handler with authentication, checks that keep web pages out (Origin,
+    Host, Content-Type), bounded requests, OpenAI-style errors, the
     ``num_draft_tokens`` field and an ``mtp`` block."""
 
     protocol_version = "HTTP/1.0"
 
-    def _fail(self, error: RequestError) -> None:
-        body = error.body()
-        self.send_response(error.status)
-        self.send_header("Content-type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if error.status == 401:
-            self.send_header("WWW-Authenticate", "Bearer")
-        self._set_cors_headers()
-        self.end_headers()
-        self.wfile.write(body)
-        self.wfile.flush()
+    def setup(self):
+        self.timeout = self.response_generator.cli_args.request_timeout
+        super().setup()
+        self.rfile = _Deadline(self.rfile, self.connection, self.timeout)
+        self._pending = None  # the body's bytes not read yet, once known
 
-    def _authorized(self) -> bool:
+    def _received(self) -> None:
+        """The request is read: from now on the timeout bounds each idle wait of the
+        reply (a client that reads nothing of it for that long is dropped)."""
+        self.connection.settimeout(self.timeout)
+
+    def _fail(self, error: RequestError) -> None:
+        self._drain()
+        body = error.body()
+        try:
+            self.send_response(error.status)
+            self.send_header("Content-type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            if error.status == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            self._set_cors_headers()
+            self.end_headers()
+            if getattr(self, "command", None) != "HEAD":
+                self.wfile.write(body)
+            self.wfile.flush()
+        except OSError:
+            log.info("client went away before its error reply")
+
+    def _drain(self) -> None:
+        """Read what is left of a refused request's body (within the request's time,
+        up to the body bound), so that closing the connection does not reset it
+        before the client reads the reply."""
+        if self._pending is None and getattr(self, "headers", None) is not None:
+            try:
+                self._content_length()
+            except RequestError:
+                self._pending = 0
+        pending, self._pending = self._pending or 0, 0
+        try:
+            self.rfile.read(pending)
+        except OSError:
+            pass
+        self._received()
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a malformed request line, headers too long, an
+        unknown method) in OpenAI's error body."""
+        self.close_connection = True
+        kind = (
+            "server_error" if code >= 500 and code != 501 else "invalid_request_error"
+        )
+        self._fail(RequestError(code, message or HTTPStatus(code).phrase, kind))
+
+    def _origin_allowed(self, origin: str) -> bool:
+        allowed = self.server.origins
+        spelled = origin.lower()
+        return "*" in allowed or spelled in allowed or local_origin(spelled)
+
+    def _set_cors_headers(self):
+        """CORS headers for an allowed Origin only (`_admit` refused the others)."""
+        headers = getattr(self, "headers", None)
+        origin = headers.get("Origin") if headers is not None else None
+        if origin is None or not self._origin_allowed(origin):
+            return
+        star = "*" in self.server.origins
+        self.send_header("Access-Control-Allow-Origin", "*" if star else origin)
+        self.send_header("Vary", "Origin")
+
+    def _admit(self) -> None:
+        """403 for what a web page must not do: reach a server bound to a loopback
+        address by a name of its own (DNS rebinding; `host_allowed`), or call from an
+        Origin that is neither this machine's nor in ``--allowed-origins``."""
+        hosts = self.headers.get_all("Host") or []
+        if len(hosts) > 1:
+            raise bad_request("the request has more than one Host header")
+        if self.server.loopback and not host_allowed(
+            hosts[0] if hosts else None, self.server.name
+        ):
+            raise RequestError(
+                403,
+                f"the Host {hosts[0]!r} is not this machine's (the server is bound "
+                "to a loopback address)",
+                "invalid_request_error",
+                "host_not_allowed",
+            )
+        origin = self.headers.get("Origin")
+        if origin is not None and not self._origin_allowed(origin):
+            raise RequestError(
+                403,
+                f"pages from {origin!r} may not use this server (see "
+                "--allowed-origins)",
+                "invalid_request_error",
+                "origin_not_allowed",
+            )
+
+    def _authorize(self) -> None:
         key = self.response_generator.cli_args.api_key
         if not key or self.path == "/health":
-            return True
-        if self.headers.get("Authorization", "") == f"Bearer {key}":
-            return True
-        self._fail(
-            RequestError(
+            return
+        if self.headers.get("Authorization", "") != f"Bearer {key}":
+            raise RequestError(
                 401,
                 "missing or wrong API key (send 'Authorization: Bearer KEY')",
                 "authentication_error",
                 "invalid_api_key",
             )
-        )
-        return False
+
+    def do_OPTIONS(self):
+        """A CORS preflight: answered for allowed Origins only."""
+        self._received()
+        try:
+            self._admit()
+        except RequestError as e:
+            return self._fail(e)
+        self.send_response(204)
+        if self.headers.get("Origin") is not None:
+            self._set_cors_headers()
+            asked = self.headers.get("Access-Control-Request-Headers")
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header(
+                "Access-Control-Allow-Headers", asked or "Authorization, Content-Type"
+            )
+            self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def do_GET(self):
-        if not self._authorized():
-            return
+        self._received()
+        try:
+            self._admit()
+            self._authorize()
+        except RequestError as e:
+            return self._fail(e)
         if self.path.startswith("/v1/models"):
             return self.handle_models_request()
         if self.path == "/health":
@@ -410,10 +843,14 @@ class MTPHandler(lm_server.APIHandler):
 
     def do_POST(self):
         try:
-            if not self._authorized():
-                return
-            self._read_body()
+            self._admit()
+            self._authorize()
+            self._route()
+            length = self._content_length()
+            self._check_media_type()
+            self._read_body(length)
             self._check_fields()
+            self._check_room()
         except RequestError as e:
             return self._fail(e)
         self.rfile = _Replay(self._raw)  # the checked body, for mlx-lm to read
@@ -424,30 +861,79 @@ class MTPHandler(lm_server.APIHandler):
         finally:
             self.wfile = wfile
 
-    def _read_body(self) -> None:
+    def _route(self) -> None:
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
             if self.path != "/chat/completions":
                 raise RequestError(404, f"no endpoint {self.path}", "not_found_error")
-        limit = self.response_generator.cli_args.max_body_bytes
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
+
+    def _content_length(self) -> int:
+        """The body's length: 411 without a Content-Length (a chunked body too: this
+        server reads only bodies of a declared length, as OpenAI's clients send
+        them, and 411 says how to resend), 400 for a malformed one, 413 over the
+        bound."""
+        if "Transfer-Encoding" in self.headers:
+            raise RequestError(
+                411,
+                "chunked bodies are not supported: send a Content-Length",
+                "invalid_request_error",
+            )
+        values = {v.strip() for v in self.headers.get_all("Content-Length") or []}
+        if not values:
             raise RequestError(
                 411, "a Content-Length header is required", "invalid_request_error"
-            ) from None
+            )
+        value = values.pop()
+        if values or not re.fullmatch("[0-9]{1,19}", value):
+            raise bad_request(f"Content-Length {value!r} is not a length in bytes")
+        length, limit = int(value), self.response_generator.cli_args.max_body_bytes
         if length > limit:
             raise RequestError(
                 413,
                 f"the request body has {length} bytes; this server takes {limit}",
                 "invalid_request_error",
             )
-        self._raw = self.rfile.read(length)
+        self._pending = length
+        return length
+
+    def _check_media_type(self) -> None:
+        """415 unless the body is JSON: a web page can send text/plain, forms and
+        untyped blobs without a CORS preflight, never application/json."""
+        media = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise RequestError(
+                415,
+                "the request body must be JSON, sent as 'Content-Type: "
+                "application/json'",
+                "invalid_request_error",
+            )
+
+    def _read_body(self, length: int) -> None:
+        try:
+            self._raw = self.rfile.read(length)
+        except TimeoutError:
+            raise RequestError(
+                408,
+                f"the request did not arrive within {self.timeout:g} s",
+                "invalid_request_error",
+            ) from None
+        finally:
+            self._pending = 0
+        self._received()
+        if len(self._raw) < length:
+            raise bad_request("the request body is shorter than its Content-Length")
         try:
             body = json.loads(self._raw.decode())
+        except RecursionError:
+            raise bad_request(
+                f"the request nests deeper than {MAX_DEPTH} levels"
+            ) from None
         except (UnicodeDecodeError, ValueError) as e:
             raise bad_request(f"the request body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
+        for key, value in body.items():
+            check_json(key)
+            check_json(value, key)
         self._body = body
 
     def _check_fields(self) -> None:
@@ -471,6 +957,8 @@ class MTPHandler(lm_server.APIHandler):
             raise bad_request("messages must be a non-empty list", "messages")
         if not chat and (not isinstance(body["prompt"], str) or not body["prompt"]):
             raise bad_request("prompt must be a non-empty string", "prompt")
+        if chat:
+            check_chat_fields(body)
         k = body.pop("num_draft_tokens", args.draft_tokens)
         if k != "auto" and (type(k) is not int or not 0 <= k <= 16):
             raise bad_request(
@@ -505,9 +993,63 @@ class MTPHandler(lm_server.APIHandler):
         ):
             raise bad_request("stop must be a string or a list of strings", "stop")
         options = body.get("stream_options")
-        if options is not None and not isinstance(options, dict):
-            raise bad_request("stream_options must be an object", "stream_options")
+        if options is not None:  # {} is valid, as with OpenAI: no usage chunk
+            if not isinstance(options, dict):
+                raise bad_request("stream_options must be an object", "stream_options")
+            usage = options.get("include_usage")
+            if usage is not None and type(usage) is not bool:
+                raise bad_request(
+                    "stream_options.include_usage must be true or false",
+                    "stream_options",
+                )
+            options["include_usage"] = bool(usage)
         self._raw = json.dumps(body).encode()
+
+    def _check_room(self) -> None:
+        """400 ``context_length_exceeded``, before anything is tokenized, for a
+        prompt that cannot fit: its text has at least bytes / `prompt_bytes_per_token`
+        tokens. Exact: a prompt that could fit is never refused here (the generation
+        checks those). Only a body large enough to hold such a prompt is looked at."""
+        per_token, limit = self.server.bytes_per_token, self.server.context
+        if per_token is None or not limit or len(self._raw) < limit * per_token:
+            return
+        chat = self.path != "/v1/completions"
+        text = self._chat_text() if chat else self._body["prompt"]
+        if text is None:
+            return
+        at_least = -(-len(text.encode("utf-8")) // per_token)
+        if at_least >= limit:
+            raise bad_request(
+                f"the prompt has at least {at_least} tokens but the model's context "
+                f"is {limit}",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
+
+    def _chat_text(self) -> Optional[str]:
+        """The text mlx-lm's `_tokenize` tokenizes for this chat request (the
+        template applied, not tokenized), or None when the template fails: the
+        request is then served, or refused, as without this check. (It changes
+        ``self._body``'s messages as mlx-lm does: ``self._raw`` is already set.)"""
+        body, args = self._body, self.response_generator.cli_args
+        tokenizer = self.response_generator.model_provider.tokenizer
+        messages = body["messages"]
+        try:
+            lm_server.process_message_content(messages)
+            if not tokenizer.has_chat_template:
+                return lm_server.convert_chat(messages, body.get("role_mapping"))
+            return tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=True,
+                tools=body.get("tools") or None,
+                tokenize=False,
+                **{
+                    **args.chat_template_args,
+                    **(body.get("chat_template_kwargs") or {}),
+                },
+            )
+        except Exception:  # a template's own error: the request's serving reports it
+            return None
 
     # mlx-lm's handler calls the methods below. Where it would answer an error in its
     # own form, the error is answered here first, in OpenAI's, and what mlx-lm then
@@ -523,6 +1065,20 @@ class MTPHandler(lm_server.APIHandler):
         except ValueError as e:
             self._refuse(bad_request(str(e)))
             raise
+
+    def handle_chat_completions(self):
+        """mlx-lm's, less its fetching of image URLs: `check_messages` refused image
+        parts, and this server fetches no URL for anyone."""
+        self.request_id = f"chatcmpl-{uuid.uuid4()}"
+        self.object_type = "chat.completion.chunk" if self.stream else "chat.completion"
+        body = self.body
+        return lm_server.CompletionRequest(
+            "chat",
+            "",
+            body["messages"],
+            body.get("tools") or None,
+            body.get("role_mapping"),
+        )
 
     def handle_completion(self, request, stop_words):
         handler = self
@@ -553,7 +1109,7 @@ class MTPHandler(lm_server.APIHandler):
         self._generator, self.response_generator = self.response_generator, Generator()
         try:
             super().handle_completion(request, stop_words)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             log.info("client went away; its generation stopped")
         except Exception as e:  # after the reply started: end it, keep serving
             log.exception("request failed mid-reply")
@@ -638,7 +1194,7 @@ def server_args(**options) -> argparse.Namespace:
         adapter_path=None,
         host="127.0.0.1",
         port=8080,
-        allowed_origins=["*"],
+        allowed_origins=[],  # besides pages of this machine (`local_origin`)
         num_draft_tokens="auto",  # the server's default; mlx-lm's field is 0
         max_draft_tokens=4,
         draft_source="auto",
@@ -654,6 +1210,8 @@ def server_args(**options) -> argparse.Namespace:
         max_tokens=512,
         max_tokens_limit=32768,
         max_body_bytes=8 << 20,
+        request_timeout=30.0,  # seconds for a request to arrive, and idle in a reply
+        max_connections=128,
         chat_template_args={},
         decode_concurrency=32,  # mlx-lm's batched decoding, when requests overlap
         prompt_concurrency=8,
@@ -677,19 +1235,79 @@ def server_args(**options) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection, ``max_connections`` at most (one more gets a 503 at
+    once), and what `MTPHandler` checks requests against: whether the server is
+    bound to a loopback address (then `host_allowed` guards against DNS
+    rebinding), under which name, the allowed Origins, and for `_check_room` the
+    model's context and `prompt_bytes_per_token`."""
+
+    daemon_threads = True  # a slow client never holds the server up
+
+    def __init__(self, address, handler, origins: frozenset, max_connections: int):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.origins, self.max_connections = origins, max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.bytes_per_token = self.context = None
+        super().__init__(address, handler)
+        self.loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
+        self.name = address[0]
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            return self._refuse(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request) -> None:
+        """503 at once, from the accepting thread: a reply this short fits in the
+        socket's empty send buffer, so sending it never waits."""
+        error = RequestError(
+            503,
+            f"the server has {self.max_connections} connections open, its most; "
+            "try again later",
+            "server_error",
+        )
+        body = error.body()
+        head = (
+            "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\n\r\n"
+        )
+        try:
+            request.setblocking(False)
+            request.send(head.encode() + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+
 class Server:
     """An `mlx-mtp serve` server; `start` runs it in a thread (tests, scripts),
     `serve_forever` in the caller's."""
 
     def __init__(self, args: argparse.Namespace):
-        class HTTPServer(ThreadingHTTPServer):
-            daemon_threads = True  # a slow client never holds the server up
-
         self.args = args
+        origins = check_origins(args.allowed_origins)  # before the model loads
         provider = MTPModelProvider(args)
         provider.load(DEFAULT_MODEL)  # load errors now, before binding
         self.generator = None
-        self.httpd = HTTPServer((args.host, args.port), self._handler())
+        self.httpd = _HTTPServer(
+            (args.host, args.port), self._handler(), origins, args.max_connections
+        )
+        self.httpd.bytes_per_token = prompt_bytes_per_token(provider.tokenizer)
+        self.httpd.context = getattr(
+            provider.model.args, "max_position_embeddings", None
+        )
         sessions = Sessions(args.prompt_cache_size, args.prompt_cache_bytes)
         self.generator = MTPResponseGenerator(provider, sessions)
         self.port = self.httpd.server_address[1]
@@ -705,7 +1323,8 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://{self.args.host}:{self.port}"
+        host = self.args.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def start(self) -> "Server":
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

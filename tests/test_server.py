@@ -351,7 +351,8 @@ def test_a_client_going_away_stops_its_generation(checkpoint):
         body = json.dumps({"prompt": "def f(x):", "max_tokens": 5000, "stream": True})
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body.encode()
         )
