@@ -215,6 +215,7 @@ def test_local_pages_may_call(served, origin):
     error = send(served, data=b"{oops", headers={"Origin": origin})
     assert_error(error, 400)
     assert error[1]["access-control-allow-origin"] == origin
+    assert_serves(served)
 
 
 @pytest.mark.parametrize("origin", FOREIGN_ORIGINS)
