@@ -34,6 +34,7 @@ from mlx_lm.models.cache import (
     _BaseCache,
 )
 
+from .defaults import MIN_KV_SIZE, SINK_TOKENS
 from .errors import MTPError, RollbackError
 
 log = logging.getLogger("mlx_mtp")
@@ -49,7 +50,12 @@ class Caches:
 
 def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
     """Fresh caches; ``max_kv_size`` gives attention layers a rotating window, as in
-    mlx-lm (models that make their own caches ignore it there too)."""
+    mlx-lm (models that make their own caches ignore it there too).
+
+    Raises:
+        MTPError: ``max_kv_size`` is not None or a whole number >= `MIN_KV_SIZE`.
+    """
+    check_max_kv_size(max_kv_size)
     made = model.make_trunk_cache(max_kv_size=max_kv_size)
     if max_kv_size and not any(isinstance(c, RotatingKVCache) for c in made):
         log.warning(
@@ -61,6 +67,17 @@ def make_caches(model, max_kv_size: Optional[int] = None) -> Caches:
         trunk = with_recurrent_caches(trunk)
     caches = Caches(trunk=trunk, mtp=mtp_caches(model))
     return caches
+
+
+def check_max_kv_size(max_kv_size) -> None:
+    """Refuse a ``max_kv_size`` that leaves no room past the sink tokens."""
+    if max_kv_size is None:
+        return
+    if type(max_kv_size) is not int or max_kv_size < MIN_KV_SIZE:
+        raise MTPError(
+            f"max_kv_size must be a whole number of at least {MIN_KV_SIZE} (the "
+            f"{SINK_TOKENS} sink tokens and one more), got {max_kv_size!r}"
+        )
 
 
 def mtp_caches(model) -> List[Any]:

@@ -9,7 +9,12 @@ import sys
 
 import click
 
-from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from .defaults import (
+    DEFAULT_LOOKUP_TOKENS,
+    DEFAULT_MAX_DRAFT_TOKENS,
+    MAX_DRAFT_TOKENS,
+    MIN_KV_SIZE,
+)
 
 DEFAULT_MAX_TOKENS = 256
 SEED = click.IntRange(0, 2**64 - 1)  # MLX's seeds (mlx_mtp.sampling.check_seed)
@@ -435,7 +440,7 @@ MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo mode
 @max_tokens_option(DEFAULT_MAX_TOKENS, "Tokens to generate at most")
 @click.option(
     "--max-kv-size",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=MIN_KV_SIZE),
     default=None,
     help="Attend over this many positions at most (4 sink tokens + the latest, as "
     "mlx-lm's rotating cache); exact with drafting too.",

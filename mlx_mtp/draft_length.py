@@ -14,8 +14,11 @@ The choice of k never changes the output: every round is verified exactly.
 """
 
 import json
+import math
 import os
+import re
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,10 +27,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import assistant_kv, begin_verify, make_caches, rewind
-from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS
+from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from .distributed import Sync
 from .draft_vocab import auto_sizes
+from .errors import MTPError
+from .files import read_json
 from .paths import home
+
+# The most a stored cost may be, in plain decode steps: more is no measurement.
+MAX_COST = 1000.0
+MAX_DRAFT_VOCABS = 64  # draft vocabulary sizes one stored entry may describe
 
 
 @dataclass
@@ -125,9 +134,9 @@ def model_costs(model, max_k: int, vocabs: Sequence[int] = ()) -> RoundCosts:
         return costs
     sync = Sync(model.group)
     key = _cost_key(model)
-    stored = _stored_costs().get(key) if key else None
-    stored = RoundCosts(**stored) if stored else None
-    if not (stored and enough(stored)):
+    stored = parse_costs(_stored_costs().get(key)) if key else None
+    has_heads = model.assistant is not None or model.num_mtp_layers > 0
+    if not (stored and enough(stored)) or (has_heads and not stored.draft > 0):
         stored = None
     if sync.share_int(int(stored is not None)):  # rank 0 decides: read or measure
         zeros = RoundCosts([0.0] * (max_k + 1), 0.0, dict.fromkeys(vocabs, 0.0))
@@ -189,25 +198,74 @@ def _cost_key(model) -> Optional[str]:
     return json.dumps([*stamps, *machine])
 
 
+def parse_costs(entry) -> Optional[RoundCosts]:
+    """The `RoundCosts` of an entry of the costs file, or None unless it is exactly
+    what `measure_costs` gives: the fields ``verify``, ``draft`` and ``drafts`` only;
+    1 to ``MAX_DRAFT_TOKENS + 1`` verify costs, the first 1; ``draft`` 0 (a model
+    without heads) or a cost; ``drafts`` at most `MAX_DRAFT_VOCABS` costs keyed by
+    positive whole numbers (JSON strings). A cost is a finite number in
+    (0, `MAX_COST`]."""
+    if not (isinstance(entry, dict) and set(entry) == {"verify", "draft", "drafts"}):
+        return None
+    verify, draft, drafts = entry["verify"], entry["draft"], entry["drafts"]
+    if not (
+        isinstance(verify, list)
+        and 1 <= len(verify) <= MAX_DRAFT_TOKENS + 1
+        and all(_is_cost(c) for c in verify)
+        and verify[0] == 1
+        and (_is_cost(draft) or (type(draft) in (int, float) and draft == 0))
+        and isinstance(drafts, dict)
+        and len(drafts) <= MAX_DRAFT_VOCABS
+        and all(re.fullmatch(r"[1-9][0-9]{0,9}", n) for n in drafts)
+        and all(_is_cost(c) for c in drafts.values())
+    ):
+        return None
+    return RoundCosts([float(c) for c in verify], float(draft), drafts)
+
+
+def _is_cost(x) -> bool:
+    return type(x) in (int, float) and 0 < x <= MAX_COST and math.isfinite(x)
+
+
 def _stored_costs() -> dict:
+    """The costs file's table, ``{key: entry}``; {} for a file that is absent,
+    unreadable or not a JSON object (its entries are checked by `parse_costs`)."""
+    path = _costs_file()
     try:
-        return json.loads(_costs_file().read_text())
-    except (OSError, ValueError):
+        table = read_json(path) if path.is_file() else {}
+    except MTPError:
         return {}
+    return table if isinstance(table, dict) else {}
 
 
 def _store_costs(key: str, costs: RoundCosts) -> None:
-    """Add one entry; a cache that cannot be written is skipped."""
-    path = _costs_file()
-    table = _stored_costs()
+    """Add one entry, dropping every entry `parse_costs` refuses, and write the file
+    whole: to a temporary file, then renamed over it (concurrent writers: the last
+    one wins, and the file is always one complete table). A cache that cannot be
+    written is skipped."""
+    table = {k: v for k, v in _stored_costs().items() if parse_costs(v) is not None}
     table[key] = asdict(costs)
+    path = _costs_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(table))
-        tmp.replace(path)
+        _write_atomically(path, json.dumps(table))
     except OSError:
         pass
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``, written and synced under a
+    temporary name unique to this writer first."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class FixedLength:

@@ -19,14 +19,16 @@ conversion stores the ranking (``draft_vocab.safetensors``, named in the config'
 
 import hashlib
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
-from .errors import MTPError
+from .errors import MTPError, one_line
 from .paths import home
 
 CALIBRATION = Path(__file__).with_name("calibration.txt")
@@ -108,34 +110,42 @@ def calibration_ids(tokenizer, limit: Optional[int] = None) -> List[int]:
 def save_ranking(path: Path, ranking: Ranking, info: Optional[dict] = None) -> None:
     """Write a ranking to the safetensors file ``path`` (``order``, ``mass``)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")
     metadata = {
         "criterion": CRITERION,
         **{k: json.dumps(v) for k, v in (info or {}).items()},
     }
-    mx.save_safetensors(
-        str(tmp),
-        {"order": mx.array(ranking.order), "mass": mx.array(ranking.mass)},
-        metadata=metadata,
+    # A temporary name unique to this writer, renamed over ``path``: concurrent
+    # writers never share a file, and ``path`` is always a whole file.
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=path.parent
     )
-    tmp.replace(path)
+    os.close(fd)
+    try:
+        mx.save_safetensors(
+            tmp,
+            {"order": mx.array(ranking.order), "mass": mx.array(ranking.mass)},
+            metadata=metadata,
+        )
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def load_ranking(path: Path, vocab_size: Optional[int] = None) -> Ranking:
-    """Read a ranking `save_ranking` wrote; a file that does not hold a permutation of
-    the vocabulary is an error (one line)."""
-    from .files import safetensors_header
+    """Read a ranking `save_ranking` wrote, checked whole: exactly the tensors
+    ``order``, a permutation of the ``vocab_size`` token ids (integers), and
+    ``mass``, as many finite, non-negative, non-increasing floats summing to 1.
 
-    safetensors_header(path)
-    try:
-        tensors = mx.load(str(path))
-        order = np.array(tensors["order"], dtype=np.int32)
-        mass = np.array(tensors["mass"], dtype=np.float32)
-    except (RuntimeError, ValueError, OSError, KeyError) as e:
-        raise MTPError(f"cannot read the draft vocabulary {path}: {e}") from None
-    n = len(order)
+    Raises:
+        MTPError: one line naming the file, for any other file.
+    """
+    order, mass = _read_ranking(Path(path))
+    n = order.size
     if (
-        mass.shape != order.shape
+        order.ndim != 1
+        or not n
+        or mass.shape != order.shape
         or (vocab_size is not None and n != vocab_size)
         or not np.array_equal(np.sort(order), np.arange(n))
     ):
@@ -143,7 +153,48 @@ def load_ranking(path: Path, vocab_size: Optional[int] = None) -> Ranking:
             f"{path} is not a draft vocabulary of this model's "
             f"{vocab_size or n} tokens (convert or graft again)"
         )
-    return Ranking(order, mass)
+    if not _is_mass(mass):
+        raise MTPError(
+            f"{path} is not a draft vocabulary: its mass is not finite, "
+            "non-negative, non-increasing and summing to 1"
+        )
+    return Ranking(order.astype(np.int32), mass)
+
+
+def _read_ranking(path: Path) -> Tuple[np.ndarray, np.ndarray]:
+    """The tensors of a ranking file: ``order`` (int64) and ``mass`` (float32),
+    exactly these two, of an integer and a floating type."""
+    from .files import safetensors_header
+
+    def unreadable(e: Exception) -> MTPError:
+        return MTPError(f"cannot read the draft vocabulary {path}: {one_line(e)}")
+
+    try:
+        header = safetensors_header(path)
+    except OSError as e:
+        raise unreadable(e) from None
+    if set(header) != {"order", "mass"}:
+        raise MTPError(f"{path} is not a draft vocabulary (tensors order, mass)")
+    try:
+        tensors = mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise unreadable(e) from None
+    order, mass = tensors["order"], tensors["mass"]
+    if not (
+        mx.issubdtype(order.dtype, mx.integer)
+        and mx.issubdtype(mass.dtype, mx.floating)
+    ):
+        raise MTPError(f"{path} is not a draft vocabulary (tensors of the wrong type)")
+    return np.array(order).astype(np.int64), np.array(mass.astype(mx.float32))
+
+
+def _is_mass(mass: np.ndarray) -> bool:
+    return bool(
+        np.isfinite(mass).all()
+        and (mass >= 0).all()
+        and (np.diff(mass) <= 0).all()
+        and abs(mass.sum(dtype=np.float64) - 1.0) <= 1e-3
+    )
 
 
 def _cache_path(model) -> Optional[Path]:
@@ -203,7 +254,7 @@ def ranking_for(model, tokenizer=None) -> Optional[Ranking]:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 save_ranking(path, ranking, {"source": str(model.source)})
-            except OSError:
+            except (OSError, RuntimeError):  # not kept (MLX's write errors included)
                 pass
     model.vocab_ranking = ranking
     return ranking
@@ -266,4 +317,12 @@ def load_stored(model_path: Path, section: dict, vocab_size: int) -> Optional[Ra
     entry = section.get("draft_vocab")
     if not isinstance(entry, dict):
         return None
-    return load_ranking(Path(model_path) / entry.get("file", FILE), vocab_size)
+    name = entry.get("file", FILE)
+    if not (
+        isinstance(name, str) and name not in ("", "..") and Path(name).name == name
+    ):
+        raise MTPError(
+            f"the config's draft_vocab file {name!r} in {model_path} is not a file "
+            "name in the model folder"
+        )
+    return load_ranking(Path(model_path) / name, vocab_size)

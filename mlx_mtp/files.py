@@ -1,10 +1,12 @@
-"""Reading the headers of safetensors files without trusting them."""
+"""Reading the files of a model folder and of mlx-mtp's caches without trusting them:
+JSON files and the headers of safetensors files."""
 
 import json
 import struct
 from pathlib import Path
+from typing import Any, Union
 
-from .errors import MTPError
+from .errors import MTPError, one_line
 
 # Bytes per element of each safetensors dtype.
 DTYPE_BYTES = {
@@ -26,6 +28,41 @@ DTYPE_BYTES = {
 }
 
 
+def parse_json(text: Union[str, bytes], what: str) -> Any:
+    """The JSON value of ``text``; ``what`` names where it comes from in errors.
+
+    Raises:
+        MTPError: one line naming ``what``, for text that is not JSON (not UTF-8,
+            malformed, or nested too deeply for Python's parser).
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise MTPError(f"{what} is not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
+        raise MTPError(f"{what} is not valid JSON ({one_line(e)})") from None
+
+
+def read_json(path: Path, what: str = "") -> Any:
+    """The JSON value in the file ``path``; every JSON file mlx-mtp reads goes through
+    here, so that a malformed one is one line before any other library parses it.
+
+    Args:
+        path: The file.
+        what: What the file is, for errors (default: its path alone).
+
+    Raises:
+        MTPError: one line naming the file, for a file that cannot be read or is not
+            JSON (see `parse_json`).
+    """
+    where = f"{what} {path}" if what else str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise MTPError(f"cannot read {where}: {one_line(e)}") from None
+    return parse_json(data, where)
+
+
 def safetensors_header(path: Path) -> dict:
     """The header of a safetensors file, ``{name: {"dtype", "shape", "data_offsets"}}``
     (``__metadata__`` left out), checked entry by entry: every tensor lies inside the
@@ -41,9 +78,10 @@ def safetensors_header(path: Path) -> dict:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
                 raise ValueError("header runs past the end of the file")
-            header = json.loads(f.read(n))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raw = f.read(n)
+    except (struct.error, ValueError) as e:
         raise MTPError(f"{path} is not a valid safetensors file ({e})") from None
+    header = parse_json(raw, f"{path} is not a valid safetensors file: its header")
     if not isinstance(header, dict):
         raise MTPError(f"{path} is not a valid safetensors file (header not an object)")
     header.pop("__metadata__", None)

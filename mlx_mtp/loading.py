@@ -6,7 +6,6 @@ only change is a sanitize that first sets the MTP tensors aside. Those are trans
 the family module and loaded strictly into an `MTPStack`.
 """
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -17,7 +16,7 @@ import mlx.nn as nn
 from . import assistant as assistants
 from . import distributed, draft_vocab
 from .errors import MissingHeadsError, MTPError, one_line
-from .files import safetensors_header
+from .files import read_json, safetensors_header
 from .heads import has_heads_file, load_heads, load_strict, quantize_like
 from .models import get_family
 from .models.base import Model
@@ -98,13 +97,23 @@ def read_config(model_path: Path) -> dict:
     """``config.json`` of a model folder, checked to be an object whose size fields
     are numbers (a one-line `MTPError` otherwise)."""
     path = model_path / "config.json"
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise MTPError(f"cannot read {path}: {one_line(e)}") from None
+    config = read_json(path)
     check_config(config, path)
     return config
+
+
+# JSON files of a model folder that mlx-lm or transformers parse after mlx-mtp.
+FOLDER_JSON = ("tokenizer_config.json", "generation_config.json")
+
+
+def check_folder_json(model_path: Path) -> None:
+    """Refuse a model folder whose `FOLDER_JSON` files (those present) are not JSON
+    objects, in one line naming the file, before another library parses them (and
+    fails with a traceback, or ignores a malformed ``generation_config.json``)."""
+    for name in FOLDER_JSON:
+        path = model_path / name
+        if path.is_file() and not isinstance(read_json(path), dict):
+            raise MTPError(f"{path} is not a JSON object")
 
 
 def check_config(config, path) -> None:
@@ -343,6 +352,7 @@ def _load_model(
             f"the model and pass this as its draft model (--draft-model {model_path})"
         )
     family = get_family(config)
+    check_folder_json(model_path)
     check_shards(model_path)
     for f in sorted(model_path.glob("model*.safetensors")):
         safetensors_header(f)  # a truncated or malformed file: one line naming it
@@ -400,9 +410,11 @@ def check_shards(model_path: Path) -> None:
     if not index.is_file():
         return
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index, "the weight index")["weight_map"]
         names = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except MTPError:
+        raise
+    except (KeyError, TypeError, AttributeError):
         raise MTPError(f"cannot read the weight index {index}") from None
     missing = [n for n in names if not (model_path / str(n)).is_file()]
     if missing:
