@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Iterable, List, Optional
 
 from mlx_mtp.errors import MTPError, one_line
-from mlx_mtp.files import safetensors_header
+from mlx_mtp.files import read_json, safetensors_header
 from mlx_mtp.loading import resolve
 
 log = logging.getLogger("mlx_mtp")
@@ -66,8 +66,8 @@ def weight_files(folder: Path) -> List[Path]:
 def read_index(folder: Path) -> dict:
     path = folder / "model.safetensors.index.json"
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        weight_map = read_json(path)["weight_map"]
+    except (KeyError, TypeError) as e:
         raise MTPError(f"cannot read {path}: {one_line(e)}") from None
     if not isinstance(weight_map, dict) or not all(
         isinstance(v, str) for v in weight_map.values()

@@ -23,7 +23,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from .errors import MissingHeadsError, MTPError, one_line
-from .files import safetensors_header
+from .files import read_json, safetensors_header
 from .heads import FORMAT, load_strict, quantize_like, read_section_file, save_heads
 from .models.gemma4 import text_model
 from .models.gemma4_assistant import (
@@ -143,7 +143,7 @@ def check_tokenizers(assistant_dir: Optional[Path], target_dir: Path) -> None:
 
 def _vocabulary(path: Path):
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path, "the tokenizer")
         vocab = (data.get("model") or {}).get("vocab")
         added = sorted(
             (t.get("id"), t.get("content")) for t in data.get("added_tokens") or []

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from . import __version__
 from .errors import MissingHeadsError, MTPError
-from .files import safetensors_header
+from .files import read_json, safetensors_header
 from .models.mtp import MTPStack
 
 FORMAT = "mlx-mtp/1"
@@ -192,7 +192,7 @@ def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
     index = folder / "model.safetensors.index.json"
     try:
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index)["weight_map"]
         else:
             weight_map = {
                 k: "model.safetensors"

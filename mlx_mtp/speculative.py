@@ -30,6 +30,7 @@ from .cache import (
     KVQuantization,
     assistant_kv,
     begin_verify,
+    check_max_kv_size,
     check_rollback,
     make_caches,
     rewind,
@@ -569,6 +570,7 @@ def mtp_generate_step(
     if not prompt:
         raise MTPError("the prompt is empty")
     check_seed(seed)
+    check_max_kv_size(max_kv_size)  # before any costs or ranking are computed
     if kv.bits is not None and max_kv_size is not None:
         raise MTPError("KV quantization cannot be combined with a rotating KV window")
     if session is not None and max_kv_size is not None:
