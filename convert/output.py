@@ -6,7 +6,8 @@ Everything a command writes goes to a hidden scratch path next to the destinatio
 An existing destination is replaced only with ``overwrite``, and only when it is
 recognisably a model folder that mlx-mtp or mlx-lm wrote: never a user's folder, the
 working directory, the home folder, ``/``, or a folder that holds or lies inside a
-source. Scratch paths left by a killed process are removed by the next run.
+source. Each replacement is all-or-nothing: what a killed process left is settled by
+the next run (the old version put back, or the new one finished; scratch removed).
 """
 
 import contextlib
@@ -16,6 +17,7 @@ import os
 import re
 import shutil
 import struct
+import threading
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -150,12 +152,33 @@ def _written_by_mlx(path: Path) -> bool:
         return False
 
 
-# --- scratch paths, locks and stale leftovers ---------------------------------------------
+# --- scratch paths, locks and what dead runs left -----------------------------------------
+#
+# How a replacement stays all-or-nothing, whatever stops it (an error, Ctrl-C, SIGKILL):
+# - A folder (`staged_folder`): the new one is written to ``.NAME.PID.partial``; once it
+#   is complete the old one is renamed to ``.NAME.PID.old``, the new one into place, and
+#   the old one to ``.NAME.PID.trash`` before it is deleted. So ``.old`` is always a
+#   complete earlier version: it is put back when NAME is missing, deleted when NAME is
+#   there.
+# - Files of a folder (`replace_files`): each new file is written to
+#   ``.FILE.PID.partial``; once all are complete, a journal ``.mlx-mtp.PID.journal``
+#   naming them is written (the commit point), then each is renamed into place and the
+#   journal deleted. Renames a journal names are finished; partial files no journal
+#   names are deleted.
+# The process that stops settles its own paths in its ``finally`` blocks; what a dead
+# process left is settled by the next run (`remove_stale`, under the lock).
+
+SWAP_TAGS = ("partial", "old", "trash")  # a folder swap's scratch paths
+JOURNAL = re.compile(r"^\.mlx-mtp\.(\d+)\.journal$")
+STAGED = re.compile(r"^\..+\.(\d+)\.partial$")  # staged files, the journal's own
+_held = set()  # the locks this process holds
+_held_guard = threading.Lock()
 
 
-def scratch_path(dst: Path, tag: str = "partial") -> Path:
-    """A hidden path next to ``dst`` owned by this process: ``.NAME.PID.TAG``."""
-    return dst.parent / f".{dst.name}.{os.getpid()}.{tag}"
+def scratch_path(dst: Path, tag: str = "partial", pid: Optional[int] = None) -> Path:
+    """A hidden path next to ``dst`` owned by process ``pid`` (default: this one):
+    ``.NAME.PID.TAG``."""
+    return dst.parent / f".{dst.name}.{os.getpid() if pid is None else pid}.{tag}"
 
 
 def _alive(pid: int) -> bool:
@@ -170,15 +193,64 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(dst: Path) -> None:
-    """Remove the scratch paths of ``dst`` (`scratch_path`) whose process is gone."""
-    pattern = re.compile(rf"^\.{re.escape(dst.name)}\.(\d+)\.\w")
+def _scratch(dst: Path):
+    """``(path, pid, tag)`` for each scratch path of ``dst`` (`scratch_path`)."""
+    pattern = re.compile(rf"^\.{re.escape(dst.name)}\.(\d+)\.([\w-]+)$")
     if not dst.parent.is_dir():
-        return
-    for entry in dst.parent.iterdir():
-        m = pattern.match(entry.name)
-        if m and not _alive(int(m[1])):
+        return []
+    found = (pattern.match(e.name) for e in dst.parent.iterdir())
+    return [(dst.parent / m[0], int(m[1]), m[2]) for m in found if m]
+
+
+def remove_stale(dst: Path) -> None:
+    """Settle what dead processes left of ``dst``: put back or delete their ``.old``
+    folder, finish the file replacements they committed inside the folder ``dst``,
+    delete their other scratch paths. The paths of live processes are left alone."""
+    dst = Path(dst)
+    for pid in sorted({pid for _, pid, _ in _scratch(dst) if not _alive(pid)}):
+        _settle(dst, pid)
+    if dst.is_dir():
+        _settle_files(dst)
+
+
+def _settle(dst: Path, pid: int, tags: Optional[Iterable[str]] = None) -> None:
+    """Undo the folder swap of process ``pid`` on ``dst`` where it stopped (its
+    ``.old`` folder back in place, or deleted when ``dst`` is the new one), then delete
+    its scratch paths (those of ``tags`` only, if given)."""
+    old = scratch_path(dst, "old", pid)
+    if os.path.lexists(old):
+        if os.path.lexists(dst):
+            _discard(old, scratch_path(dst, "trash", pid))
+        else:
+            with contextlib.suppress(FileNotFoundError):  # another run put it back
+                os.rename(old, dst)
+    for path, owner, tag in _scratch(dst):
+        if owner == pid and (tags is None or tag in tags):
+            _remove(path)
+
+
+def _settle_files(folder: Path, mine: bool = False) -> None:
+    """Finish the file replacements (`replace_files`) dead processes (``mine``: and
+    this one) committed in ``folder``; delete the staged files they did not."""
+
+    def stale(pid: int) -> bool:
+        return (mine and pid == os.getpid()) or not _alive(pid)
+
+    for entry in sorted(folder.iterdir()):
+        m = JOURNAL.match(entry.name)
+        if m and stale(int(m[1])):
+            _commit(entry, int(m[1]))
+    for entry in sorted(folder.iterdir()):
+        m = STAGED.match(entry.name)
+        if m and stale(int(m[1])):
             _remove(entry)
+
+
+def _discard(path: Path, trash: Path) -> None:
+    """Delete ``path``, renamed to ``trash`` first (a half-deleted folder is never
+    taken for a complete one)."""
+    os.rename(path, trash)
+    _remove(trash)
 
 
 def _remove(path: Path) -> None:
@@ -186,39 +258,56 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            os.unlink(path)
 
 
 @contextlib.contextmanager
 def locked(dst: Path):
     """Hold ``.NAME.lock`` next to ``dst`` while writing it; another live mlx-mtp
-    process holding it is an error, a dead one's lock is taken over."""
+    process holding it (or this one, already) is an error; a dead one's lock, or one
+    this process left, is taken over."""
     lock = dst.parent / f".{dst.name}.lock"
+    key = str(lock.parent.resolve() / lock.name)
+    with _held_guard:
+        if key in _held:
+            raise MTPError(f"{dst} is being written already (by this process)")
+        _held.add(key)
+    try:
+        fd = _take(lock, dst)
+    except BaseException:
+        _held.discard(key)
+        raise
+    try:
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
+        yield
+    finally:
+        _held.discard(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+
+
+def _take(lock: Path, dst: Path) -> int:
+    """Create ``lock`` (taking over a dead process's, or one this process left); its
+    file descriptor."""
     for _ in range(2):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            break
+            return os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             try:
                 pid = int(lock.read_text().strip() or 0)
             except (OSError, ValueError):
                 pid = 0
-            if pid and _alive(pid):
+            if pid and pid != os.getpid() and _alive(pid):
                 raise MTPError(
                     f"another mlx-mtp process (PID {pid}) is writing {dst}; wait for "
                     f"it to finish (or remove {lock} if it is gone)"
                 ) from None
             with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
-    else:
-        raise MTPError(f"cannot take the lock {lock}")
-    try:
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            lock.unlink()
+                os.unlink(lock)
+    raise MTPError(f"cannot take the lock {lock}")
 
 
 # --- writing ------------------------------------------------------------------------------
@@ -268,48 +357,104 @@ def staged_folder(dst: Path, overwrite: bool = False, sources: Iterable[Path] = 
 
     ``dst`` is checked with `check_destination` before and again, under the lock, just
     before the rename (another process may have made it meanwhile). An existing ``dst``
-    is replaced only after the new folder is complete. On any error or interruption
-    the scratch folder is removed and ``dst`` is untouched (a hard kill leaves only
-    ``.NAME.PID.partial``, which the next run removes); a full disk is one `MTPError`.
+    is replaced only after the new folder is complete, and all-or-nothing (see the
+    notes above `SWAP_TAGS`): on any error or interruption the scratch folder is removed
+    and ``dst`` is what it was; after a hard kill the next run finds the old or the new
+    ``dst``. A full disk is one `MTPError`.
     """
     dst = Path(dst).expanduser()
     check_destination(dst, overwrite, sources)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(dst)
-    tmp, old = scratch_path(dst), scratch_path(dst, "old")
-    _remove(tmp)
+    tmp = scratch_path(dst)
     with locked(dst):
-        tmp.mkdir()
+        remove_stale(dst)
+        _settle(dst, os.getpid(), SWAP_TAGS)  # what an interrupted cleanup left
+        check_destination(dst, overwrite, sources)  # a dead run's folder may be back
+        os.mkdir(tmp)
         try:
             with writing(dst):
                 yield tmp
             check_destination(dst, overwrite, sources)
-            if os.path.lexists(dst):
-                os.replace(dst, old)
-                os.replace(tmp, dst)
-            else:
-                os.rename(tmp, dst)
+            _swap(tmp, dst)
         finally:
-            _remove(tmp)
-            _remove(old)
+            _settle(dst, os.getpid(), SWAP_TAGS)
+
+
+def _swap(new: Path, dst: Path) -> None:
+    """Put the complete folder ``new`` at ``dst``: an existing ``dst`` is renamed to
+    ``.NAME.PID.old`` first, and deleted last."""
+    if not os.path.lexists(dst):
+        os.rename(new, dst)
+        return
+    old = scratch_path(dst, "old")
+    os.rename(dst, old)
+    os.rename(new, dst)
+    _discard(old, scratch_path(dst, "trash"))
 
 
 def replace_files(writers: dict) -> None:
-    """Write several files as one step: ``write(tmp_path)`` for each ``{path: write}``
-    first, then rename them all into place (a failed or interrupted write changes
-    none of them)."""
-    staged = {}
+    """Write several files of one folder as one step: ``write(tmp_path)`` for each
+    ``{path: write}``, then rename them all into place.
+
+    All-or-nothing (see the notes above `SWAP_TAGS`): until every new file is complete
+    none replaces its old one, and an error or interruption deletes them; once they
+    are, the renames are finished by this call's cleanup, or after a hard kill by the
+    next run (`remove_stale` of the folder). The caller holds the folder's lock.
+    """
+    paths = [Path(p) for p in writers]
+    folder = paths[0].parent
+    if any(p.parent != folder for p in paths):
+        raise ValueError("replace_files writes the files of one folder")
+    remove_stale(folder)
+    _settle_files(folder, mine=True)
+    pid = os.getpid()
+    journal = folder / f".mlx-mtp.{pid}.journal"
+    staged = [scratch_path(p) for p in paths]
     try:
-        for path, write in writers.items():
-            remove_stale(path)
-            staged[path] = path.parent / f".{path.name}.{os.getpid()}.partial"
+        for path, tmp, write in zip(paths, staged, writers.values()):
             with writing(path):
-                write(staged[path])
-        for path, tmp in staged.items():
-            os.replace(tmp, path)
+                write(tmp)
+        _write_journal(journal, [p.name for p in paths])
+        _commit(journal, pid)
     finally:
-        for tmp in staged.values():
+        if os.path.lexists(journal):
+            _commit(journal, pid)  # committed: finish
+        for tmp in staged + [folder / f".mlx-mtp.{pid}.partial"]:
             _remove(tmp)
+
+
+def _write_journal(journal: Path, names: list) -> None:
+    """Write the list of files to rename into place, complete or not at all."""
+    tmp = journal.with_suffix(".partial")
+    with open(tmp, "w") as f:
+        json.dump(names, f)
+    os.replace(tmp, journal)
+
+
+def _commit(journal: Path, pid: int) -> None:
+    """Rename into place the files staged by ``pid`` that ``journal`` names (those
+    not renamed yet), then delete the journal."""
+    folder = journal.parent
+    for name in _journal_names(journal):
+        staged = folder / f".{name}.{pid}.partial"
+        if os.path.lexists(staged):
+            os.replace(staged, folder / name)
+    os.unlink(journal)
+
+
+def _journal_names(journal: Path) -> list:
+    """The file names a journal lists (plain names in its folder; [] if it is not
+    such a list, which `replace_files` never writes)."""
+    try:
+        names = json.loads(journal.read_text())
+    except (OSError, ValueError, RecursionError):
+        return []
+    if not isinstance(names, list) or not all(
+        isinstance(n, str) and n and Path(n).name == n and n not in (".", "..")
+        for n in names
+    ):
+        return []
+    return names
 
 
 def save_trunk(

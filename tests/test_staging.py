@@ -1,0 +1,336 @@
+"""How conversions write their output: every replacement is all-or-nothing.
+
+Fault injection at every step of `staged_folder` (a folder replaced by another) and of
+`replace_files` (``graft --overwrite``: several files of a folder): each call of
+`mlx_mtp.convert.output` that changes the filesystem (and each file it has written)
+is a step, and at step ``n`` the test either raises ``KeyboardInterrupt`` (Ctrl-C: the
+``finally`` blocks run) or, in a forked child, ends the process on the spot as SIGKILL
+would (``os._exit``: nothing more runs). Either way the destination then holds the
+complete old or the complete new version, and nothing else is left once the next run
+has settled what the dead one left. Also: SIGTERM and SIGHUP stop ``convert`` and
+``graft`` cleanly, and ``graft`` refuses heads that are neither floating point nor
+MLX-quantized.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+import mlx_mtp.convert.output as output
+from mlx_mtp.cli import main
+from mlx_mtp.convert import convert, graft_heads
+from mlx_mtp.errors import MTPError
+from mlx_mtp.testing.fixtures import write_checkpoint
+
+OS_CALLS = ("open", "mkdir", "rename", "replace", "unlink", "remove", "rmdir", "link")
+SHUTIL_CALLS = ("rmtree", "copy", "copy2", "copyfile", "copytree", "move")
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+class Steps:
+    """Counts steps; at step ``at`` raises ``KeyboardInterrupt`` or, with ``kill``,
+    ends the process on the spot."""
+
+    def __init__(self, at=None, kill=False):
+        self.n, self.at, self.kill = 0, at, kill
+
+    def __call__(self, what):
+        self.n += 1
+        if self.n == self.at:
+            if self.kill:
+                os._exit(9)
+            raise KeyboardInterrupt(f"step {self.n}: {what}")
+
+
+class Counted:
+    """``module``, whose functions ``names`` first take a step."""
+
+    def __init__(self, module, names, steps):
+        self._module, self._names, self._steps = module, names, steps
+
+    def __getattr__(self, name):
+        value = getattr(self._module, name)
+        if name not in self._names:
+            return value
+
+        def counted(*args, **kwargs):
+            self._steps(f"{self._module.__name__}.{name}")
+            return value(*args, **kwargs)
+
+        return counted
+
+
+@contextlib.contextmanager
+def faults(steps):
+    """Route `output`'s ``os`` and ``shutil`` calls, and each file write of
+    `replace_files`, through ``steps``."""
+    real_writing = output.writing
+
+    @contextlib.contextmanager
+    def writing(*args, **kwargs):
+        with real_writing(*args, **kwargs):
+            yield
+        steps("wrote a file")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(output, "os", Counted(os, OS_CALLS, steps))
+        patch.setattr(output, "shutil", Counted(shutil, SHUTIL_CALLS, steps))
+        patch.setattr(output, "writing", writing)
+        yield steps
+
+
+def in_child(fn) -> int:
+    """Run ``fn`` in a forked child; its exit code (9: killed at a step)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def killed_at(at, run):
+    """``run`` until step ``at``, which ends the process."""
+    with faults(Steps(at, kill=True)) as steps:
+        run(steps)
+
+
+def every_step(run, check, kill=True):
+    """Make ``run(steps)`` fail at each of its steps in turn, by ``KeyboardInterrupt``
+    and (``kill``) by death in a forked child, with ``check(at, killed)`` after each,
+    until a run takes no step that fails. Returns how many steps a run takes."""
+    total = Steps()
+    with faults(total):
+        run(total)
+    for at in range(1, total.n + 1):
+        with pytest.raises(KeyboardInterrupt):
+            with faults(Steps(at)) as steps:
+                run(steps)
+        check(at, False)
+        if kill:
+            assert in_child(lambda: killed_at(at, run)) == 9, f"step {at}"
+            check(at, True)
+    return total.n
+
+
+def snapshot(folder):
+    """Every file of ``folder``, hidden ones included (None: no folder)."""
+    if not folder.exists():
+        return None
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def settle(dst):
+    """What the next run does first: take the lock, settle what dead runs left."""
+    with output.locked(dst):
+        output.remove_stale(dst)
+
+
+def dead_pid() -> int:
+    """A PID no process has (that of a child reaped just now)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+# --- staged_folder ------------------------------------------------------------------
+
+
+def model_folder(path, version):
+    """A folder `check_destination` lets ``overwrite`` replace."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"mtp": {}, "version": version}))
+    (path / "model.safetensors").write_bytes(version.encode() * 1000)
+    (path / f"{version}.json").write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("existing", [True, False])
+def test_staged_folder_is_all_or_nothing_at_every_step(tmp_path, existing):
+    dst = tmp_path / "out"
+    old = snapshot(model_folder(dst, "old")) if existing else None
+    new = snapshot(model_folder(tmp_path / "new", "new"))
+    shutil.rmtree(tmp_path / "new")
+
+    def run(steps):
+        with output.staged_folder(dst, overwrite=True) as tmp:
+            for name, data in new.items():
+                (tmp / name).write_bytes(data)
+                steps("wrote a file")
+
+    def check(at, killed):
+        where = f"step {at}, {'killed' if killed else 'interrupted'}"
+        if killed:
+            settle(dst)
+        state = snapshot(dst)
+        assert state in (old, new), f"{where}: {sorted(state or [])}"
+        if killed:
+            assert os.listdir(tmp_path) == (["out"] if state else []), where
+        else:  # the next run in this process (a Ctrl-C may hit its cleanup)
+            run(Steps())
+            assert snapshot(dst) == new and os.listdir(tmp_path) == ["out"], where
+        shutil.rmtree(dst, ignore_errors=True)
+        if existing:
+            model_folder(dst, "old")
+
+    steps = every_step(run, check)
+    assert steps >= (10 if existing else 7)  # lock, 3 writes, renames, deletes...
+
+
+def test_a_dead_runs_old_folder_is_put_back_not_deleted(tmp_path):
+    """The issue's case: killed between the two renames, ``.out.PID.old`` is all that
+    is left; the next run puts it back, and so refuses to replace it without
+    ``overwrite``."""
+    dst = tmp_path / "out"
+    old = snapshot(model_folder(dst, "old"))
+    os.rename(dst, output.scratch_path(dst, "old", pid=dead_pid()))
+    with pytest.raises(MTPError, match="already exists"):
+        with output.staged_folder(dst) as tmp:
+            (tmp / "config.json").write_text("{}")
+    assert snapshot(dst) == old and os.listdir(tmp_path) == ["out"]
+
+
+# --- replace_files (graft --overwrite) ----------------------------------------------
+
+
+def test_replace_files_is_all_or_nothing_at_every_step(tmp_path):
+    folder = model_folder(tmp_path / "model", "old")
+    (folder / "mtp.safetensors").write_bytes(b"old 8-bit heads")
+    old = snapshot(folder)
+    files = {
+        "config.json": b'{"mtp": {"quantization": {"bits": 4}}}',
+        "mtp.safetensors": b"new 4-bit heads",
+        "draft_vocab.safetensors": b"a file the folder had not",
+    }
+    new = {**old, **files}
+
+    def run(steps):
+        writers = {
+            folder / k: (lambda p, d=v: p.write_bytes(d)) for k, v in files.items()
+        }
+        with output.locked(folder):
+            output.replace_files(writers)
+
+    def check(at, killed):
+        where = f"step {at}, {'killed' if killed else 'interrupted'}"
+        if killed:
+            settle(folder)
+        state = snapshot(folder)
+        assert state in (old, new), f"{where}: {sorted(state)}"
+        if not killed:
+            run(Steps())
+            assert snapshot(folder) == new, where
+        assert os.listdir(tmp_path) == ["model"], where
+        shutil.rmtree(folder)
+        folder.mkdir()
+        for name, data in old.items():
+            (folder / name).write_bytes(data)
+
+    assert every_step(run, check) >= 9
+
+
+# --- graft --overwrite itself -------------------------------------------------------
+
+
+def strip_heads(src, dst, prefix):
+    """A copy of checkpoint ``src`` without the tensors under ``prefix``."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    weights = {}
+    for f in src.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    kept = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+    mx.save_safetensors(str(dst / "model.safetensors"), kept, {"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A qwen3_5 checkpoint, and an MLX conversion of it without its heads."""
+    root = tmp_path_factory.mktemp("graft")
+    src = write_checkpoint("qwen3_5", root / "src", predictable=True)
+    plain = strip_heads(src, root / "plain", "mtp.")
+    return src, convert(str(plain), root / "bare", progress=False)
+
+
+def written(writers, scratch):
+    """``writers`` as writers of the bytes they write (run here, in ``scratch``)."""
+    scratch.mkdir()
+    files = {}
+    for path, write in writers.items():
+        write(scratch / path.name)
+        files[path] = (scratch / path.name).read_bytes()
+    shutil.rmtree(scratch)
+    return {path: (lambda p, d=data: p.write_bytes(d)) for path, data in files.items()}
+
+
+def test_graft_overwrite_is_all_or_nothing_at_every_step(sources, tmp_path):
+    """8-bit heads replaced by 4-bit ones: whatever stops it, the heads and the config
+    that describes them come from one graft. (The writes and renames run in the
+    forked child, of bytes written in this process: MLX does not survive a fork.)"""
+    src, bare = sources
+    dst = tmp_path / "model"
+    shutil.copytree(bare, dst)
+    graft_heads(str(src), str(dst), head_bits=8, draft_vocab=False)
+    original, old = tmp_path / "original", snapshot(dst)
+    shutil.copytree(dst, original)
+
+    def graft(steps=None):
+        graft_heads(str(src), str(dst), head_bits=4, overwrite=True, draft_vocab=False)
+
+    graft()
+    new = snapshot(dst)
+    assert json.loads(new["config.json"])["mtp"]["quantization"]["bits"] == 4
+    assert new["mtp.safetensors"] != old["mtp.safetensors"]
+
+    def check(at, killed):
+        where = f"step {at}, {'killed' if killed else 'interrupted'}"
+        if killed:
+            settle(dst)
+        state = snapshot(dst)
+        assert state in (old, new), f"{where}: {sorted(state)}"
+        if not killed:
+            graft()
+            assert snapshot(dst) == new, where
+        assert sorted(os.listdir(tmp_path)) == ["model", "original"], where
+        shutil.rmtree(dst)
+        shutil.copytree(original, dst)
+
+    check(0, False)
+    assert every_step(graft, check, kill=False) >= 10
+    real, at, codes = output.replace_files, 0, []
+    while codes != [0]:  # until a child is not killed: it replaced them all
+        at, codes = at + 1, []
+        with pytest.MonkeyPatch.context() as patch:
+
+            def forked(writers):
+                files = written(writers, tmp_path / "written")
+                codes.append(in_child(lambda: killed_at(at, lambda _: real(files))))
+
+            patch.setattr("mlx_mtp.convert.graft.replace_files", forked)
+            graft()
+        assert codes in ([9], [0]), f"step {at}: {codes}"
+        check(at, True)
+    assert at >= 8
