@@ -133,8 +133,8 @@ def convert(
         dst.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(dst)
         tmp = scratch_path(dst, "gguf")
-        tmp.mkdir()
         try:
+            tmp.mkdir()
             src = gguf_to_hf(gguf, tmp, dtype or "float32")
             _convert_folder(src, str(gguf), None, dst, options, [gguf], draft_hf_path)
         finally:

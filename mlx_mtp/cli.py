@@ -51,6 +51,49 @@ def friendly_errors(fn):
     return wrapper
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stops_on_signals(fn):
+    """Let SIGTERM and SIGHUP stop a command that writes files as Ctrl-C does: its
+    ``finally`` blocks remove what it was writing (scratch folders, partial files,
+    locks), then one line and exit 128 + the signal's number. A second signal during
+    that cleanup is ignored."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
+        signals = [
+            getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)
+        ]
+
+        def stop(signum, frame):
+            for s in signals:
+                signal.signal(s, signal.SIG_IGN)
+            raise Stopped(signum)
+
+        previous = {s: signal.signal(s, stop) for s in signals}
+        try:
+            return fn(*args, **kwargs)
+        except Stopped as e:
+            click.echo(f"\nstopped by {signal.Signals(e.signum).name}", err=True)
+            sys.exit(128 + e.signum)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    return wrapper
+
+
 def _quiet_transformers():
     """Silence transformers' notes about model types it does not know (tokenizers load
     fine) and its advice that PyTorch is absent (not needed); mlx-mtp prints its own
@@ -694,6 +737,7 @@ def head_bits_option(default: str):
 @click.option("--graft-heads-from", "graft_from", hidden=True)
 @click.option("--check", "check_path", hidden=True)
 @click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, hidden=True)
+@stops_on_signals
 @friendly_errors
 def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options):
     """Convert a Hugging Face checkpoint to MLX, keeping its MTP heads.
@@ -746,6 +790,7 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
     help="Rank the vocabulary for draft vocabularies (one pass of the model over a "
     "built-in text) and store it with the heads.",
 )
+@stops_on_signals
 @friendly_errors
 def graft(source, mlx_path, **options):
     """Add MTP heads to an existing MLX conversion (e.g. an mlx-community model).
@@ -867,6 +912,7 @@ def _check(path, source, min_agreement, trust_remote_code):
 @click.option("--resume", is_flag=True, help="Continue the run in the work folder.")
 @OVERWRITE
 @TRUST_REMOTE_CODE
+@stops_on_signals
 @friendly_errors
 def train_heads(model, data, mlx_path, **options):
     """Train MTP heads for a model that has none (frozen trunk, self-distillation)."""

@@ -334,3 +334,59 @@ def test_graft_overwrite_is_all_or_nothing_at_every_step(sources, tmp_path):
         assert codes in ([9], [0]), f"step {at}: {codes}"
         check(at, True)
     assert at >= 8
+
+
+# --- SIGTERM and SIGHUP -------------------------------------------------------------
+
+SLOW = """
+import sys, time
+import mlx_mtp.convert.{module} as module
+real = module.{name}
+
+def slow(*args, **kwargs):
+    real(*args, **kwargs)
+    print("written", flush=True)
+    time.sleep(120)
+
+module.{name} = slow
+from mlx_mtp.cli import run
+run(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("command", ["convert", "graft"])
+def test_sigterm_and_sighup_stop_a_conversion_cleanly(command, sources, tmp_path):
+    """Killed mid-write by SIGTERM (convert) or SIGHUP (graft --overwrite), nothing is
+    left but what was there: no scratch folder, partial file or lock; one line, and
+    exit 128 + the signal's number."""
+    src, bare = sources
+    if command == "convert":
+        sig, where = signal.SIGTERM, ("hf", "save_trunk")
+        args = ["convert", "--hf-path", src, "--mlx-path", tmp_path / "out"]
+        before = []
+    else:
+        sig, where = signal.SIGHUP, ("graft", "save_heads")
+        dst = tmp_path / "model"
+        shutil.copytree(bare, dst)
+        args = ["graft", "--from", src, "--mlx-path", dst, "--no-draft-vocab"]
+        before = snapshot(dst)
+    script = SLOW.format(module=where[0], name=where[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "written\n", proc.communicate()[1]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"stopped by {sig.name}", err
+    if command == "convert":
+        assert os.listdir(tmp_path) == []
+    else:
+        assert os.listdir(tmp_path) == ["model"] and snapshot(dst) == before
