@@ -934,9 +934,10 @@ def train_heads(model, data, mlx_path, **options):
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option(
     "--api-key",
-    default=None,
-    help="Require 'Authorization: Bearer KEY' (all endpoints but /health) "
-    "[default: $MLX_MTP_API_KEY, else none].",
+    multiple=True,
+    help="Require 'Authorization: Bearer KEY' (all endpoints but /health); give one "
+    "key per client, repeating the option, to keep each one's prompt cache to itself "
+    "[default: $MLX_MTP_API_KEY, comma-separated, else none].",
 )
 @click.option(
     "--allowed-origins",
@@ -1009,6 +1010,7 @@ def serve(model, chat_template_args, **options):
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
     import json
+    import signal
 
     from .errors import MTPError
     from .server import Server, server_args
@@ -1024,12 +1026,14 @@ def serve(model, chat_template_args, **options):
         from .demo import demo_model
 
         model = str(demo_model())
-    if options["api_key"] is None:
+    if not options["api_key"]:
         options.pop("api_key")
     args = server_args(model=model, chat_template_args=template_args, **options)
     server = Server(args)
     click.echo(f"serving {model} at {server.url} (Ctrl-C to stop)", err=True)
-    server.serve_forever()
+    if server.serve_forever() == signal.SIGINT:  # streams ended, generation joined
+        raise KeyboardInterrupt  # "interrupted", exit 130
+    click.echo("stopped serving", err=True)
 
 
 @main.command(short_help="Speed against mlx-lm plain decoding.")

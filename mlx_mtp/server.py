@@ -20,16 +20,22 @@ words, server-sent events, ``usage``. Three subclasses change what MTP needs:
 
 A client that goes away mid-stream stops its generation within one round (mlx-lm's
 handler stops the request's context; the loop checks it after every token), and the
-session it used is left consistent (`mtp_generate_step`'s exit contract).
+session it used is left consistent (`mtp_generate_step`'s exit contract). A failure
+costs only the requests it touched, and the server serves the next one; SIGINT and
+SIGTERM stop generation within a round and end open streams with ``[DONE]``
+(`Server.serve_forever`). With API keys, each key's prompt caches are its own.
 """
 
 import argparse
+import gc
+import hmac
 import io
 import ipaddress
 import json
 import logging
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -43,13 +49,16 @@ from urllib.parse import urlsplit
 
 import mlx.core as mx
 from mlx_lm import server as lm_server
+from mlx_lm.sample_utils import greedy_sampler
 
 from . import draft_vocab
+from .draft_length import model_costs
 from .draft_vocab import parse as parse_draft_vocab
 from .errors import MTPError, one_line
-from .generate import stream_generate
+from .generate import fit_context, stream_generate
 from .loading import load
-from .speculative import Session
+from .sampling import SamplingError, SamplingParams, check_seed
+from .speculative import Session, draft_vocabs
 
 log = logging.getLogger("mlx_mtp")
 
@@ -101,32 +110,36 @@ class Sessions:
 
     `take` hands out (and removes) the session whose tokens the prompt extends, the
     longest such; `put` returns a session after a generation. A session is used by
-    one generation at a time, so no two requests share caches.
+    one generation at a time, so no two requests share caches. Each session belongs
+    to an ``owner`` (the API key its requests presented; None without keys) and is
+    handed out to that owner's requests only.
     """
 
     def __init__(self, size: int = 8, max_bytes: Optional[int] = None):
         self.size, self.max_bytes = size, max_bytes
-        self._items: "OrderedDict[int, Session]" = OrderedDict()
+        self._items: "OrderedDict[tuple, Session]" = OrderedDict()  # (owner, id)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def take(self, prompt: List[int]) -> Optional[Session]:
+    def take(self, prompt: List[int], owner=None) -> Optional[Session]:
         with self._lock:
             best, best_len = None, 0
             for key, s in self._items.items():
+                if key[0] != owner:
+                    continue
                 tokens = s.tokens
                 n = len(tokens)
                 if best_len < n < len(prompt) and prompt[:n] == tokens:
                     best, best_len = key, n
             return self._items.pop(best) if best is not None else None
 
-    def put(self, session: Session) -> None:
+    def put(self, session: Session, owner=None) -> None:
         if session.state is None:
             return
         with self._lock:
-            self._items[id(session)] = session
+            self._items[owner, id(session)] = session
             while len(self._items) > self.size or (
                 self.max_bytes is not None
                 and len(self._items) > 1
@@ -173,6 +186,7 @@ class MTPModelProvider(lm_server.ModelProvider):
         )
         if draft_vocab.wants_ranking(model):  # before serving, not in a request
             draft_vocab.ranking_for(model, tokenizer)
+        warm_costs(model, self.cli_args)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (self.cli_args.model, None, self.cli_args.draft_model)
@@ -200,6 +214,15 @@ class MTPModelProvider(lm_server.ModelProvider):
         return self.model.trunk, self.tokenizer
 
 
+def warm_costs(model, args: argparse.Namespace) -> None:
+    """Read, or measure once, the round costs that requests with the server's drafting
+    settings decode with ("auto" draft lengths and sources), before serving: else the
+    first such request would time them, on the generation thread."""
+    vocabs, _ = draft_vocabs(model, args.draft_vocab)
+    sizes = [n for n in vocabs if n is not None]
+    model_costs(model, max(args.max_draft_tokens, args.lookup_tokens), sizes)
+
+
 def model_id(path: str) -> str:
     """The id `/v1/models` lists for the served model: a hub id as given, a local
     folder by its absolute path."""
@@ -209,25 +232,245 @@ def model_id(path: str) -> str:
 
 # --- generation ----------------------------------------------------------------------
 
+SHUTDOWN_WAIT = 10.0  # seconds `MTPResponseGenerator.shutdown` waits for open replies
+CLOSE_WAIT = 2.0  # seconds `Server.close` then waits for connections to be handled
+# The request fields of the sampling settings, by their `SamplingParams` names.
+SAMPLING_FIELDS = {
+    "temperature": "temp",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+}
+_FIELD_OF = {name: field for field, name in SAMPLING_FIELDS.items()}
+_NOBODY = object()  # the owner of no batch
+
+
+def check_sampling(body: dict, defaults: argparse.Namespace, vocab_size: int) -> None:
+    """400, naming the field, for sampling settings (``temperature``, ``top_p``,
+    ``top_k``, ``min_p``, ``seed``) that `SamplingParams` or `check_seed` refuse: the
+    rules of the CLI and the MTP loop, applied to every request before it is queued,
+    as mlx-lm's batched path checks none of them. ``defaults`` (the server's options)
+    stand for the fields the body lacks. A ``top_k`` of at least ``vocab_size``
+    keeps every token, as 0 does, and goes on as 0: mlx-lm's batch reads it so too."""
+    values = {
+        name: body.get(field, getattr(defaults, name))
+        for field, name in SAMPLING_FIELDS.items()
+    }
+    try:
+        SamplingParams(**values)
+        check_seed(body.get("seed"))
+    except SamplingError as e:
+        raise sampling_request_error(e) from None
+    if values["top_k"] >= vocab_size:
+        body["top_k"] = 0
+
+
+def sampling_request_error(e: SamplingError) -> RequestError:
+    """A `SamplingError` as a 400 naming the request's field."""
+    field, message = _FIELD_OF.get(e.name, e.name), one_line(e)
+    if message.startswith(e.name):
+        message = field + message[len(e.name) :]
+    return bad_request(message, field)
+
+
+def key_owner(keys, authorization: str) -> Optional[int]:
+    """Which of ``keys`` an ``Authorization`` header ("Bearer KEY") presents: its
+    index, or None. Every key is compared, each in constant time."""
+    presented, owner = authorization.encode(), None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(presented, f"Bearer {key}".encode()):
+            owner = i
+    return owner
+
+
+def _owner(args):
+    """The owner of a request's caches: the index of its API key, None without."""
+    return getattr(args, "owner", None)
+
+
+def _shutting_down() -> RequestError:
+    return RequestError(503, "the server is shutting down", "server_error")
+
+
+class _Responses(lm_server.Queue):
+    """One request's response queue, which knows its request: ``ctx`` once the
+    generation put it, ``taken`` once the generation loop took the request, and
+    ``ended`` once None (the end) or an exception was put; nothing is put after."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctx, self.taken, self.ended = None, False, False
+        self._guard = threading.Lock()
+
+    def put(self, item, block=True, timeout=None):
+        with self._guard:
+            if self.ended:
+                return
+            if isinstance(item, lm_server.GenerationContext):
+                self.ctx = item
+            self.ended = item is None or isinstance(item, BaseException)
+            super().put(item, block, timeout)
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with ``error`` and stop its generation."""
+        self.put(error)
+        if self.ctx is not None:
+            self.ctx.stop()
+
+
+class _Replies:
+    """The responses of a request whose reply started, as an iterator; ``close``
+    (the handler's, once the reply is over) counts the request out, read or not."""
+
+    def __init__(self, generator: "MTPResponseGenerator", responses: _Responses):
+        self._generator, self._responses = generator, responses
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while True:
+            response = self._generator._await_response(self._responses)
+            if response is None:
+                raise StopIteration
+            if isinstance(response, Exception):
+                raise response
+            if not isinstance(response, tuple):  # prompt progress
+                return response
+
+    def close(self) -> None:
+        self._generator._leave(self._responses)
+
+
+class _OwnedPromptCache(lm_server.LRUPromptCache):
+    """mlx-lm's prompt cache of the batched path, kept apart per API key: entries
+    are filed under (model, ``owner``), the owner of the batch being served
+    (`MTPResponseGenerator._is_batchable` keeps a batch to one owner's requests)."""
+
+    owner = None
+
+    def fetch_nearest_cache(self, model, tokens):
+        return super().fetch_nearest_cache((model, self.owner), tokens)
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        super().insert_cache(
+            (model, self.owner), tokens, prompt_cache, cache_type=cache_type
+        )
+
+
+class _OneRequestSampler:
+    """A batched request's sampler (mlx-lm's batch calls each row's own): an
+    exception fails that request only (`_Responses.fail`: its reply gets the error,
+    the batch drops the request at its next token), its row getting the greedy
+    token meanwhile; the other rows go on."""
+
+    def __init__(self, sampler, responses: _Responses):
+        self.sampler, self.responses = sampler, responses
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if not self.responses.ended:
+            try:
+                return self.sampler(logprobs)
+            except Exception as e:  # this request's failure: the batch goes on
+                log.exception("a request failed in the batch")
+                self.responses.fail(e)
+        return greedy_sampler(logprobs)
+
+
+def _request_sampler(args, tokenizer):
+    """mlx-lm's ``_make_sampler``, which its batched loop calls for each request it
+    takes in: for the requests of `MTPResponseGenerator` (they carry their
+    ``responses``), a sampler that fails its request only, as does building it."""
+    responses = getattr(args, "responses", None)
+    if responses is None:
+        return _lm_make_sampler(args, tokenizer)
+    try:
+        sampler = _lm_make_sampler(args, tokenizer)
+    except Exception as e:  # this request's failure: the batch goes on
+        log.exception("a request failed joining the batch")
+        responses.fail(e)
+        sampler = greedy_sampler
+    return _OneRequestSampler(sampler, responses)
+
+
+_lm_make_sampler = getattr(lm_server._make_sampler, "wrapped", lm_server._make_sampler)
+_request_sampler.wrapped = _lm_make_sampler
+lm_server._make_sampler = _request_sampler  # mlx-lm's loop looks it up by name
+
 
 class MTPResponseGenerator(lm_server.ResponseGenerator):
     """mlx-lm's generation thread. A request alone is served through the MTP loop
     (MTP pays at batch 1), with `Sessions` for prompt reuse; while other requests
     are in flight, requests join mlx-lm's batched plain decoding of the trunk, which
     serves several at once faster than MTP serves them in turn (measured:
-    scripts/serve_bench.py). Seeded requests are always served alone."""
+    scripts/serve_bench.py). Seeded requests are always served alone.
+
+    A failure costs only the requests it touched: one request's in the MTP loop or
+    in its sampler in the batch goes to that request (`_serve_single`,
+    `_OneRequestSampler`); a failure of the loop itself goes to the requests it had
+    taken, and the loop starts again (`_run_generate`). `shutdown` stops generation
+    within a round and ends every open reply cleanly."""
 
     def __init__(self, model_provider: MTPModelProvider, sessions: Sessions):
         self.sessions = sessions
         self._in_flight, self._overlapped = 0, -STICKY
-        self._count_lock = threading.Lock()
-        super().__init__(model_provider, lm_server.LRUPromptCache(8))
+        self._lock = threading.Condition()
+        self._live = set()  # the `_Responses` of requests whose reply is not over
+        self._batch_owner, self._fresh = _NOBODY, True
+        super().__init__(model_provider, _OwnedPromptCache(8))
+
+    # the loop, supervised
+
+    def _run_generate(self):
+        """mlx-lm's generation loop, supervised: when it raises, each request it had
+        taken gets the error (its reply ends with it), the failure is logged once,
+        and the loop starts again for the next requests. A loop that fails before
+        taking any request is given up (``/health`` then says so)."""
+        while True:
+            self._batch_owner, self._fresh = _NOBODY, True
+            try:
+                return self._generate()
+            except Exception as e:
+                log.exception("the generation loop failed; restarting it")
+                self._fail_live(e, taken_only=True)
+                if self._stop or self._fresh:
+                    self._generation_failed = True
+                    self._fail_live(e)
+                    return
+
+    def _fail_live(self, error: BaseException, taken_only=False) -> None:
+        with self._lock:
+            live = list(self._live)
+        for responses in live:
+            if responses.taken or not taken_only:
+                responses.fail(error)
+
+    def _next_request(self, timeout=None):
+        request = super()._next_request(timeout)
+        if request is not None:
+            request[0].taken = True  # an `_Responses`: `generate` queued it
+            self._fresh = False
+        return request
 
     def _is_batchable(self, args) -> bool:
         """Batch while requests overlap, and for `STICKY` seconds after they last
         did (clients that take turns would otherwise flip between the two modes,
         each request waiting out another's MTP generation). A request arriving
-        alone waits `GRACE` for others (clients that start together) first."""
+        alone waits `GRACE` for others (clients that start together) first.
+
+        A batch holds one owner's requests (one API key's), so that what its prompt
+        cache keeps stays that owner's (`_OwnedPromptCache`): another owner's request
+        is served alone once the batch drained (mlx-lm drains the batch for any
+        request refused here, before serving it)."""
+        owner = _owner(args)
+        if not self._overlapping(args) or self._batch_owner not in (_NOBODY, owner):
+            self._batch_owner = _NOBODY
+            return False
+        if self._batch_owner is _NOBODY:  # a new batch
+            self._batch_owner = self.prompt_cache.owner = owner
+        return True
+
+    def _overlapping(self, args) -> bool:
         if not self.model_provider.is_batchable or args.seed is not None:
             return False
         if time.monotonic() - self._overlapped < STICKY:
@@ -237,11 +480,19 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             time.sleep(0.002)
         return self._in_flight > 1
 
-    def _count(self, n: int) -> None:
-        with self._count_lock:
-            self._in_flight += n
-            if self._in_flight > 1:
-                self._overlapped = time.monotonic()
+    def _tokenize(self, tokenizer, request, args):
+        """mlx-lm's, and on both paths the context check: 400
+        ``context_length_exceeded`` for a prompt that leaves no room, ``max_tokens``
+        capped at the room left (`fit_context`)."""
+        tokenized = super()._tokenize(tokenizer, request, args)
+        model = self.model_provider.model
+        try:
+            args.max_tokens = fit_context(model, len(tokenized[0]), args.max_tokens)
+        except MTPError as e:
+            raise bad_request(one_line(e), code="context_length_exceeded") from None
+        return tokenized
+
+    # a request alone, through the MTP loop
 
     def _serve_single(self, request, stream):
         rqueue, request, args = request
@@ -259,17 +510,20 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
                 initial_state=initial_state,
                 prompt=prompt,
             )
-            session = self.sessions.take(prompt)
+            session = self.sessions.take(prompt, _owner(args))
             done = len(session.tokens) if session is not None else 0
             ctx.prompt_cache_count = done
             ctx.mtp = None
             session = session or Session()
             self._decode(rqueue, ctx, session, prompt[done:], args, stop_sequences)
+        except RequestError as e:
+            rqueue.put(e)
         except Exception as e:  # every failure goes back to its request
+            log.exception("a request failed")
             rqueue.put(e)
 
     def _decode(self, rqueue, ctx, session, rest, args, stop_sequences):
-        tokenizer = self.model_provider.tokenizer
+        tokenizer, owner = self.model_provider.tokenizer, _owner(args)
         sampling = args.sampling
         steps = stream_generate(
             self.model_provider.model,
@@ -288,15 +542,18 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             seed=args.seed,
             prefill_step_size=self.cli_args.prefill_step_size,
             session=session,
-            on_prefill=lambda s: self.sessions.put(s.snapshot()),
+            on_prefill=lambda s: self.sessions.put(s.snapshot(), owner),
         )
         matcher = stop_sequences.matcher()
         try:
             first = next(steps)  # the prefill: errors surface before any reply
         except MTPError as e:
-            self.sessions.put(session)  # untouched: the prompt was refused first
-            raise bad_request(one_line(e), code="context_length_exceeded") from None
+            self.sessions.put(session, owner)  # untouched: refused before the prefill
+            if isinstance(e, SamplingError):
+                raise sampling_request_error(e) from None
+            raise bad_request(one_line(e)) from None
         rqueue.put(ctx)
+        whole = False
         try:
             for gen in _chain(first, steps):
                 finish = gen.finish_reason
@@ -316,45 +573,77 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
                         ),
                     )
                 )
-                if finish is not None or ctx._should_stop:
+                if finish is not None or ctx._should_stop or self._stop:
                     break
+            whole = True
         finally:
             steps.close()  # the session now holds what was yielded
-            self.sessions.put(session)
+            if whole:  # after a failure its caches may be half updated: dropped
+                self.sessions.put(session, owner)
         rqueue.put(None)
+
+    # the handlers' side
 
     def generate(self, request, generation_args, progress_callback=None):
         """As mlx-lm's, but a request error raised before the reply starts keeps its
-        own status (mlx-lm answers 404 to any)."""
-        response_queue = lm_server.Queue()
-        if not self.generation_available():
-            raise RuntimeError("generation thread died")
-        self._count(1)
-        self.requests.put((response_queue, request, generation_args))
+        own status (mlx-lm answers 404 to any), and a server that is shutting down
+        answers 503. The request is tracked until its reply is over (`_Replies`)."""
+        responses = _Responses()
+        generation_args.responses = responses  # where its batched sampler reports
+        self._enter(responses)
         try:
-            first = self._await_response(response_queue)
+            self.requests.put((responses, request, generation_args))
+            first = self._await_response(responses)
             while isinstance(first, tuple):  # prompt progress
-                first = self._await_response(response_queue)
+                first = self._await_response(responses)
+            if first is None:  # ended before it started: the server is stopping
+                raise _shutting_down()
             if isinstance(first, Exception):
                 raise first
         except BaseException:
-            self._count(-1)
+            self._leave(responses)
             raise
+        return first, _Replies(self, responses)
 
-        def responses():
-            try:
-                while True:
-                    response = self._await_response(response_queue)
-                    if response is None:
-                        return
-                    if isinstance(response, Exception):
-                        raise response
-                    if not isinstance(response, tuple):
-                        yield response
-            finally:
-                self._count(-1)
+    def _enter(self, responses: _Responses) -> None:
+        with self._lock:
+            if self._stop:
+                raise _shutting_down()
+            if not self.generation_available():
+                raise RuntimeError("generation thread died")
+            self._live.add(responses)
+            self._in_flight += 1
+            if self._in_flight > 1:
+                self._overlapped = time.monotonic()
 
-        return first, responses()
+    def _leave(self, responses: _Responses) -> None:
+        with self._lock:
+            if responses in self._live:
+                self._live.remove(responses)
+                self._in_flight -= 1
+            self._lock.notify_all()
+
+    def shutdown(self, wait: float = SHUTDOWN_WAIT) -> None:
+        """Stop generation within a round and end every open reply cleanly: the
+        loop stops at its next check (the MTP loop after the current token, the
+        batch within its time budget) and is joined; then a request not started
+        gets a 503, a started one ends as if it had finished (a final chunk and
+        ``[DONE]`` when streamed). Waits ``wait`` seconds at most for the replies to
+        be written. Idempotent."""
+        with self._lock:
+            self._stop = True
+            live = list(self._live)
+        for responses in live:
+            if responses.ctx is not None:
+                responses.ctx.stop()
+        self._generation_thread.join()
+        for responses in live:
+            responses.put(None)  # a request that ended already ignores it
+        with self._lock:
+            self._lock.wait_for(lambda: not self._live, wait)
+
+    def stop_and_join(self):
+        self.shutdown()
 
 
 def _chain(first, rest):
@@ -789,10 +1078,11 @@ class MTPHandler(lm_server.APIHandler):
             )
 
     def _authorize(self) -> None:
-        key = self.response_generator.cli_args.api_key
-        if not key or self.path == "/health":
+        keys = self.response_generator.cli_args.api_key
+        self._owner = key_owner(keys, self.headers.get("Authorization", ""))
+        if not keys or self.path == "/health":
             return
-        if self.headers.get("Authorization", "") != f"Bearer {key}":
+        if self._owner is None:
             raise RequestError(
                 401,
                 "missing or wrong API key (send 'Authorization: Bearer KEY')",
@@ -949,6 +1239,7 @@ class MTPHandler(lm_server.APIHandler):
                 raise bad_request(
                     f"{field} is not supported by mlx-mtp's decoding", field
                 )
+        check_sampling(body, args, provider.model.args.vocab_size)
         chat = self.path != "/v1/completions"
         need = "messages" if chat else "prompt"
         if need not in body:
@@ -1091,6 +1382,7 @@ class MTPHandler(lm_server.APIHandler):
                 args.num_draft_tokens = handler._num_draft_tokens
                 args.draft_source = handler._draft_source
                 args.draft_vocab = handler._draft_vocab
+                args.owner = getattr(handler, "_owner", None)
                 try:
                     ctx, responses = handler._generator.generate(
                         request, args, progress_callback
@@ -1104,7 +1396,27 @@ class MTPHandler(lm_server.APIHandler):
                     handler._refuse(error)
                     raise error from None
                 handler._ctx, handler._responses = ctx, responses
-                return ctx, responses
+                return ctx, self.relay(responses)
+
+            def relay(self, responses):
+                """The responses; an error after the reply started ends the reply
+                with it: a plain reply becomes the error's (its status line is not
+                sent yet), a stream gets an error event and ``[DONE]``. What mlx-lm
+                writes after goes nowhere."""
+                try:
+                    yield from responses
+                except Exception as e:
+                    error = e if isinstance(e, RequestError) else None
+                    error = error or RequestError(500, one_line(e), "server_error")
+                    log.info("request failed mid-reply: %s", one_line(e))
+                    if handler.stream:
+                        events = b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
+                        handler.wfile.write(events)
+                        handler.wfile.flush()
+                        handler.wfile = _Sink()
+                    else:
+                        handler._headers_buffer = []  # mlx-lm's 200, not sent
+                        handler._refuse(error)
 
         self._generator, self.response_generator = self.response_generator, Generator()
         try:
@@ -1223,7 +1535,7 @@ def server_args(**options) -> argparse.Namespace:
         kv_group_size=64,
         quantized_kv_start=5000,
         pipeline=False,
-        api_key=os.environ.get(API_KEY_ENV) or None,
+        api_key=env_keys(),  # a key, or a list of keys (one per client)
     )
     unknown = set(options) - set(defaults)
     if unknown:
@@ -1232,7 +1544,24 @@ def server_args(**options) -> argparse.Namespace:
     # mlx-lm's handler validates its own num_draft_tokens (an int): ours, "auto" or
     # an int, is read by `MTPHandler` from the request or this default.
     args["draft_tokens"], args["num_draft_tokens"] = args["num_draft_tokens"], 0
+    args["api_key"] = api_keys(args["api_key"])
     return argparse.Namespace(**args)
+
+
+def env_keys() -> tuple:
+    """The API keys of `API_KEY_ENV`, a comma-separated list (empty entries skipped)."""
+    value = os.environ.get(API_KEY_ENV, "")
+    return tuple(k.strip() for k in value.split(",") if k.strip())
+
+
+def api_keys(value) -> tuple:
+    """``api_key`` as a tuple of keys: None or () for none, one key, or several;
+    each client that presents its own key has prompt caches of its own."""
+    keys = () if value is None else (value,) if isinstance(value, str) else value
+    keys = tuple(keys)
+    if not all(isinstance(k, str) and k for k in keys):
+        raise MTPError("an API key must be a non-empty string")
+    return keys
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -1315,9 +1644,11 @@ class Server:
 
     def _handler(self):
         fingerprint = lm_server.get_system_fingerprint()
+        self._connections = _Connections()
 
-        def make(*a, **kw):
-            return MTPHandler(self.generator, *a, system_fingerprint=fingerprint, **kw)
+        def make(*a, **kw):  # handles the connection, in its thread
+            with self._connections:
+                MTPHandler(self.generator, *a, system_fingerprint=fingerprint, **kw)
 
         return make
 
@@ -1331,16 +1662,87 @@ class Server:
         self._thread.start()
         return self
 
-    def serve_forever(self) -> None:
+    def serve_forever(self) -> Optional[int]:
+        """Serve in the caller's thread until SIGINT or SIGTERM (caught when called
+        from the main thread), then `close`; returns the signal, or None when
+        another thread closed the server. A second signal while closing quits the
+        process at once and quietly, with exit status 128 + the signal (130 for
+        Ctrl-C)."""
+        caught = []
+
+        def on_signal(signum, frame):
+            if caught:
+                os._exit(128 + signum)
+            caught.append(signum)
+            raise _Stopped
+
+        previous = _catch_signals(on_signal)
         try:
             self.httpd.serve_forever()
+        except _Stopped:
+            pass
         finally:
-            self.close()
+            try:
+                self.close()
+            finally:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+        return caught[0] if caught else None
 
     def close(self) -> None:
-        self.httpd.shutdown() if self._thread else None
-        self.httpd.server_close()
-        self.generator.stop_and_join()
+        """Stop accepting connections, stop generation within a round, end the open
+        replies cleanly and join the generation thread
+        (`MTPResponseGenerator.shutdown`); connections still handled then are waited
+        for `CLOSE_WAIT` seconds at most. Idempotent."""
+        if self._thread is not None:
+            self.httpd.shutdown()  # the accept loop of `start`
+        self.httpd.socket.close()  # not server_close: it waits for idle connections
+        self.generator.shutdown()
+        # The connections handled (their replies are over), what their requests
+        # left in reference cycles is freed now, in this thread: a connection's
+        # thread still freeing MLX arrays at the interpreter's exit, or a collection
+        # of them then, can abort the process ("terminate called without an active
+        # exception").
+        self._connections.wait(CLOSE_WAIT)
+        gc.collect()
+
+
+class _Connections:
+    """The connections being handled, counted, so that `Server.close` can wait for
+    them."""
+
+    def __init__(self):
+        self._count, self._changed = 0, threading.Condition()
+
+    def __enter__(self):
+        with self._changed:
+            self._count += 1
+
+    def __exit__(self, *exc):
+        with self._changed:
+            self._count -= 1
+            self._changed.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        """Until none is handled, ``timeout`` seconds at most."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._count, timeout)
+
+
+class _Stopped(BaseException):
+    """Raised in the main thread by the first SIGINT or SIGTERM, to stop serving."""
+
+
+def _catch_signals(handler) -> dict:
+    """Install ``handler`` for SIGINT and SIGTERM (from the main thread only: none
+    elsewhere); returns the handlers to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        old = signal.signal(signum, handler)
+        previous[signum] = signal.SIG_DFL if old is None else old
+    return previous
 
 
 __all__ = ["Server", "Sessions", "server_args", "mtp_block"]
