@@ -139,6 +139,20 @@ def _parameters(module) -> int:
     return get_total_parameters(module)
 
 
+def _run_as(reference, model) -> None:
+    """Cast the source ``reference`` to the float dtype of the conversion ``model``,
+    as convert and graft cast the heads to the trunk's: both then run alike (MLX's CPU
+    runs MoE layers in float32 only, so a float16 source would not run there)."""
+    from .graft import _float_dtype
+    from .hf import _cast
+
+    dtype = _float_dtype(model.trunk, model.family)
+    if _float_dtype(reference.trunk, reference.family) != dtype:
+        trunk = reference.trunk
+        _cast(trunk, dtype, getattr(trunk, "cast_predicate", None))
+        _cast(reference.mtp, dtype, None)
+
+
 def check(
     mlx_path: str,
     source: Optional[str] = None,
@@ -186,6 +200,7 @@ def check(
     if not source:
         return report
     reference, _ = load(source, trust_remote_code=trust_remote_code)
+    _run_as(reference, model)
     if reference.num_mtp_layers != model.num_mtp_layers:
         raise MTPError(
             f"{path} has {model.num_mtp_layers} MTP layers, {source} "

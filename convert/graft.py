@@ -25,7 +25,7 @@ from mlx_mtp.models import get_family
 from mlx_mtp.models.base import Model
 from mlx_mtp.models.mtp import MTPStack
 
-from .hf import _cast, _save_config
+from .hf import _cast, _save_config, check_head_dtypes
 from .output import locked, replace_files
 from .source import check_safetensors, read_index, resolve_source, snapshot_revision
 
@@ -87,6 +87,7 @@ def graft_heads(
     trunk, config, _ = load_trunk(dst, family, lazy=True)
     _, mtp = family.split_weights(tensors, src_config)
     stack = build_mtp(trunk, family, mtp, src_config, raw=True)
+    check_head_dtypes(stack, hf_path)
     _cast(stack, _float_dtype(trunk, family), None)
     quantization = quantize_heads(stack, head_bits)
     mx.eval(stack.parameters())

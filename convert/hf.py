@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from mlx_mtp import assistant as assistants
 from mlx_mtp import draft_vocab
@@ -183,6 +183,7 @@ def _convert_folder(
         )
     elif check_declared(family, config, split.mtp, allow_missing_heads=False):
         stack = build_mtp(trunk, family, split.mtp, config, split.raw)
+        check_head_dtypes(stack, source)
 
     dtype = o.dtype or config.get("torch_dtype") or config.get("dtype")
     dtype = dtype or config.get("text_config", {}).get("dtype")
@@ -244,6 +245,26 @@ def _store_ranking(folder: Path, config: dict) -> None:
     draft_vocab.save_ranking(folder / draft_vocab.FILE, ranking)
     config["mtp"]["draft_vocab"] = entry
     _save_config(config, folder)
+
+
+def check_head_dtypes(stack, source: str) -> None:
+    """Refuse heads that are neither floating point nor quantized as MLX stores them
+    (uint32 weights beside their scales, which are floating point or, in the mx*
+    modes, uint8): they would be written as they are, or fail to quantize."""
+    params = dict(tree_flatten(stack.parameters()))
+    for key, value in params.items():
+        if not key.startswith("layers.") or mx.issubdtype(value.dtype, mx.floating):
+            continue
+        base, _, leaf = key.rpartition(".")
+        weight = params.get(f"{base}.weight")
+        quantized = f"{base}.scales" in params and weight.dtype == mx.uint32
+        if quantized and leaf in ("weight", "scales"):
+            continue
+        dtype = str(value.dtype).rpartition(".")[2]
+        raise MTPError(
+            f"{source}: the MTP tensor {key} is {dtype}; heads must be floating point "
+            "(or quantized as MLX stores them: uint32 weights with scales)"
+        )
 
 
 def _cast(module, dtype, predicate) -> None:

@@ -390,3 +390,80 @@ def test_sigterm_and_sighup_stop_a_conversion_cleanly(command, sources, tmp_path
         assert os.listdir(tmp_path) == []
     else:
         assert os.listdir(tmp_path) == ["model"] and snapshot(dst) == before
+
+
+# --- what graft accepts as heads ----------------------------------------------------
+
+
+def with_heads_as(src, dst, prefix, cast):
+    """A copy of checkpoint ``src`` whose tensors under ``prefix`` go through ``cast``."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        weights = {
+            k: cast(v) if k.startswith(prefix) else v for k, v in weights.items()
+        }
+        mx.save_safetensors(str(f), weights, {"format": "pt"})
+    return dst
+
+
+def test_heads_that_are_not_floating_point_are_one_line_errors(sources, tmp_path):
+    """int32 heads were grafted as they were (16 bits) or a traceback (8 bits)."""
+    src, bare = sources
+    ints = with_heads_as(
+        src, tmp_path / "ints", "mtp.", lambda v: (v * 1000).astype(mx.int32)
+    )
+    dst = tmp_path / "model"
+    shutil.copytree(bare, dst)
+    before = snapshot(dst)
+    for bits in ("16", "8"):
+        result = CliRunner().invoke(
+            main,
+            ["graft", "--from", ints, "--mlx-path", dst, "--head-bits", bits]
+            + ["--no-draft-vocab"],
+        )
+        assert result.exit_code == 1, result.output
+        assert (
+            result.output.strip().splitlines()[-1].startswith("mlx-mtp: error: ")
+            and "int32" in result.output
+            and "floating point" in result.output
+        )
+        assert snapshot(dst) == before
+    with pytest.raises(MTPError, match="int32.*floating point"):
+        convert(str(ints), tmp_path / "out", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["ints", "model"]
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_heads_quantized_as_mlx_stores_them_are_heads(sources, mode):
+    """uint32 weights beside their scales (uint8 in the mx* modes) pass; a uint32
+    tensor without scales does not."""
+    import mlx.nn as nn
+
+    from mlx_mtp.convert.hf import check_head_dtypes
+    from mlx_mtp.loading import load_model
+
+    stack = load_model(str(sources[0]))[0].mtp
+    check_head_dtypes(stack, "float")
+    nn.quantize(stack, group_size=32, bits=4, mode=mode)
+    check_head_dtypes(stack, "quantized")
+    layer = stack.layers[0]
+    layer.update({"hnorm": {"weight": layer.hnorm.weight.astype(mx.uint32)}})
+    with pytest.raises(MTPError, match=r"hnorm\.weight is uint32"):
+        check_head_dtypes(stack, "broken")
+
+
+def test_float16_heads_onto_a_float32_trunk_pass_check(checkpoint, tmp_path):
+    """graft casts the heads to the trunk's float dtype (as convert does), and check
+    runs the source in it too: a float32 conversion of a float16 MoE checkpoint
+    grafts and checks (MLX's CPU runs MoE layers in float32 only)."""
+    from mlx_mtp.convert import check
+
+    src = checkpoint("deepseek_v3", predictable=True, dtype="float16")
+    plain = strip_heads(src, tmp_path / "plain", "model.layers.3.")
+    bare = convert(str(plain), tmp_path / "bare", dtype="float32", progress=False)
+    graft_heads(str(src), str(bare), head_bits=16, draft_vocab=False)
+    heads = mx.load(str(bare / "mtp.safetensors"))
+    assert {v.dtype for v in heads.values()} == {mx.float32}
+    report = check(str(bare))
+    assert report.source and report.passed, report.lines()
