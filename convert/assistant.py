@@ -24,7 +24,7 @@ from mlx_mtp.models import get_family
 from mlx_mtp.models.gemma4 import text_model
 from mlx_mtp.models.gemma4_assistant import Assistant
 
-from .output import locked, replace_files, staged_folder
+from .output import locked, remove_stale, replace_files, staged_folder
 from .source import copy_side_files, resolve_source, snapshot_revision
 
 
@@ -120,6 +120,7 @@ def graft_assistant(
     ``mlx_path`` (``assistant.safetensors`` and the config's ``assistant`` section;
     every other file, ``vision_config`` included, is left as it was)."""
     dst = Path(mlx_path)
+    remove_stale(dst)  # a killed graft's files: finished before the config is read
     config = read_config(dst)
     if assistants.has_assistant_section(config) and not overwrite:
         raise MTPError(

@@ -26,7 +26,7 @@ from mlx_mtp.models.base import Model
 from mlx_mtp.models.mtp import MTPStack
 
 from .hf import _cast, _save_config, check_head_dtypes
-from .output import locked, replace_files
+from .output import locked, remove_stale, replace_files
 from .source import check_safetensors, read_index, resolve_source, snapshot_revision
 
 log = logging.getLogger("mlx_mtp")
@@ -64,6 +64,7 @@ def graft_heads(
     if head_bits not in (4, 8, 16):
         raise MTPError("head_bits must be 4, 8 or 16")
     dst = Path(mlx_path)
+    remove_stale(dst)  # a killed graft's files: finished before the config is read
     if not (dst / "config.json").is_file():
         raise MTPError(f"{dst} is not a model folder (no config.json)")
     dst_config = read_config(dst)

@@ -436,10 +436,10 @@ def _commit(journal: Path, pid: int) -> None:
     not renamed yet), then delete the journal."""
     folder = journal.parent
     for name in _journal_names(journal):
-        staged = folder / f".{name}.{pid}.partial"
-        if os.path.lexists(staged):
-            os.replace(staged, folder / name)
-    os.unlink(journal)
+        with contextlib.suppress(FileNotFoundError):  # renamed already
+            os.replace(folder / f".{name}.{pid}.partial", folder / name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal)
 
 
 def _journal_names(journal: Path) -> list:

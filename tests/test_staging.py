@@ -336,6 +336,25 @@ def test_graft_overwrite_is_all_or_nothing_at_every_step(sources, tmp_path):
     assert at >= 8
 
 
+def test_a_killed_grafts_files_are_finished_before_the_next_graft(sources, tmp_path):
+    """Killed after its commit, with the heads renamed into place but not yet the
+    config: the next graft first finishes that one (then refuses to graft again
+    without --overwrite), instead of taking the folder for one without heads."""
+    src, bare = sources
+    grafted, dst = tmp_path / "grafted", tmp_path / "model"
+    shutil.copytree(bare, grafted)
+    graft_heads(str(src), str(grafted), draft_vocab=False)
+    shutil.copytree(bare, dst)
+    pid = dead_pid()
+    shutil.copy(grafted / "mtp.safetensors", dst / "mtp.safetensors")
+    shutil.copy(grafted / "config.json", dst / f".config.json.{pid}.partial")
+    names = ["mtp.safetensors", "config.json"]
+    (dst / f".mlx-mtp.{pid}.journal").write_text(json.dumps(names))
+    with pytest.raises(MTPError, match="already has MTP heads"):
+        graft_heads(str(src), str(dst), draft_vocab=False)
+    assert snapshot(dst) == snapshot(grafted)
+
+
 # --- SIGTERM and SIGHUP -------------------------------------------------------------
 
 SLOW = """
