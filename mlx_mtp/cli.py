@@ -1031,9 +1031,24 @@ def serve(model, chat_template_args, **options):
     args = server_args(model=model, chat_template_args=template_args, **options)
     server = Server(args)
     click.echo(f"serving {model} at {server.url} (Ctrl-C to stop)", err=True)
-    if server.serve_forever() == signal.SIGINT:  # streams ended, generation joined
-        raise KeyboardInterrupt  # "interrupted", exit 130
-    click.echo("stopped serving", err=True)
+    signum = server.serve_forever()  # streams ended, generation joined
+    if signum is None:
+        return
+    click.echo(
+        "\ninterrupted" if signum == signal.SIGINT else "stopped serving", err=True
+    )
+    _exit_now(130 if signum == signal.SIGINT else 0)
+
+
+def _exit_now(code: int) -> None:
+    """Exit with ``code`` once everything is written, skipping the interpreter's
+    teardown: after a server's threads ran MLX, freeing what they left at exit can
+    abort the process ("terminate called without an active exception", exit 134)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @main.command(short_help="Speed against mlx-lm plain decoding.")
