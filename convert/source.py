@@ -1,6 +1,5 @@
 """Finding and validating a source checkpoint before anything is written."""
 
-import json
 import logging
 from pathlib import Path
 from typing import Iterable, List, Optional

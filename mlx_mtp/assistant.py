@@ -16,7 +16,6 @@ An assistant is read from one of three places:
 `check_pair` refuses, one line each, an assistant that does not fit its target.
 """
 
-import json
 from pathlib import Path
 from typing import Dict, Optional
 

@@ -7,16 +7,17 @@ words, server-sent events, ``usage``. Three subclasses change what MTP needs:
 
 - `MTPModelProvider` loads with `mlx_mtp.load` (heads, or a Gemma 4 assistant) and
   serves that one model only: a request never makes the server load another path;
-- `MTPResponseGenerator` serves requests one at a time, first come first served, each
-  through the MTP loop (`mlx_mtp.generate.stream_generate`), going on from the
-  `Session` of an earlier conversation when the prompt extends its tokens (`Sessions`,
-  an LRU bounded in count and bytes);
-- `MTPHandler` adds a bearer-token check, checks that keep web pages out (Origin,
+- `MTPResponseGenerator` serves a request alone through the MTP loop
+  (`mlx_mtp.generate.stream_generate`), going on from the `Session` of an earlier
+  conversation when the prompt extends its tokens (`Sessions`, an LRU bounded in
+  count and bytes), and requests that overlap through mlx-lm's batched plain
+  decoding of the trunk;
+- `MTPHandler` adds bearer-token checks, checks that keep web pages out (Origin,
   Host, Content-Type), bounds on bodies, time and connections (with `_HTTPServer`),
-  checks of the messages' shape (no image is taken, no URL fetched), OpenAI-style
-  error bodies with the right status codes, ``num_draft_tokens`` as an int or
-  "auto", refusals of options the MTP loop does not implement, and an ``mtp`` block
-  with the statistics.
+  the checks of `server_checks` (sampling settings, the messages' shape: no image
+  is taken, no URL fetched), OpenAI-style error bodies with the right status codes,
+  ``num_draft_tokens`` as an int or "auto", refusals of options the MTP loop does
+  not implement, and an ``mtp`` block with the statistics.
 
 A client that goes away mid-stream stops its generation within one round (mlx-lm's
 handler stops the request's context; the loop checks it after every token), and the
@@ -28,7 +29,6 @@ SIGTERM stop generation within a round and end open streams with ``[DONE]``
 
 import argparse
 import gc
-import hmac
 import io
 import ipaddress
 import json
@@ -45,7 +45,6 @@ from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import List, Optional
-from urllib.parse import urlsplit
 
 import mlx.core as mx
 from mlx_lm import server as lm_server
@@ -57,7 +56,21 @@ from .draft_vocab import parse as parse_draft_vocab
 from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
 from .loading import load
-from .sampling import SamplingError, SamplingParams, check_seed
+from .sampling import SamplingError
+from .server_checks import (
+    MAX_DEPTH,
+    RequestError,
+    bad_request,
+    check_chat_fields,
+    check_json,
+    check_origins,
+    check_sampling,
+    host_allowed,
+    key_owner,
+    local_origin,
+    prompt_bytes_per_token,
+    sampling_request_error,
+)
 from .speculative import Session, draft_vocabs
 
 log = logging.getLogger("mlx_mtp")
@@ -78,27 +91,6 @@ UNSUPPORTED = {
     "draft_model": (),
     "n": (1,),
 }
-
-
-class RequestError(Exception):
-    """An error for the client: HTTP status, OpenAI error type and code."""
-
-    def __init__(self, status: int, message: str, kind: str, code=None, param=None):
-        super().__init__(message)
-        self.status, self.kind, self.code, self.param = status, kind, code, param
-
-    def body(self) -> bytes:
-        error = {
-            "message": str(self),
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }
-        return json.dumps({"error": error}).encode()
-
-
-def bad_request(message: str, param=None, code=None) -> RequestError:
-    return RequestError(400, message, "invalid_request_error", code, param)
 
 
 # --- sessions ------------------------------------------------------------------------
@@ -234,53 +226,7 @@ def model_id(path: str) -> str:
 
 SHUTDOWN_WAIT = 10.0  # seconds `MTPResponseGenerator.shutdown` waits for open replies
 CLOSE_WAIT = 2.0  # seconds `Server.close` then waits for connections to be handled
-# The request fields of the sampling settings, by their `SamplingParams` names.
-SAMPLING_FIELDS = {
-    "temperature": "temp",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-}
-_FIELD_OF = {name: field for field, name in SAMPLING_FIELDS.items()}
 _NOBODY = object()  # the owner of no batch
-
-
-def check_sampling(body: dict, defaults: argparse.Namespace, vocab_size: int) -> None:
-    """400, naming the field, for sampling settings (``temperature``, ``top_p``,
-    ``top_k``, ``min_p``, ``seed``) that `SamplingParams` or `check_seed` refuse: the
-    rules of the CLI and the MTP loop, applied to every request before it is queued,
-    as mlx-lm's batched path checks none of them. ``defaults`` (the server's options)
-    stand for the fields the body lacks. A ``top_k`` of at least ``vocab_size``
-    keeps every token, as 0 does, and goes on as 0: mlx-lm's batch reads it so too."""
-    values = {
-        name: body.get(field, getattr(defaults, name))
-        for field, name in SAMPLING_FIELDS.items()
-    }
-    try:
-        SamplingParams(**values)
-        check_seed(body.get("seed"))
-    except SamplingError as e:
-        raise sampling_request_error(e) from None
-    if values["top_k"] >= vocab_size:
-        body["top_k"] = 0
-
-
-def sampling_request_error(e: SamplingError) -> RequestError:
-    """A `SamplingError` as a 400 naming the request's field."""
-    field, message = _FIELD_OF.get(e.name, e.name), one_line(e)
-    if message.startswith(e.name):
-        message = field + message[len(e.name) :]
-    return bad_request(message, field)
-
-
-def key_owner(keys, authorization: str) -> Optional[int]:
-    """Which of ``keys`` an ``Authorization`` header ("Bearer KEY") presents: its
-    index, or None. Every key is compared, each in constant time."""
-    presented, owner = authorization.encode(), None
-    for i, key in enumerate(keys):
-        if hmac.compare_digest(presented, f"Bearer {key}".encode()):
-            owner = i
-    return owner
 
 
 def _owner(args):
@@ -652,282 +598,6 @@ def _chain(first, rest):
 
 
 # --- HTTP ----------------------------------------------------------------------------
-
-MAX_DEPTH = 100  # levels of nesting a request's JSON may have
-ROLES = ("system", "user", "assistant", "tool", "developer")
-IMAGE_PARTS = ("image_url", "input_image", "image")  # mlx-lm's image content parts
-# apply_chat_template's own parameters, which chat_template_kwargs may not set
-TEMPLATE_PARAMETERS = frozenset(
-    "conversation messages tools documents chat_template add_generation_prompt "
-    "continue_final_message tokenize padding truncation max_length return_tensors "
-    "return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
-)
-
-
-def check_origins(origins) -> frozenset:
-    """``--allowed-origins`` as browsers spell them (lower case, no trailing slash):
-    each an origin (``scheme://host[:port]``), ``null`` or ``*``; anything else is an
-    `MTPError`."""
-    checked = set()
-    for origin in origins:
-        spelled = origin.strip().lower().rstrip("/")
-        if spelled not in ("*", "null") and not _is_origin(spelled):
-            raise MTPError(
-                f"--allowed-origins: {origin!r} is not an origin "
-                "(scheme://host[:port], 'null' or '*')"
-            )
-        checked.add(spelled)
-    return frozenset(checked)
-
-
-def _is_origin(origin: str) -> bool:
-    try:
-        parts = urlsplit(origin)
-        parts.port  # a malformed port raises
-    except ValueError:
-        return False
-    extra = parts.path or parts.query or parts.fragment or "@" in parts.netloc
-    return bool(parts.scheme and parts.hostname) and not extra
-
-
-def local_origin(origin: str) -> bool:
-    """Whether ``origin`` is a page served from this machine: http(s) on localhost, a
-    ``*.localhost`` name or a loopback address, any port (Ollama's default)."""
-    if not _is_origin(origin):
-        return False
-    parts = urlsplit(origin)
-    return parts.scheme in ("http", "https") and _local_name(parts.hostname)
-
-
-def _local_name(name: str) -> bool:
-    """localhost, a ``*.localhost`` name (RFC 6761: never leaves the machine) or a
-    loopback address."""
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def host_allowed(host: Optional[str], bound: str) -> bool:
-    """Whether a request's ``Host`` is safe from DNS rebinding: none (no browser sends
-    none), an IP address (no name to rebind), localhost, a ``*.localhost`` name, or
-    ``bound``, the name the server was started on. A page on a name of its own that
-    now resolves to 127.0.0.1 sends its own name, and is refused."""
-    if not host:
-        return True
-    try:
-        parts = urlsplit("//" + host)
-        parts.port
-    except ValueError:
-        return False
-    name = (parts.hostname or "").rstrip(".")
-    if not name or parts.path or parts.query or "@" in parts.netloc:
-        return False
-    if name == bound.lower().rstrip(".") or _local_name(name):
-        return True
-    try:
-        ipaddress.ip_address(name)
-        return True
-    except ValueError:
-        return False
-
-
-def check_json(value, param: Optional[str] = None) -> None:
-    """400 for JSON nested deeper than `MAX_DEPTH` or holding a string that is not
-    Unicode text (a lone surrogate, which a ``\\ud800`` escape makes): the chat
-    template and the tokenizer would fail on them, deep in a request's serving."""
-    stack = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, str):
-            _check_text(item, param)
-            continue
-        if not isinstance(item, (dict, list)):
-            continue
-        if depth >= MAX_DEPTH:
-            raise bad_request(
-                f"the request nests deeper than {MAX_DEPTH} levels", param
-            )
-        if isinstance(item, dict):
-            for key in item:
-                _check_text(key, param)
-        values = item.values() if isinstance(item, dict) else item
-        stack.extend((v, depth + 1) for v in values)
-
-
-def _check_text(text: str, param: Optional[str]) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad_request(
-            f"{param or 'the request'} holds a lone surrogate "
-            f"({text[e.start]!r}); text must be valid Unicode",
-            param,
-        ) from None
-
-
-def check_messages(messages: list) -> None:
-    """400 for any message mlx-lm could not turn into a prompt: each an object with
-    a role among `ROLES`, content a string, null or a list of text parts (image parts
-    are refused: mlx-mtp serves text-only models, and never fetches a URL), and
-    ``tool_calls`` whose string arguments are JSON."""
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object", "messages")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise bad_request(
-                f"{where}.role must be one of {', '.join(ROLES)}", "messages"
-            )
-        _check_content(message.get("content"), where)
-        calls = message.get("tool_calls")
-        if calls is not None:
-            _check_tool_calls(calls, where)
-
-
-def _check_content(content, where: str) -> None:
-    if content is None or isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise bad_request(
-            f"{where}.content must be a string, null or a list of parts", "messages"
-        )
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if not isinstance(kind, str):
-            raise bad_request(
-                f"{where}.content[{j}] must be an object with a type", "messages"
-            )
-        if kind in IMAGE_PARTS:
-            raise bad_request(
-                f"{where}.content[{j}] is an image: this model takes no images",
-                "messages",
-            )
-        if kind != "text":
-            raise bad_request(
-                f"{where}.content[{j}] is {kind!r}: only text parts are supported",
-                "messages",
-            )
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.content[{j}].text must be a string", "messages")
-
-
-def _check_tool_calls(calls, where: str) -> None:
-    """As mlx-lm reads them: a list of objects whose ``function`` (an object) may
-    hold ``arguments`` as a JSON string, which it parses."""
-    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-        raise bad_request(f"{where}.tool_calls must be a list of objects", "messages")
-    for j, call in enumerate(calls):
-        function = call.get("function")
-        if function is None:
-            continue
-        if not isinstance(function, dict):
-            raise bad_request(
-                f"{where}.tool_calls[{j}].function must be an object", "messages"
-            )
-        arguments = function.get("arguments")
-        if isinstance(arguments, str) and arguments:
-            try:
-                check_json(json.loads(arguments), "messages")
-            except (ValueError, RecursionError):
-                raise bad_request(
-                    f"{where}.tool_calls[{j}].function.arguments is not JSON",
-                    "messages",
-                ) from None
-
-
-def check_chat_fields(body: dict) -> None:
-    """400 for chat fields of the wrong shape: ``tools`` a list of objects,
-    ``chat_template_kwargs`` and ``role_mapping`` objects (the former not setting
-    `TEMPLATE_PARAMETERS`), and the messages (`check_messages`)."""
-    check_messages(body["messages"])
-    tools = body.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-    ):
-        raise bad_request("tools must be a list of objects", "tools")
-    for field in ("chat_template_kwargs", "role_mapping"):
-        if body.get(field) is not None and not isinstance(body[field], dict):
-            raise bad_request(f"{field} must be an object", field)
-    reserved = TEMPLATE_PARAMETERS.intersection(body.get("chat_template_kwargs") or {})
-    if reserved:
-        raise bad_request(
-            f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
-            "chat_template_kwargs",
-        )
-
-
-def prompt_bytes_per_token(tokenizer) -> Optional[int]:
-    """The most UTF-8 bytes of prompt text that one token of ``tokenizer`` stands
-    for, or None when its pipeline gives no such bound.
-
-    A prompt of B bytes then has at least B / that many tokens. The bound holds for a
-    BPE model that never fuses unknown characters into one token, after
-    pre-tokenizers that keep every byte (`_keeps_text`) and normalizers that shrink
-    the text by a known factor at most (`_normalizer_shrink`): a token stands for at
-    most as many bytes as its own UTF-8 spelling in the vocabulary (byte-level and
-    ``▁`` spellings only lengthen), an unknown character for at most 4. Added tokens
-    that strip the whitespace around them could stand for any length: no bound."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    spec = json.loads(backend.to_str())
-    model = spec.get("model") or {}
-    shrink = _normalizer_shrink(spec.get("normalizer"))
-    whole = model.get("type") == "BPE" and (
-        model.get("byte_fallback") or not model.get("fuse_unk")
-    )
-    added = spec.get("added_tokens") or []
-    stripping = any(t.get("lstrip") or t.get("rstrip") for t in added)
-    if shrink is None or not whole or stripping:
-        return None
-    if not _keeps_text(spec.get("pre_tokenizer")):
-        return None
-    vocab = backend.get_vocab(with_added_tokens=True)
-    return shrink * max(4, max(len(t.encode("utf-8")) for t in vocab))
-
-
-def _normalizer_shrink(spec) -> Optional[int]:
-    """How many times fewer UTF-8 bytes a normalizer can leave, None if unknown: 1
-    for none, Prepend, and Replace by something no shorter; 4 for the Unicode normal
-    forms (a 4-byte character can have a 1-byte compatibility form, U+1D400 -> A)."""
-    if spec is None:
-        return 1
-    kind = spec.get("type")
-    if kind == "Sequence":
-        factor = 1
-        for part in spec.get("normalizers") or []:
-            f = _normalizer_shrink(part)
-            if f is None:
-                return None
-            factor *= f
-        return factor
-    if kind in ("NFC", "NFD", "NFKC", "NFKD"):
-        return 4
-    if kind == "Prepend":
-        return 1
-    if kind == "Replace":
-        pattern = (spec.get("pattern") or {}).get("String")
-        content = spec.get("content") or ""
-        if pattern and len(content.encode()) >= len(pattern.encode()):
-            return 1
-    return None
-
-
-def _keeps_text(spec) -> bool:
-    """Whether a pre-tokenizer keeps every byte of the text (splits it, maps bytes
-    to characters, spaces to ``▁``)."""
-    if spec is None:
-        return True
-    kind = spec.get("type")
-    if kind == "Sequence":
-        return all(_keeps_text(part) for part in spec.get("pretokenizers") or [])
-    if kind in ("Split", "Punctuation"):
-        return spec.get("behavior") != "Removed"
-    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
 
 
 class _Deadline:

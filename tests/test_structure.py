@@ -26,7 +26,7 @@ LAYERS = [
     ["heads", "assistant", "loading"],
     ["sampling", "rejection", "cache", "draft_length", "lookup"],
     ["speculative"],
-    ["generate", "bench", "server"],
+    ["generate", "bench", "server_checks", "server"],
     ["convert", "demo", "testing"],
     ["cli", "_entry", "__main__"],
 ]
