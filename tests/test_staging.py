@@ -31,6 +31,8 @@ from mlx_mtp.convert import convert, graft_heads
 from mlx_mtp.errors import MTPError
 from mlx_mtp.testing.fixtures import write_checkpoint
 
+from .test_convert import strip_heads
+
 OS_CALLS = ("open", "mkdir", "rename", "replace", "unlink", "remove", "rmdir", "link")
 SHUTIL_CALLS = ("rmtree", "copy", "copy2", "copyfile", "copytree", "move")
 
@@ -250,20 +252,6 @@ def test_replace_files_is_all_or_nothing_at_every_step(tmp_path):
 
 
 # --- graft --overwrite itself -------------------------------------------------------
-
-
-def strip_heads(src, dst, prefix):
-    """A copy of checkpoint ``src`` without the tensors under ``prefix``."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
-            shutil.copy(f, dst / f.name)
-    weights = {}
-    for f in src.glob("*.safetensors"):
-        weights.update(mx.load(str(f)))
-    kept = {k: v for k, v in weights.items() if not k.startswith(prefix)}
-    mx.save_safetensors(str(dst / "model.safetensors"), kept, {"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")
