@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_mtp.errors import DiskFullError, MTPError
+from mlx_mtp.files import UPDATE_JOURNAL
 
 # What a model folder written by mlx-mtp or mlx-lm may hold (besides hidden files such
 # as .DS_Store): weights, configs, tokenizer and template files, the model card.
@@ -169,7 +170,7 @@ def _written_by_mlx(path: Path) -> bool:
 # process left is settled by the next run (`remove_stale`, under the lock).
 
 SWAP_TAGS = ("partial", "old", "trash")  # a folder swap's scratch paths
-JOURNAL = re.compile(r"^\.mlx-mtp\.(\d+)\.journal$")
+JOURNAL = UPDATE_JOURNAL  # mlx_mtp.files: loading refuses a folder mid-update
 STAGED = re.compile(r"^\..+\.(\d+)\.partial$")  # staged files, the journal's own
 _held = set()  # the locks this process holds
 _held_guard = threading.Lock()

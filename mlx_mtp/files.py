@@ -2,6 +2,7 @@
 JSON files and the headers of safetensors files."""
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any, Union
@@ -26,6 +27,29 @@ DTYPE_BYTES = {
     "F8_E4M3": 1,
     "F8_E5M2": 1,
 }
+
+
+# The journal of an update of a folder's files under way (convert/output.py's
+# `replace_files`): while one is there, the folder may hold old and new files mixed.
+UPDATE_JOURNAL = re.compile(r"^\.mlx-mtp\.(\d+)\.journal$")
+
+
+def check_not_mid_update(folder: Path) -> None:
+    """Refuse a folder that an update of its files (a graft) left halfway: a
+    one-line `MTPError` saying how to finish it, rather than loading old and new
+    files mixed."""
+    try:
+        names = [p.name for p in Path(folder).iterdir()]
+    except OSError:
+        return
+    for name in names:
+        m = UPDATE_JOURNAL.match(name)
+        if m:
+            raise MTPError(
+                f"{folder} is halfway through an update of its files (process "
+                f"{m[1]}, {name}): if that process is gone, run the same "
+                "`mlx-mtp graft` again (with --overwrite) to finish it"
+            )
 
 
 def parse_json(text: Union[str, bytes], what: str) -> Any:

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from . import assistant as assistants
 from . import distributed, draft_vocab
 from .errors import MissingHeadsError, MTPError, one_line
-from .files import read_json, safetensors_header
+from .files import check_not_mid_update, read_json, safetensors_header
 from .heads import has_heads_file, load_heads, load_strict, quantize_like
 from .models import get_family
 from .models.base import Model
@@ -352,6 +352,7 @@ def _load_model(
             f"the model and pass this as its draft model (--draft-model {model_path})"
         )
     family = get_family(config)
+    check_not_mid_update(model_path)
     check_folder_json(model_path)
     check_shards(model_path)
     for f in sorted(model_path.glob("model*.safetensors")):

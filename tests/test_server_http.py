@@ -114,7 +114,7 @@ LENGTHS = [
     ("two lengths", f"Content-Length: {len(BODY)}\r\nContent-Length: 5\r\n", 400),
     ("missing", "", 411),
     ("chunked", "Transfer-Encoding: chunked\r\n", 411),
-    ("chunked and length", f"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n", 411),
+    ("chunked and length", "Transfer-Encoding: chunked\r\nContent-Length: 5\r\n", 411),
     ("too big", f"Content-Length: {9 << 20}\r\n", 413),
 ]
 

@@ -343,6 +343,29 @@ def test_a_killed_grafts_files_are_finished_before_the_next_graft(sources, tmp_p
     assert snapshot(dst) == snapshot(grafted)
 
 
+def test_a_folder_mid_update_is_refused_until_the_update_is_finished(sources, tmp_path):
+    """Loading a folder that a killed graft left halfway (its journal there, the
+    heads renamed into place, not yet the config) is one line saying how to finish
+    it, never a load of old and new files mixed; once a graft finished it, it loads."""
+    from mlx_mtp import load
+
+    src, bare = sources
+    dst, pid = tmp_path / "model", dead_pid()
+    shutil.copytree(bare, dst)
+    graft_heads(str(src), str(dst), draft_vocab=False)
+    config = (dst / "config.json").read_bytes()
+    shutil.copy(bare / "config.json", dst / "config.json")
+    (dst / f".config.json.{pid}.partial").write_bytes(config)
+    journal = dst / f".mlx-mtp.{pid}.journal"
+    journal.write_text(json.dumps(["mtp.safetensors", "config.json"]))
+    with pytest.raises(MTPError, match="halfway through an update.*mlx-mtp graft"):
+        load(str(dst))
+    with pytest.raises(MTPError, match="already has MTP heads"):
+        graft_heads(str(src), str(dst), draft_vocab=False)  # finishes it first
+    assert not journal.exists()
+    assert load(str(dst))[0].num_mtp_layers > 0
+
+
 # --- SIGTERM and SIGHUP -------------------------------------------------------------
 
 SLOW = """
