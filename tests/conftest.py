@@ -6,6 +6,26 @@ import pytest
 from mlx_mtp.loading import load, load_model
 from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 
+# The slowest modules (the exactness sweeps over every family, conversions, several
+# ranks): behind the ``slow`` marker, so that ``python -m pytest`` stays a few minutes;
+# ``python -m pytest -m slow`` runs them, and CI (.ci/run) runs both.
+SLOW_MODULES = {
+    "test_convert",
+    "test_distributed",
+    "test_draft_vocab",
+    "test_gemma4",
+    "test_greedy",
+    "test_lookup",
+    "test_sampling",
+    "test_window",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
