@@ -1,0 +1,148 @@
+"""Decode options: one frozen object whose fields are every setting of a generation.
+
+The CLI builds one from its flags, the server one per request (its own defaults, then
+the request's fields), and the Python API one from keyword arguments; the loop reads
+it and never re-spells a default. A new option is one field here. This module imports
+nothing heavy (the CLI reads the defaults before MLX is loaded); `check` imports the
+sampling rules when it runs.
+"""
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional, Union
+
+from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from .errors import MTPError
+
+DRAFT_SOURCES = ("heads", "lookup", "auto")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Everything a generation is decoded with (`mlx_mtp.speculative.mtp_generate_step`
+    says what each setting does).
+
+    Drafting: ``num_draft_tokens`` (k: 0 is plain decoding; "auto" picks k in
+    0..``max_draft_tokens`` each round), ``draft_source`` ("heads", "lookup", "auto"),
+    ``lookup_tokens`` (the longest prompt-lookup draft), ``draft_vocab`` (the head
+    rows the MTP heads draft from: "auto", "full", a number of tokens, or None for the
+    heads' own). Sampling as in mlx-lm (``temp == 0`` is greedy) and ``seed``. The
+    prompt's chunk size, a rotating KV window (``max_kv_size``) and mlx-lm's KV-cache
+    quantization (``kv_bits`` and friends).
+    """
+
+    max_tokens: int = 256
+    num_draft_tokens: Union[int, str] = "auto"
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
+    draft_source: str = "auto"
+    lookup_tokens: int = DEFAULT_LOOKUP_TOKENS
+    draft_vocab: Union[int, str, None] = "auto"
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    seed: Optional[int] = None
+    prefill_step_size: int = 2048
+    max_kv_size: Optional[int] = None
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
+
+    @classmethod
+    def names(cls) -> tuple:
+        """The option names, in field order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def build(cls, base: Optional["DecodeOptions"] = None, **changes) -> "DecodeOptions":
+        """``base`` (default: the defaults) with ``changes``; an unknown name is an
+        `MTPError` naming it. The result is not checked (see `check`)."""
+        unknown = sorted(set(changes) - set(cls.names()))
+        if unknown:
+            raise MTPError(f"unknown decode option(s): {', '.join(unknown)}")
+        return replace(base if base is not None else cls(), **changes)
+
+    def replace(self, **changes) -> "DecodeOptions":
+        """A copy with ``changes`` (`build`'s rules)."""
+        return self.build(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def sampling(self):
+        """The sampling settings as a `mlx_mtp.sampling.SamplingParams` (checked)."""
+        from .sampling import SamplingParams
+
+        return SamplingParams(
+            self.temp, self.top_p, self.top_k, self.min_p, self.min_tokens_to_keep
+        )
+
+    @property
+    def kv(self):
+        """mlx-lm's KV quantization settings as a `mlx_mtp.cache.KVQuantization`."""
+        from .cache import KVQuantization
+
+        return KVQuantization(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
+
+    def check(self) -> "DecodeOptions":
+        """Refuse, with an `MTPError` naming the option, any value out of its range or
+        any two that cannot go together; returns ``self``. The model-dependent checks
+        (draft vocabularies, the context length) are the loop's."""
+        from .cache import check_max_kv_size
+        from .sampling import check_seed
+
+        _check_max_tokens(self.max_tokens)
+        _check_k("num_draft_tokens", self.num_draft_tokens, auto=True)
+        _check_k("max_draft_tokens", self.max_draft_tokens)
+        if self.draft_source not in DRAFT_SOURCES:
+            raise MTPError(
+                f"draft_source must be one of {', '.join(DRAFT_SOURCES)}, got "
+                f"{self.draft_source!r}"
+            )
+        _check_k("lookup_tokens", self.lookup_tokens, low=1)
+        if self.draft_vocab is not None:
+            from .draft_vocab import parse
+
+            parse(self.draft_vocab)
+        self.sampling  # noqa: B018 -- SamplingParams checks its fields
+        check_seed(self.seed)
+        _check_int("prefill_step_size", self.prefill_step_size, 1)
+        check_max_kv_size(self.max_kv_size)
+        self._check_kv()
+        return self
+
+    def _check_kv(self) -> None:
+        if self.kv_bits is not None:
+            _check_int("kv_bits", self.kv_bits, 1)
+            if self.max_kv_size is not None:
+                raise MTPError(
+                    "KV quantization cannot be combined with a rotating KV window"
+                )
+        _check_int("kv_group_size", self.kv_group_size, 1)
+        _check_int("quantized_kv_start", self.quantized_kv_start, 0)
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise MTPError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_max_tokens(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MTPError(f"max_tokens must be an integer, got {value!r}")
+    if value == 0 or value < -1:
+        raise MTPError(f"max_tokens must be positive, or -1 for no limit (got {value})")
+
+
+def _check_k(name: str, value, low: int = 0, auto: bool = False) -> None:
+    """A draft count: an integer from ``low`` to `MAX_DRAFT_TOKENS` (or "auto")."""
+    if auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kinds = "an integer or 'auto'" if auto else "an integer"
+        raise MTPError(f"{name} must be {kinds}, got {value!r}")
+    if not low <= value <= MAX_DRAFT_TOKENS:
+        raise MTPError(
+            f"{name} must be from {low} to {MAX_DRAFT_TOKENS}, got {value}"
+        )
