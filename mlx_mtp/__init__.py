@@ -13,9 +13,11 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "DecodeOptions": ".options",
+    "DraftPolicy": ".draft_length",
     "GenerationResponse": ".generate",
     "MTPError": ".errors",
-    "MTPStats": ".speculative",
+    "MTPStats": ".stats",
     "Session": ".speculative",
     "generate": ".generate",
     "load": ".loading",

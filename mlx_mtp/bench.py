@@ -28,7 +28,6 @@ from . import draft_vocab
 from .defaults import DEFAULT_MAX_DRAFT_TOKENS
 from .draft_length import time_round
 from .errors import MTPError
-from .sampling import SamplingParams
 from .speculative import mtp_generate_step
 
 EDITED_FUNCTION = '''def merge_intervals(intervals):
@@ -126,7 +125,7 @@ def run_mtp(
         prompt,
         model,
         num_draft_tokens=k,
-        params=SamplingParams(temp=temp),
+        temp=temp,
         max_tokens=n,
         seed=seed,
         draft_source=source,

@@ -9,14 +9,10 @@ import sys
 
 import click
 
-from .defaults import (
-    DEFAULT_LOOKUP_TOKENS,
-    DEFAULT_MAX_DRAFT_TOKENS,
-    MAX_DRAFT_TOKENS,
-    MIN_KV_SIZE,
-)
+from .defaults import MAX_DRAFT_TOKENS, MIN_KV_SIZE
+from .options import DRAFT_SOURCES, DecodeOptions
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULTS = DecodeOptions()  # the decode flags' defaults
 SEED = click.IntRange(0, 2**64 - 1)  # MLX's seeds (mlx_mtp.sampling.check_seed)
 
 
@@ -282,7 +278,7 @@ SAMPLING_OPTIONS = [
         "--num-draft-tokens",
         "-k",
         type=DraftLength(),
-        default="auto",
+        default=DEFAULTS.num_draft_tokens,
         show_default=True,
         help="MTP drafts per round (0: plain decoding, or lookup drafts only with "
         "--draft-source lookup; auto: the fastest k, each round).",
@@ -290,22 +286,30 @@ SAMPLING_OPTIONS = [
     click.option(
         "--max-draft-tokens",
         type=click.IntRange(0, MAX_DRAFT_TOKENS),
-        default=DEFAULT_MAX_DRAFT_TOKENS,
+        default=DEFAULTS.max_draft_tokens,
         show_default=True,
         help="The largest k that auto picks.",
     ),
     click.option(
-        "--temp", type=click.FloatRange(min=0), default=0.0, show_default=True
+        "--temp",
+        type=click.FloatRange(min=0),
+        default=DEFAULTS.temp,
+        show_default=True,
     ),
     click.option(
         "--top-p",
         type=click.FloatRange(0, 1, min_open=True),
-        default=1.0,
+        default=DEFAULTS.top_p,
         show_default=True,
     ),
-    click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True),
     click.option(
-        "--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True
+        "--top-k", type=click.IntRange(min=0), default=DEFAULTS.top_k, show_default=True
+    ),
+    click.option(
+        "--min-p",
+        type=click.FloatRange(0, 1),
+        default=DEFAULTS.min_p,
+        show_default=True,
     ),
 ]
 
@@ -314,8 +318,8 @@ SAMPLING_OPTIONS = [
 SAMPLING_OPTIONS += [
     click.option(
         "--draft-source",
-        type=click.Choice(["heads", "lookup", "auto"]),
-        default="auto",
+        type=click.Choice(DRAFT_SOURCES),
+        default=DEFAULTS.draft_source,
         show_default=True,
         help="heads: the MTP heads; lookup: also continuations found in the prompt "
         "and the text so far (prompt lookup), else the heads; auto: the source "
@@ -324,14 +328,14 @@ SAMPLING_OPTIONS += [
     click.option(
         "--lookup-tokens",
         type=click.IntRange(1, MAX_DRAFT_TOKENS),
-        default=DEFAULT_LOOKUP_TOKENS,
+        default=DEFAULTS.lookup_tokens,
         show_default=True,
         help="The longest lookup draft.",
     ),
     click.option(
         "--draft-vocab",
         type=DraftVocab(),
-        default="auto",
+        default=DEFAULTS.draft_vocab,
         show_default=True,
         help="Rows of the head the MTP heads draft from: full, the N tokens the "
         "model emits most, or auto (full or a smaller set, round by round, as "
@@ -361,13 +365,13 @@ def decode_options(fn):
         click.option(
             "--kv-group-size",
             type=click.IntRange(min=1),
-            default=64,
+            default=DEFAULTS.kv_group_size,
             show_default=True,
         ),
         click.option(
             "--quantized-kv-start",
             type=click.IntRange(min=0),
-            default=5000,
+            default=DEFAULTS.quantized_kv_start,
             show_default=True,
             help="Positions before the KV cache is quantized.",
         ),
@@ -391,25 +395,13 @@ def decode_options(fn):
     return fn
 
 
-def _decode_kwargs(options: dict) -> dict:
-    """`stream_generate` keyword arguments from the shared options."""
-    keys = (
-        "num_draft_tokens",
-        "max_draft_tokens",
-        "temp",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "kv_group_size",
-        "quantized_kv_start",
-        "draft_source",
-        "lookup_tokens",
-        "draft_vocab",
-    )
-    out = {k: options[k] for k in keys}
-    out["kv_bits"] = None if options["kv_bits"] is None else int(options["kv_bits"])
-    return out
+def _decode_options(options: dict, **fields) -> DecodeOptions:
+    """The `DecodeOptions` of the shared flags (and ``fields``), checked."""
+    names = set(DecodeOptions.names()) - {"max_tokens", "max_kv_size", "kv_bits"}
+    chosen = {k: options[k] for k in names if k in options}
+    kv_bits = options.get("kv_bits")
+    chosen["kv_bits"] = None if kv_bits is None else int(kv_bits)
+    return DecodeOptions.build(**chosen, **fields).check()
 
 
 def _rank() -> int:
@@ -480,7 +472,7 @@ MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo mode
     show_default=True,
     help="Prompt text; '-' reads stdin.",
 )
-@max_tokens_option(DEFAULT_MAX_TOKENS, "Tokens to generate at most")
+@max_tokens_option(DEFAULTS.max_tokens, "Tokens to generate at most")
 @click.option(
     "--max-kv-size",
     type=click.IntRange(min=MIN_KV_SIZE),
@@ -499,6 +491,7 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
     from .errors import MTPError
     from .generate import format_stats, stream_generate
 
+    decode = _decode_options(options, max_tokens=max_tokens, max_kv_size=max_kv_size)
     rank = _silence_other_ranks()
     if prompt == "-" and rank == 0:
         prompt = read_prompt_stdin()
@@ -517,14 +510,7 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
     _rank_vocabulary(mdl, tokenizer, options, rank)
     response = None
     try:
-        for response in stream_generate(
-            mdl,
-            tokenizer,
-            ids,
-            max_tokens,
-            max_kv_size=max_kv_size,
-            **_decode_kwargs(options),
-        ):
+        for response in stream_generate(mdl, tokenizer, ids, options=decode):
             click.echo(response.text, nl=False)
     finally:
         if response is not None:
@@ -555,6 +541,7 @@ def chat(model, max_tokens, **options):
     from .generate import format_stats, stream_generate
     from .speculative import Session
 
+    decode = _decode_options(options, max_tokens=max_tokens)
     rank = _silence_other_ranks()
     mdl, tokenizer = _load_for_decoding(model, options)
     sync = Sync(mdl.group)
@@ -611,12 +598,7 @@ def chat(model, max_tokens, **options):
         try:
             ids, session = _next_turn(tokenizer, messages, session)
             replies = stream_generate(
-                mdl,
-                tokenizer,
-                ids,
-                max_tokens,
-                session=session,
-                **_decode_kwargs(options),
+                mdl, tokenizer, ids, options=decode, session=session
             )
             for response in replies:
                 click.echo(response.text, nl=False)

@@ -268,7 +268,29 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
-class FixedLength:
+class DraftPolicy:
+    """How many tokens the heads draft each round, and from which draft vocabulary:
+    the protocol the loop drives (fixed, adaptive and the tests' scripted policies).
+
+    ``max_k`` is the longest draft it may ask for (it sets the MTP layers in use);
+    ``vocab`` the draft vocabulary of the round ``next`` just planned (None: the heads'
+    own rows). The loop calls ``next`` before each heads round and ``observe`` after
+    it is committed.
+    """
+
+    max_k: int = 0
+    vocab: Optional[int] = None
+
+    def next(self) -> int:
+        """The next round's k, from 0 to ``max_k``."""
+        raise NotImplementedError
+
+    def observe(self, k: int, accepted: int, missed: bool = False) -> None:
+        """A round drafted k and ``accepted`` were accepted; ``missed``: the target's
+        token at the first rejected draft was outside the rows drafted from."""
+
+
+class FixedLength(DraftPolicy):
     """Draft k tokens every round (from the draft vocabulary ``vocab``)."""
 
     def __init__(self, k: int, vocab: Optional[int] = None):
@@ -277,9 +299,6 @@ class FixedLength:
 
     def next(self) -> int:
         return self.max_k
-
-    def observe(self, k: int, accepted: int) -> None:
-        pass
 
 
 class Coverage:
@@ -316,7 +335,7 @@ class Coverage:
                 self.inside[n] = self.inside[n] * self.decay + float(r < n)
 
 
-class AdaptiveLength:
+class AdaptiveLength(DraftPolicy):
     """Pick k in ``allowed`` (and the draft vocabulary among ``vocabs``) maximising
     expected tokens per unit of cost.
 
@@ -398,8 +417,6 @@ class AdaptiveLength:
         return k
 
     def observe(self, k: int, accepted: int, missed: bool = False) -> None:
-        """A round drafted k and ``accepted`` were accepted; ``missed``: the target's
-        token at the first rejected draft was outside the rows drafted from."""
         if k == 0:
             return
         for j in range(self.max_k):

@@ -7,18 +7,17 @@ Responses are mlx-lm's ``GenerationResponse`` plus ``mtp``, a snapshot of the ru
 import time
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Generator, List, Optional, Union
+from typing import Callable, Generator, List, Optional, Union
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse as _LMResponse
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .cache import KVQuantization
-from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS
 from .errors import MTPError
-from .sampling import SamplingParams
-from .speculative import MTPStats, Session, mtp_generate_step
+from .options import DecodeOptions
+from .speculative import Session, mtp_generate_step
+from .stats import MTPStats
 
 
 @dataclass
@@ -60,26 +59,12 @@ def stream_generate(
     model,
     tokenizer,
     prompt: Union[str, List[int], mx.array],
-    max_tokens: int = 256,
+    max_tokens: Optional[int] = None,
     *,
-    num_draft_tokens: Union[int, str] = "auto",
-    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    seed: Optional[int] = None,
-    prefill_step_size: int = 2048,
-    max_kv_size: Optional[int] = None,
-    kv_bits: Optional[int] = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
+    options: Optional[DecodeOptions] = None,
     session: Optional[Session] = None,
-    on_prefill=None,
-    draft_source: str = "auto",
-    lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
-    draft_vocab: Union[int, str] = "auto",
+    on_prefill: Optional[Callable[[Session], None]] = None,
+    **fields,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a generation, one `GenerationResponse` per token.
 
@@ -87,54 +72,33 @@ def stream_generate(
         model: A model from `mlx_mtp.load`.
         tokenizer: Its tokenizer (a ``TokenizerWrapper`` or a Hugging Face tokenizer).
         prompt: Text, or token ids.
-        max_tokens: Tokens to generate (-1: until EOS).
-        num_draft_tokens: MTP drafts per round (0: plain decoding), or "auto": the
-            k in 0..max_draft_tokens expected to be fastest, chosen each round.
-        max_draft_tokens: The largest k "auto" may pick.
-        temp, top_p, top_k, min_p, min_tokens_to_keep: Sampling, as in mlx-lm.
-        seed: Makes a sampled run reproducible.
-        prefill_step_size: Prompt chunk size.
-        max_kv_size, kv_bits, kv_group_size, quantized_kv_start: KV-cache options, as
-            in mlx-lm (a rotating window is refused when drafting).
+        max_tokens: Tokens to generate (-1: until EOS; default: the options').
+        options: The `mlx_mtp.options.DecodeOptions` (default: its defaults);
+            ``fields``, option names as keywords (``temp=0.7``,
+            ``num_draft_tokens=2``, ...), override some of them. Drafting,
+            sampling (as in mlx-lm) and KV-cache options are described in
+            `mlx_mtp.speculative.mtp_generate_step`.
         session: A `Session` to go on from (multi-turn chat): ``prompt`` is then what
             follows the tokens of earlier calls, whose caches are reused.
         on_prefill: Called with the session once the prompt is in its caches.
-        draft_source, lookup_tokens: "heads", "lookup" (also draft continuations
-            found in the context, prompt lookup, up to ``lookup_tokens`` tokens) or
-            "auto" (the faster, round by round); see
-            `mlx_mtp.speculative.mtp_generate_step`.
-        draft_vocab: The rows of the head native MTP heads draft from: "auto", "full"
-            or a number of tokens (`mlx_mtp.draft_vocab`; the output is the same).
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
     """
-    if max_tokens == 0 or max_tokens < -1:
-        raise MTPError(
-            f"max_tokens must be positive, or -1 for no limit (got {max_tokens})"
-        )
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    options = DecodeOptions.build(options, **fields).check()
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
     before = len(session.tokens) if session is not None else 0
-    max_tokens = fit_context(model, before + len(ids), max_tokens)
-    params = SamplingParams(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    max_tokens = fit_context(model, before + len(ids), options.max_tokens)
     steps = mtp_generate_step(
         ids,
         model,
-        num_draft_tokens=num_draft_tokens,
-        max_draft_tokens=max_draft_tokens,
-        params=params,
-        max_tokens=max_tokens,
-        seed=seed,
-        prefill_step_size=prefill_step_size,
-        max_kv_size=max_kv_size,
-        kv=KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
+        options.replace(max_tokens=max_tokens),
         session=session,
         on_prefill=on_prefill,
-        draft_source=draft_source,
-        lookup_tokens=lookup_tokens,
-        draft_vocab=draft_vocab,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -173,7 +137,8 @@ def stream_generate(
 
 
 def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
-    """Generate a complete response; kwargs go to `stream_generate`."""
+    """Generate a complete response; kwargs (``max_tokens``, ``options``, option
+    names, ``session``) go to `stream_generate`."""
     text, response = "", None
     for response in stream_generate(model, tokenizer, prompt, **kwargs):
         if verbose:

@@ -54,7 +54,9 @@ class DecodeOptions:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def build(cls, base: Optional["DecodeOptions"] = None, **changes) -> "DecodeOptions":
+    def build(
+        cls, base: Optional["DecodeOptions"] = None, **changes
+    ) -> "DecodeOptions":
         """``base`` (default: the defaults) with ``changes``; an unknown name is an
         `MTPError` naming it. The result is not checked (see `check`)."""
         unknown = sorted(set(changes) - set(cls.names()))
@@ -93,14 +95,14 @@ class DecodeOptions:
         from .sampling import check_seed
 
         _check_max_tokens(self.max_tokens)
-        _check_k("num_draft_tokens", self.num_draft_tokens, auto=True)
-        _check_k("max_draft_tokens", self.max_draft_tokens)
+        check_draft_count("num_draft_tokens", self.num_draft_tokens, auto=True)
+        check_draft_count("max_draft_tokens", self.max_draft_tokens)
         if self.draft_source not in DRAFT_SOURCES:
             raise MTPError(
                 f"draft_source must be one of {', '.join(DRAFT_SOURCES)}, got "
                 f"{self.draft_source!r}"
             )
-        _check_k("lookup_tokens", self.lookup_tokens, low=1)
+        check_draft_count("lookup_tokens", self.lookup_tokens, low=1)
         if self.draft_vocab is not None:
             from .draft_vocab import parse
 
@@ -135,14 +137,13 @@ def _check_max_tokens(value) -> None:
         raise MTPError(f"max_tokens must be positive, or -1 for no limit (got {value})")
 
 
-def _check_k(name: str, value, low: int = 0, auto: bool = False) -> None:
-    """A draft count: an integer from ``low`` to `MAX_DRAFT_TOKENS` (or "auto")."""
+def check_draft_count(name: str, value, low: int = 0, auto: bool = False) -> None:
+    """Refuse a draft count other than an integer from ``low`` to `MAX_DRAFT_TOKENS`
+    (or "auto" with ``auto``)."""
     if auto and value == "auto":
         return
     if isinstance(value, bool) or not isinstance(value, int):
         kinds = "an integer or 'auto'" if auto else "an integer"
         raise MTPError(f"{name} must be {kinds}, got {value!r}")
     if not low <= value <= MAX_DRAFT_TOKENS:
-        raise MTPError(
-            f"{name} must be from {low} to {MAX_DRAFT_TOKENS}, got {value}"
-        )
+        raise MTPError(f"{name} must be from {low} to {MAX_DRAFT_TOKENS}, got {value}")

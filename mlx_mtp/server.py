@@ -71,7 +71,8 @@ from .server_checks import (
     prompt_bytes_per_token,
     sampling_request_error,
 )
-from .speculative import Session, draft_vocabs
+from .resolve import draft_vocabs
+from .speculative import Session
 
 log = logging.getLogger("mlx_mtp")
 

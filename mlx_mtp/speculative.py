@@ -13,15 +13,18 @@ Each round reads as four phases:
   verify  one trunk pass over [t_n, d_1..d_k] gives k+1 target distributions;
   accept  greedy matching or speculative sampling gives a accepted drafts + 1 token;
   commit  roll every cache back to the accepted length, append the tokens.
-On a trunk sharded over several ranks (`mlx_mtp.distributed`), the drafts and the
-accept decision are rank 0's on every rank. The next round is queued (``mx.async_eval``) before this round's tokens are yielded, so
-there is one host sync per round.
+On a trunk sharded over several ranks (`mlx_mtp.distributed`), the drafts and the accept
+decision are rank 0's on every rank. The next round is queued (``mx.async_eval``) before
+this round's tokens are yielded, so there is one host sync per round.
+
+What a generation drafts with is resolved once from its `DecodeOptions`
+(`mlx_mtp.resolve`); its statistics are `mlx_mtp.stats.MTPStats`.
 """
 
 import copy
 import os
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Generator, List, Optional, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Generator, List, Optional, Union
 
 import mlx.core as mx
 
@@ -30,134 +33,21 @@ from .cache import (
     KVQuantization,
     assistant_kv,
     begin_verify,
-    check_max_kv_size,
     check_rollback,
     make_caches,
     rewind,
     trim_to,
 )
-from .defaults import (
-    DEFAULT_LOOKUP_TOKENS,
-    DEFAULT_MAX_DRAFT_TOKENS,
-    MAX_DRAFT_TOKENS,
-)
+from .defaults import MAX_DRAFT_TOKENS
 from .distributed import Sync
-from .draft_length import (
-    AdaptiveLength,
-    Coverage,
-    FixedLength,
-    SourceChoice,
-    model_costs,
-)
+from .draft_length import DraftPolicy
 from .errors import MTPError
 from .lookup import continuation
+from .options import DecodeOptions
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
-from .sampling import (
-    SamplingParams,
-    check_seed,
-    filtered_logprobs,
-    log_softmax,
-    sample,
-)
-
-DRAFT_SOURCES = ("heads", "lookup", "auto")
-
-
-@dataclass
-class MTPStats:
-    """Running speculative-decoding statistics of one generation."""
-
-    num_draft_tokens: int  # the heads' longest draft
-    positions: int = 0  # the longest draft of any source (default: the heads')
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    drafted_per_position: List[int] = field(default_factory=list)
-    accepted_per_position: List[int] = field(default_factory=list)
-    # rounds that drafted all k tokens, by number accepted (0..k)
-    accepted_histogram: List[int] = field(default_factory=list)
-    rounds_by_k: List[int] = field(default_factory=list)  # rounds that drafted k
-    # drafts and accepted drafts by source ("heads", "lookup")
-    drafted_by_source: dict = field(default_factory=dict)
-    accepted_by_source: dict = field(default_factory=dict)
-    # heads' drafts by draft vocabulary: its size, or "full" for the whole head
-    drafted_by_vocab: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.positions = max(self.positions, self.num_draft_tokens)
-        self.drafted_per_position = [0] * self.positions
-        self.accepted_per_position = [0] * self.positions
-        self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
-        self.rounds_by_k = [0] * (self.positions + 1)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def acceptance_per_position(self) -> List[float]:
-        return [
-            a / d if d else 0.0
-            for a, d in zip(self.accepted_per_position, self.drafted_per_position)
-        ]
-
-    @property
-    def tokens_per_round(self) -> float:
-        return self.emitted / self.rounds if self.rounds else 0.0
-
-    def __add__(self, other: "MTPStats") -> "MTPStats":
-        """The statistics of both generations together (runs of one benchmark)."""
-        out = MTPStats(
-            max(self.num_draft_tokens, other.num_draft_tokens),
-            max(self.positions, other.positions),
-        )
-        for f in fields(out):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, list):
-                a, b = a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b))
-                value = [x + y for x, y in zip(a, b)]
-            elif isinstance(a, dict):
-                value = {key: a.get(key, 0) + b.get(key, 0) for key in {**a, **b}}
-            elif f.name in ("num_draft_tokens", "positions"):
-                continue
-            else:
-                value = a + b
-            setattr(out, f.name, value)
-        return out
-
-    def record(self, k: int, a: int, source: str = "heads", vocab=None) -> None:
-        if k:
-            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + k
-            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + a
-        if k and source == "heads":
-            label = "full" if vocab is None else str(vocab)
-            self.drafted_by_vocab[label] = self.drafted_by_vocab.get(label, 0) + k
-        self.rounds += 1
-        self.drafted += k
-        self.accepted += a
-        self.emitted += a + 1
-        for j in range(k):
-            self.drafted_per_position[j] += 1
-            self.accepted_per_position[j] += int(j < a)
-        if k == self.num_draft_tokens:
-            self.accepted_histogram[a] += 1
-        self.rounds_by_k[k] += 1
-
-    @property
-    def mean_draft_length(self) -> float:
-        return self.drafted / self.rounds if self.rounds else 0.0
-
-    def snapshot(self) -> "MTPStats":
-        copy = replace(self)  # __post_init__ zeroes the per-position lists
-        copy.drafted_per_position = list(self.drafted_per_position)
-        copy.accepted_per_position = list(self.accepted_per_position)
-        copy.accepted_histogram = list(self.accepted_histogram)
-        copy.rounds_by_k = list(self.rounds_by_k)
-        copy.drafted_by_source = dict(self.drafted_by_source)
-        copy.accepted_by_source = dict(self.accepted_by_source)
-        copy.drafted_by_vocab = dict(self.drafted_by_vocab)
-        return copy
+from .resolve import Drafting, drafting
+from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
+from .stats import MTPStats
 
 
 @dataclass
@@ -393,24 +283,28 @@ def append(
     return state
 
 
-def launch(
+def build_round(
     model,
     caches: Caches,
     state: DecodeState,
     k: int,
-    params,
-    key,
-    pending=None,
+    params: SamplingParams,
+    key: mx.array,
+    *,
+    pending: Optional[mx.array] = None,
     lookup: Optional[List[int]] = None,
     vocab: Optional[int] = None,
 ) -> Round:
     """Build one round (draft, verify, accept) lazily and start evaluating it.
 
-    ``pending`` (a lazy token) launches a plain round (k = 0) behind a plain round whose
-    token is not known yet: its commit cannot depend on that token's value. ``lookup``
-    (tokens found in the context) drafts them instead of the heads; ``vocab`` is the
-    heads' draft vocabulary.
+    A heads round drafts k = 0 or k >= ``state.depth`` tokens: fewer would leave the
+    deeper MTP layers' caches behind the frontier that `commit` moves (`Run.plan`
+    keeps to this). ``pending`` (a lazy token) launches a plain round (k = 0) behind a
+    plain round whose token is not known yet: its commit cannot depend on that token's
+    value. ``lookup`` (tokens found in the context) drafts them instead of the heads;
+    ``vocab`` is the heads' draft vocabulary.
     """
+    assert lookup or k == 0 or k >= state.depth, f"k = {k} < depth {state.depth}"
     draft_key, accept_key = mx.random.split(key)
     sync = Sync(model.group)  # on several ranks: rank 0's drafts and decision
     if lookup:
@@ -504,61 +398,57 @@ def _copy_cache(cache):
 def mtp_generate_step(
     prompt,
     model,
+    options: Optional[DecodeOptions] = None,
     *,
-    num_draft_tokens: Union[int, str] = "auto",
-    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
-    params: SamplingParams = SamplingParams(),
-    max_tokens: int = 256,
-    seed: Optional[int] = None,
-    prefill_step_size: int = 2048,
     caches: Optional[Caches] = None,
-    max_kv_size: Optional[int] = None,
-    kv: KVQuantization = KVQuantization(),
-    session: Optional[Session] = None,
-    on_prefill: Optional[Any] = None,
-    draft_source: str = "heads",
-    lookup_tokens: int = DEFAULT_LOOKUP_TOKENS,
-    draft_vocab: Union[int, str, None] = None,
+    session: Optional["Session"] = None,
+    on_prefill: Optional[Callable[["Session"], None]] = None,
+    policy: Optional[DraftPolicy] = None,
+    **fields,
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
 
     Args:
         prompt: Prompt token ids (list or 1-D ``mx.array``), not empty.
         model: An `mlx_mtp.models.base.Model`.
-        num_draft_tokens: Drafts per round, k (0 runs plain decoding, the baseline);
-            "auto" picks k in 0..max_draft_tokens each round from the measured costs
-            and the recent acceptance (`mlx_mtp.draft_length`); or a policy object
-            with ``max_k``, ``next()`` and ``observe(k, accepted)``.
-        max_draft_tokens: The largest k "auto" may pick.
-        params: Sampling settings; ``temp == 0`` is greedy.
-        max_tokens: Tokens to generate; -1 for no limit.
-        seed: Seed of the sampling keys; None draws one at random.
-        prefill_step_size: Prompt chunk size.
+        options: The `DecodeOptions` (default: its defaults); ``fields`` (option
+            names) override some of them. What they do:
+
+            - ``num_draft_tokens``: drafts per round, k (0 runs plain decoding, the
+              baseline); "auto" picks k in 0..``max_draft_tokens`` each round from
+              the measured costs and the recent acceptance (`mlx_mtp.draft_length`).
+            - ``temp``, ``top_p``, ``top_k``, ``min_p``, ``min_tokens_to_keep``:
+              sampling, as in mlx-lm; ``temp == 0`` is greedy. ``seed``: the seed of
+              the sampling keys (None draws one at random).
+            - ``max_tokens``: tokens to generate; -1 for no limit.
+            - ``prefill_step_size``: the prompt's chunk size.
+            - ``max_kv_size``: a rotating KV window for new caches (wrapped windows
+              roll back exactly, `mlx_mtp.cache.WindowCache`); not with a session.
+            - ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``: the trunk's
+              KV-cache quantization, as in mlx-lm.
+            - ``draft_source``: "heads" drafts with the MTP heads (or an
+              assistant); "lookup" drafts, each round where the context has one,
+              the continuation of the latest earlier occurrence of its last tokens
+              (`mlx_mtp.lookup`), up to ``lookup_tokens`` tokens, and falls back to
+              the heads otherwise (it works for a model without heads too); "auto"
+              drafts from whichever source (and lookup length) its measured
+              acceptance and the round costs say is fastest
+              (`mlx_mtp.draft_length.SourceChoice`). With ``num_draft_tokens=0``
+              "auto" decodes plainly and "lookup" drafts from the context only.
+            - ``draft_vocab``: the rows of the shared head the MTP heads draft from
+              (`mlx_mtp.draft_vocab`): None, their own (the whole head, or the draft
+              vocabulary heads were trained with); "full", the whole head; a number
+              n of tokens, the n the model is most expected to emit; or "auto", the
+              heads' own rows or one of a few sizes, round by round, whichever the
+              measured costs, acceptance and share of generated tokens inside say
+              is fastest. The target distribution is never restricted.
         caches: Fresh caches to fill (default: new ones).
-        max_kv_size: Rotating KV window for new caches (refused with drafting: a
-            wrapped window cannot be rolled back exactly).
-        kv: KV-cache quantization of the trunk, as mlx-lm's ``kv_bits`` options.
         session: Go on from earlier calls with this `Session` (``prompt`` is then what
-            follows them); a new one is filled in. Not with a rotating window.
+            follows them); a new one is filled in.
         on_prefill: Called with the session once the prompt is in its caches, before
             the first round (a server keeps a `Session.snapshot` of the prompt).
-        draft_source: "heads" drafts with the MTP heads (or an assistant); "lookup"
-            drafts, each round where the context has one, the continuation of the
-            latest earlier occurrence of its last tokens (`mlx_mtp.lookup`), up to
-            ``lookup_tokens`` tokens, and falls back to the heads otherwise (it works
-            for a model without heads too); "auto" drafts from whichever source (and
-            lookup length) its measured acceptance and the round costs say is
-            fastest (`mlx_mtp.draft_length.SourceChoice`). With
-            ``num_draft_tokens=0`` "auto" decodes plainly and "lookup" drafts from
-            the context only.
-        lookup_tokens: The longest lookup draft.
-        draft_vocab: The rows of the shared head the MTP heads draft from
-            (`mlx_mtp.draft_vocab`): None, their own (the whole head, or the draft
-            vocabulary heads were trained with); "full", the whole head; a number n
-            of tokens, the n the model is most expected to emit; or "auto", the
-            heads' own rows or one of a few sizes, round by round, whichever the
-            measured costs, acceptance and share of generated tokens inside say is
-            fastest. The target distribution is never restricted.
+        policy: A `DraftPolicy` to size the heads' drafts instead of the one
+            ``num_draft_tokens`` asks for.
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -566,51 +456,28 @@ def mtp_generate_step(
         yielded tokens but the last, and the MTP caches only entries that agree with
         them.
     """
+    options = DecodeOptions.build(options, **fields).check()
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt:
         raise MTPError("the prompt is empty")
-    check_seed(seed)
-    check_max_kv_size(max_kv_size)  # before any costs or ranking are computed
-    if kv.bits is not None and max_kv_size is not None:
-        raise MTPError("KV quantization cannot be combined with a rotating KV window")
-    if session is not None and max_kv_size is not None:
+    if session is not None and options.max_kv_size is not None:
         raise MTPError("a session cannot use a rotating KV window")
-    if draft_source not in DRAFT_SOURCES:
-        raise MTPError(
-            f"draft_source must be one of {', '.join(DRAFT_SOURCES)}, got "
-            f"{draft_source!r}"
-        )
-    if not 1 <= lookup_tokens <= MAX_DRAFT_TOKENS:
-        raise MTPError(
-            f"lookup_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {lookup_tokens}"
-        )
-    if num_draft_tokens == 0 and draft_source == "auto":
-        draft_source = "heads"  # k = 0 is plain decoding unless lookup is asked for
-    vocabs, coverage = draft_vocabs(model, draft_vocab)
-    policy = draft_policy(model, num_draft_tokens, max_draft_tokens, vocabs, coverage)
+    plan = drafting(model, options, policy)
     session = session if session is not None else Session(caches)
-    depth = min(policy.max_k, model.num_mtp_layers)
+    depth = plan.depth(model)
     if session.state is not None and session.state.depth != depth:
         raise MTPError(
             f"this session drafts with {session.state.depth} MTP layer(s); "
             f"num_draft_tokens asks for {depth}"
         )
-    session.caches = session.caches or make_caches(model, max_kv_size)
-    if policy.max_k:
+    session.caches = session.caches or make_caches(model, options.max_kv_size)
+    if plan.policy.max_k:
         check_rollback(session.caches.trunk)
+    seed = options.seed
     if seed is None:  # drawn on rank 0: the same keys on every rank
         seed = Sync(model.group).share_int(int.from_bytes(os.urandom(4), "little") >> 1)
-    run = Run(model, session, policy, params, max_tokens, kv, mx.random.key(seed))
-    run.coverage = coverage if len(vocabs) > 1 else None
-    if draft_source != "heads":
-        run.lookup_tokens = lookup_tokens
-    if draft_source == "auto":
-        sizes = [n for n in vocabs if n is not None]
-        costs = model_costs(model, max(policy.max_k, lookup_tokens), sizes)
-        run.sources = SourceChoice(
-            costs, policy.max_k, lookup_tokens, vocabs, run.coverage
-        )
-    return _generate(run, prompt, prefill_step_size, on_prefill)
+    run = Run(model, session, plan, options, mx.random.key(seed))
+    return _generate(run, prompt, on_prefill)
 
 
 @dataclass
@@ -625,17 +492,18 @@ class Run:
 
     model: Any
     session: "Session"
-    policy: Any
-    params: SamplingParams
-    max_tokens: int
-    kv: KVQuantization
+    drafting: Drafting
+    options: DecodeOptions
     key: mx.array
     stats: Optional[MTPStats] = None
     queued: List[Round] = field(default_factory=list)
     seen: int = 0
-    lookup_tokens: int = 0  # longest lookup draft (0: drafts from the heads only)
-    sources: Optional[SourceChoice] = None  # draft_source "auto": picks per round
-    coverage: Optional[Coverage] = None  # draft_vocab "auto": generated tokens' share
+
+    def __post_init__(self):
+        self.params = self.options.sampling
+        self.kv = self.options.kv
+        self.max_tokens = self.options.max_tokens
+        self.policy = self.drafting.policy
 
     @property
     def caches(self) -> Caches:
@@ -645,67 +513,75 @@ class Run:
     def state(self) -> DecodeState:
         return self.session.state
 
-    def start(self, prompt: List[int], step: int) -> None:
+    def start(self, prompt: List[int]) -> None:
         """Prefill ``prompt`` into the session's caches, or append it to the tokens
-        an earlier generation of the session left, in chunks of ``step``."""
-        model, s = self.model, self.session
+        an earlier generation of the session left, in chunks of the prefill step."""
+        model, s, step = self.model, self.session, self.options.prefill_step_size
         if s.state is not None:
             s.state = append(model, s.caches, s.state, prompt, step, self.kv)
         else:
-            depth = min(self.policy.max_k, model.num_mtp_layers)
+            depth = self.drafting.depth(model)
             s.state = prefill(model, s.caches, prompt, depth, step, self.kv)
-        self.stats = MTPStats(self.policy.max_k, self.lookup_tokens)
+        self.stats = MTPStats(self.policy.max_k, self.drafting.lookup_tokens)
         self.seen = len(self.state.tokens) - 1
 
     def wanted(self, emitted: int) -> bool:
         """Whether a round after ``emitted`` tokens is still wanted."""
         return self.max_tokens < 0 or emitted < self.max_tokens
 
-    def plan(self, emitted: int) -> int:
-        """The next round's k: the policy's choice, capped so that a round never
-        yields past ``max_tokens`` (a round yields up to k + 1 tokens)."""
-        k = self.policy.next()
+    def room(self, emitted: int) -> int:
+        """The most drafts a round after ``emitted`` tokens may make without
+        yielding past ``max_tokens`` (a round yields up to k + 1 tokens)."""
         if self.max_tokens < 0:
-            return k
-        return max(0, min(k, self.max_tokens - emitted - 1))
+            return MAX_DRAFT_TOKENS
+        return max(0, self.max_tokens - emitted - 1)
+
+    def plan(self, emitted: int) -> int:
+        """The next heads round's k: the policy's, capped by `room`, and 0 when that
+        leaves fewer drafts than the MTP layers in use (a round drafting k tokens
+        runs the first k layers only, and its commit moves every layer's frontier:
+        0 < k < depth would leave the deeper layers behind for the rest of the
+        session)."""
+        k = min(self.policy.next(), self.room(emitted))
+        return k if k >= self.state.depth else 0
+
+    def lookup_draft(self, k: int) -> Optional[List[int]]:
+        """The tokens a lookup round would draft instead of k from the heads (None:
+        no lookup, or the heads are expected to do better)."""
+        room = min(self.drafting.lookup_tokens, self.room(self.stats.emitted))
+        found = continuation(self.state.tokens, room) if room > 0 else None
+        if found and self.drafting.sources is not None:
+            found = found[: self.drafting.sources.lookup_length(len(found), k)]
+        return found or None
 
     def launch(self, k: int, pending: Optional[mx.array] = None) -> None:
         """Queue a round of k drafts from the heads, or of a lookup draft when lookup
-        is on and the context has one (see `launch`)."""
+        is on and the context has one (see `build_round`)."""
         self.key, sub = mx.random.split(self.key)
         lookup = None
-        if self.lookup_tokens and pending is None:
-            room = self.lookup_tokens
-            if self.max_tokens >= 0:
-                room = min(room, self.max_tokens - self.stats.emitted - 1)
-            lookup = continuation(self.state.tokens, room) if room > 0 else None
-            if lookup and self.sources is not None:
-                lookup = lookup[: self.sources.lookup_length(len(lookup), k)]
-        vocab = getattr(self.policy, "vocab", None)
-        rnd = launch(
+        if self.drafting.lookup_tokens and pending is None:
+            lookup = self.lookup_draft(k)
+        rnd = build_round(
             self.model,
             self.caches,
             self.state,
             k,
             self.params,
             sub,
-            pending,
-            lookup,
-            vocab,
+            pending=pending,
+            lookup=lookup,
+            vocab=self.policy.vocab,
         )
         self.queued.append(rnd)
 
     def observe(self, rnd: Round, a: int, new: List[int]) -> None:
         """Tell the policies how a committed round went (``new``: its tokens)."""
-        d, cov = rnd.draft, self.coverage
+        d, cov = rnd.draft, self.drafting.coverage
         missed = cov is not None and a < d.k and not cov.contains(new[a], d.vocab)
         if d.source == "heads":  # the policy sizes the heads' drafts
-            if isinstance(self.policy, AdaptiveLength):
-                self.policy.observe(d.k, a, missed)
-            else:
-                self.policy.observe(d.k, a)
-        if self.sources is not None and d.k:
-            self.sources.observe(d.source, d.k, a, missed)
+            self.policy.observe(d.k, a, missed)
+        if self.drafting.sources is not None and d.k:
+            self.drafting.sources.observe(d.source, d.k, a, missed)
         if cov is not None:
             cov.observe(new)
 
@@ -722,7 +598,7 @@ class Run:
         """
         if (
             self.kv.bits is not None
-            or self.lookup_tokens  # a lookup needs the token before it
+            or self.drafting.lookup_tokens  # a lookup needs the token before it
             or rnd.draft.k
             or not self.wanted(self.stats.emitted + 1)
         ):
@@ -733,12 +609,12 @@ class Run:
         return k
 
 
-def _generate(run: Run, prompt: List[int], step: int, on_prefill=None):
+def _generate(run: Run, prompt: List[int], on_prefill=None):
     """The generator behind `mtp_generate_step` (its arguments checked): prefill, then
     per round wait for the oldest queued round, commit it and queue the next before
     yielding (one host sync per round); on exit leave the caches as the exit contract
     of `mtp_generate_step` says."""
-    run.start(prompt, step)
+    run.start(prompt)
     if on_prefill is not None:
         on_prefill(run.session)
     stats = run.stats
@@ -765,87 +641,3 @@ def _generate(run: Run, prompt: List[int], step: int, on_prefill=None):
                 mx.clear_cache()
     finally:
         _settle(run.caches, run.state, run.queued, run.seen)
-
-
-def draft_vocabs(model, value: Union[int, str]):
-    """The draft vocabularies ``draft_vocab`` lets the heads choose from (None: their
-    own rows), and the `Coverage` that weighs them when there are several."""
-    from . import draft_vocab
-
-    if value is None:
-        return [None], None
-    value = draft_vocab.parse(value)
-    V = model.args.vocab_size
-    trained = "draft_vocab" in model.mtp
-    if model.assistant is not None or not model.num_mtp_layers:
-        if isinstance(value, int) and model.assistant is not None:
-            raise MTPError("draft_vocab: an assistant drafts from its own head")
-        return [None], None
-    if value == "full" or (isinstance(value, int) and value >= V):
-        return [V if trained else None], None
-    if value == "auto":
-        if not draft_vocab.wants_ranking(model):
-            return [None], None  # nothing cheaper to draft from
-        ranking = draft_vocab.ranking_for(model)
-        if ranking is None:
-            return [None], None
-        sizes = draft_vocab.auto_sizes(V)
-        return [None, *sizes], Coverage(ranking, sizes)
-    if trained:
-        raise MTPError(
-            f"these heads were trained to draft from their own "
-            f"{model.mtp.draft_vocab.shape[0]} tokens: draft_vocab takes 'auto' or "
-            "'full'"
-        )
-    if model.group is not None:
-        raise MTPError("draft_vocab: a trunk sharded over several ranks drafts whole")
-    if draft_vocab.ranking_for(model) is None:
-        raise MTPError(
-            f"draft_vocab {value}: {model.source} has no draft vocabulary and no "
-            "tokenizer to rank one with"
-        )
-    return [value], None
-
-
-def draft_policy(
-    model,
-    num_draft_tokens: Union[int, str, object],
-    max_k: int,
-    vocabs=(None,),
-    coverage: Optional[Coverage] = None,
-):
-    """The draft-length policy for ``num_draft_tokens`` (see `mtp_generate_step`),
-    which also picks the draft vocabulary among ``vocabs`` (`draft_vocabs`).
-
-    "auto" chooses among 0 and depth..max_k, depth being the model's MTP layers in use:
-    a round drafting fewer tokens than that would leave deeper layers' caches behind.
-    """
-    layers = model.num_mtp_layers
-    sizes = [n for n in vocabs if n is not None]
-    if num_draft_tokens == "auto":
-        if not 0 <= max_k <= MAX_DRAFT_TOKENS:
-            raise MTPError(
-                f"max_draft_tokens must be from 0 to {MAX_DRAFT_TOKENS}, got {max_k}"
-            )
-        if not layers or not max_k:
-            return FixedLength(0)
-        depth = min(max_k, layers)
-        allowed = [0, *range(depth, max_k + 1)]
-        costs = model_costs(model, max_k, sizes)
-        return AdaptiveLength(costs, allowed, vocabs=vocabs, coverage=coverage)
-    if isinstance(num_draft_tokens, int):
-        if not 0 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise MTPError(
-                f"num_draft_tokens must be from 0 to {MAX_DRAFT_TOKENS}, got "
-                f"{num_draft_tokens}"
-            )
-        k = num_draft_tokens if layers else 0
-        if k and len(vocabs) > 1:  # k fixed, the vocabulary chosen round by round
-            costs = model_costs(model, k, sizes)
-            return AdaptiveLength(costs, [k], vocabs=vocabs, coverage=coverage)
-        return FixedLength(k, vocabs[0])
-    if isinstance(num_draft_tokens, str):
-        raise MTPError(
-            f"num_draft_tokens must be an integer or 'auto', got {num_draft_tokens!r}"
-        )
-    return num_draft_tokens if layers else FixedLength(0)

@@ -47,7 +47,14 @@ def plain(model, n: int):
 
 def mtp(model, n: int, k):
     stats = None
-    for out in mtp_generate_step(PROMPT, model, num_draft_tokens=k, max_tokens=n):
+    for out in mtp_generate_step(
+        PROMPT,
+        model,
+        num_draft_tokens=k,
+        max_tokens=n,
+        draft_source="heads",
+        draft_vocab=None,
+    ):
         stats = out.stats
     return stats
 

@@ -12,10 +12,12 @@ against plain decoding. ``--sliding`` measures the sliding-window fixtures inste
 
 import argparse
 import tempfile
+from dataclasses import asdict
 
 from mlx_mtp import load
 from mlx_mtp.sampling import SamplingParams
-from mlx_mtp.speculative import MTPStats, mtp_generate_step
+from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.stats import MTPStats
 from mlx_mtp.testing.fixtures import (
     FAMILIES,
     write_checkpoint,
@@ -56,7 +58,14 @@ PROMPTS = ("def forward(self, x):", "The quick brown fox", "import numpy as np\n
 def run(model, ids, k, n, params, seed=0):
     outs = list(
         mtp_generate_step(
-            ids, model, num_draft_tokens=k, params=params, max_tokens=n, seed=seed
+            ids,
+            model,
+            num_draft_tokens=k,
+            **asdict(params),
+            max_tokens=n,
+            seed=seed,
+            draft_source="heads",
+            draft_vocab=None,
         )
     )
     return [o.token for o in outs], outs[-1].stats

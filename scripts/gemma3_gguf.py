@@ -108,7 +108,14 @@ def main():
     for k in (0, args.k):
         tic = time.perf_counter()
         outs = list(
-            mtp_generate_step(ids, model, num_draft_tokens=k, max_tokens=args.tokens)
+            mtp_generate_step(
+                ids,
+                model,
+                num_draft_tokens=k,
+                max_tokens=args.tokens,
+                draft_source="heads",
+                draft_vocab=None,
+            )
         )
         runs[k] = [o.token for o in outs]
         stats = outs[-1].stats

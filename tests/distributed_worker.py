@@ -12,7 +12,6 @@ import sys
 from mlx_mtp import load
 from mlx_mtp.distributed import world
 from mlx_mtp.errors import MTPError
-from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import mtp_generate_step
 
 PROMPT = "def forward(self, x):"
@@ -40,7 +39,14 @@ def decode(model, tokenizer) -> dict:
     ids = tokenizer.encode(PROMPT)
     out = {"sharding": model.sharding, "ranks": world().size()}
     for k in (0, 1, 2, 3, "auto"):
-        steps = mtp_generate_step(ids, model, num_draft_tokens=k, max_tokens=TOKENS)
+        steps = mtp_generate_step(
+            ids,
+            model,
+            num_draft_tokens=k,
+            max_tokens=TOKENS,
+            draft_source="heads",
+            draft_vocab=None,
+        )
         out[f"greedy-{k}"] = [o.token for o in steps]
     for k in (0, 2):
         steps = mtp_generate_step(
@@ -48,8 +54,10 @@ def decode(model, tokenizer) -> dict:
             model,
             num_draft_tokens=k,
             max_tokens=TOKENS,
-            params=SamplingParams(temp=1.0),
+            temp=1.0,
             seed=7,
+            draft_source="heads",
+            draft_vocab=None,
         )
         out[f"sampled-{k}"] = [o.token for o in steps]
     return out

@@ -112,9 +112,25 @@ def test_synthetic_model_lands_near_its_acceptance(tmp_path, draft_vocab):
     accepted = []
     for _ in range(3):
         prompt = rng.integers(0, 1024, 16).tolist()
-        outs = list(mtp_generate_step(prompt, model, num_draft_tokens=1, max_tokens=96))
+        outs = list(
+            mtp_generate_step(
+                prompt,
+                model,
+                num_draft_tokens=1,
+                max_tokens=96,
+                draft_source="heads",
+                draft_vocab=None,
+            )
+        )
         accepted.append(outs[-1].stats.acceptance_rate)
-        plain = mtp_generate_step(prompt, model, num_draft_tokens=0, max_tokens=96)
+        plain = mtp_generate_step(
+            prompt,
+            model,
+            num_draft_tokens=0,
+            max_tokens=96,
+            draft_source="heads",
+            draft_vocab=None,
+        )
         assert [o.token for o in outs] == [o.token for o in plain]
     assert abs(np.mean(accepted) - 0.6) < 0.12
     assert model.num_mtp_layers == 1
@@ -126,7 +142,7 @@ def test_synthetic_model_lands_near_its_acceptance(tmp_path, draft_vocab):
 
 def test_stats_of_several_runs_add_up():
     """The benchmark reports acceptance over all its timed runs: MTPStats add."""
-    from mlx_mtp.speculative import MTPStats
+    from mlx_mtp.stats import MTPStats
 
     rounds_a = [(3, 2, "heads", None), (3, 0, "heads", 512), (8, 5, "lookup", None)]
     rounds_b = [(2, 2, "heads", None), (0, 0, "heads", None)]

@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from mlx_mtp.cache import Caches, check_rollback, make_caches, mtp_caches
+from mlx_mtp.draft_length import DraftPolicy
 from mlx_mtp.errors import RollbackError
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing.fixtures import FAMILIES
@@ -55,7 +56,7 @@ def fresh_caches(model, tokens):
     return caches
 
 
-class PlainRuns:
+class PlainRuns(DraftPolicy):
     """Draft-length policy: three plain rounds (queued two at a time), then k."""
 
     def __init__(self, k):
@@ -65,9 +66,6 @@ class PlainRuns:
         self.round += 1
         return self.max_k if self.round % 4 == 0 else 0
 
-    def observe(self, k, accepted):
-        pass
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("stop_after", (7, 30))
@@ -76,9 +74,15 @@ def test_caches_equal_fresh_prefill_after_close(family, stop_after, policy, load
     model, tokenizer = loaded(family, predictable=True)
     prompt = tokenizer.encode("The quick brown fox")
     caches = make_caches(model)
-    k = 3 if policy == "fixed" else PlainRuns(3)
     steps = mtp_generate_step(
-        prompt, model, num_draft_tokens=k, max_tokens=64, caches=caches
+        prompt,
+        model,
+        num_draft_tokens=3,
+        policy=None if policy == "fixed" else PlainRuns(3),
+        max_tokens=64,
+        caches=caches,
+        draft_source="heads",
+        draft_vocab=None,
     )
     seen = [o for _, o in zip(range(stop_after), steps)]
     steps.close()
@@ -104,7 +108,13 @@ def test_mtp_cache_keeps_up_over_a_long_run(loaded):
     caches = make_caches(model)
     outs = list(
         mtp_generate_step(
-            prompt, model, num_draft_tokens=2, max_tokens=96, caches=caches
+            prompt,
+            model,
+            num_draft_tokens=2,
+            max_tokens=96,
+            caches=caches,
+            draft_source="heads",
+            draft_vocab=None,
         )
     )
     committed = len(prompt) + len(outs)
@@ -125,7 +135,14 @@ def test_loop_refuses_before_decoding(loaded):
     model, _ = loaded("mimo")
     caches = Caches(trunk=[ArraysCache(2) for _ in model.layers], mtp=mtp_caches(model))
     with pytest.raises(RollbackError):  # when called, before anything runs
-        mtp_generate_step([1, 2, 3], model, num_draft_tokens=2, caches=caches)
+        mtp_generate_step(
+            [1, 2, 3],
+            model,
+            num_draft_tokens=2,
+            caches=caches,
+            draft_source="heads",
+            draft_vocab=None,
+        )
     assert all(c.offset == 0 for c in caches.mtp)
 
 
@@ -134,15 +151,21 @@ def test_quantized_kv_equals_fresh_prefill_after_rejections(checkpoint):
     entries of a fresh prefill quantized the same way."""
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from mlx_mtp.cache import KVQuantization
     from mlx_mtp.loading import load
 
     model, tokenizer = load(str(checkpoint("mimo", True, num_attention_heads=2)))
     prompt = tokenizer.encode("The quick brown fox")
     caches = make_caches(model)
-    kv = KVQuantization(bits=4, group_size=32, start=0)
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
     steps = mtp_generate_step(
-        prompt, model, num_draft_tokens=3, max_tokens=64, caches=caches, kv=kv
+        prompt,
+        model,
+        num_draft_tokens=3,
+        max_tokens=64,
+        caches=caches,
+        **kv,
+        draft_source="heads",
+        draft_vocab=None,
     )
     seen = [o for _, o in zip(range(30), steps)]
     steps.close()

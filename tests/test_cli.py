@@ -104,7 +104,7 @@ def test_stats_line_shows_the_drafted_positions_only():
     from types import SimpleNamespace
 
     from mlx_mtp.generate import format_stats
-    from mlx_mtp.speculative import MTPStats
+    from mlx_mtp.stats import MTPStats
 
     def line(stats):
         r = SimpleNamespace(

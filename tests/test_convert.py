@@ -31,7 +31,14 @@ PRECISIONS = {
 def greedy(model, k):
     return [
         o.token
-        for o in mtp_generate_step(PROMPT, model, num_draft_tokens=k, max_tokens=N)
+        for o in mtp_generate_step(
+            PROMPT,
+            model,
+            num_draft_tokens=k,
+            max_tokens=N,
+            draft_source="heads",
+            draft_vocab=None,
+        )
     ]
 
 
@@ -68,7 +75,16 @@ def test_round_trip_greedy_identity(family, precision, checkpoint, tmp_path):
     reference = in_memory(src, precision)
     expected = greedy(reference, 0)
     assert greedy(converted, 0) == expected  # the conversion is faithful
-    stats = list(mtp_generate_step(PROMPT, converted, num_draft_tokens=2, max_tokens=N))
+    stats = list(
+        mtp_generate_step(
+            PROMPT,
+            converted,
+            num_draft_tokens=2,
+            max_tokens=N,
+            draft_source="heads",
+            draft_vocab=None,
+        )
+    )
     assert [o.token for o in stats] == expected  # and MTP decoding on it is exact
     assert stats[-1].stats.accepted > 0
 

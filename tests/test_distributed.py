@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import mtp_generate_step
 
 from .distributed_worker import PROMPT, TOKENS
@@ -62,7 +61,14 @@ def single_process(model, tokenizer):
     ids = tokenizer.encode(PROMPT)
     out = {}
     for k in (0, 1, 2, 3, "auto"):
-        steps = mtp_generate_step(ids, model, num_draft_tokens=k, max_tokens=TOKENS)
+        steps = mtp_generate_step(
+            ids,
+            model,
+            num_draft_tokens=k,
+            max_tokens=TOKENS,
+            draft_source="heads",
+            draft_vocab=None,
+        )
         out[f"greedy-{k}"] = [o.token for o in steps]
     for k in (0, 2):
         steps = mtp_generate_step(
@@ -70,8 +76,10 @@ def single_process(model, tokenizer):
             model,
             num_draft_tokens=k,
             max_tokens=TOKENS,
-            params=SamplingParams(temp=1.0),
+            temp=1.0,
             seed=7,
+            draft_source="heads",
+            draft_vocab=None,
         )
         out[f"sampled-{k}"] = [o.token for o in steps]
     return out

@@ -6,10 +6,16 @@ import random
 import pytest
 
 import mlx_mtp.draft_length as draft_length
-from mlx_mtp.draft_length import AdaptiveLength, RoundCosts, model_costs
+from mlx_mtp.draft_length import (
+    AdaptiveLength,
+    DraftPolicy,
+    RoundCosts,
+    model_costs,
+)
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load_model
-from mlx_mtp.speculative import draft_policy, mtp_generate_step
+from mlx_mtp.resolve import draft_policy
+from mlx_mtp.speculative import mtp_generate_step
 
 from .test_greedy import NUM_TOKENS, PROMPTS, plain_greedy
 
@@ -69,7 +75,7 @@ def test_policy_for_each_setting(loaded, monkeypatch):
             draft_policy(model, bad, 4)
 
 
-class RandomLength:
+class RandomLength(DraftPolicy):
     """Test policy: a random allowed k every round."""
 
     def __init__(self, allowed, seed):
@@ -81,9 +87,6 @@ class RandomLength:
         k = self.rng.choice(self.allowed)
         self.seen.add(k)
         return k
-
-    def observe(self, k, accepted):
-        pass
 
 
 @pytest.mark.parametrize("family", ["mimo", "deepseek_v3", "qwen3_5"])
@@ -98,7 +101,12 @@ def test_greedy_identity_when_k_changes_every_round(family, loaded):
         policy = RandomLength(allowed, seed=i)
         outs = list(
             mtp_generate_step(
-                ids, model, num_draft_tokens=policy, max_tokens=NUM_TOKENS
+                ids,
+                model,
+                policy=policy,
+                max_tokens=NUM_TOKENS,
+                draft_source="heads",
+                draft_vocab=None,
             )
         )
         assert [o.token for o in outs] == plain_greedy(model, ids, NUM_TOKENS)
@@ -111,7 +119,15 @@ def test_greedy_identity_auto(loaded):
     model, tokenizer = loaded("deepseek_v3", predictable=True)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        outs = list(mtp_generate_step(ids, model, max_tokens=NUM_TOKENS))
+        outs = list(
+            mtp_generate_step(
+                ids,
+                model,
+                max_tokens=NUM_TOKENS,
+                draft_source="heads",
+                draft_vocab=None,
+            )
+        )
         assert [o.token for o in outs] == plain_greedy(model, ids, NUM_TOKENS)
 
 

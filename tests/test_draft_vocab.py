@@ -170,7 +170,12 @@ def test_auto_vocab_drafts_from_a_cheap_vocabulary_that_covers_the_output(loaded
         )
         steps = list(
             mtp_generate_step(
-                ids, model, num_draft_tokens=2, max_tokens=48, draft_vocab="auto"
+                ids,
+                model,
+                num_draft_tokens=2,
+                max_tokens=48,
+                draft_vocab="auto",
+                draft_source="heads",
             )
         )
     finally:
@@ -209,9 +214,21 @@ def test_refusals(loaded, small):
     model, _ = loaded("deepseek_v3")
     for bad, match in ((0, "draft_vocab must be"), ("some", "draft_vocab must be")):
         with pytest.raises(MTPError, match=match):
-            list(mtp_generate_step([1, 2, 3], model, max_tokens=2, draft_vocab=bad))
+            list(
+                mtp_generate_step(
+                    [1, 2, 3],
+                    model,
+                    max_tokens=2,
+                    draft_vocab=bad,
+                    draft_source="heads",
+                )
+            )
     with pytest.raises(MTPError, match="no draft vocabulary and no tokenizer"):
-        list(mtp_generate_step([1, 2, 3], small, max_tokens=2, draft_vocab=4))
+        list(
+            mtp_generate_step(
+                [1, 2, 3], small, max_tokens=2, draft_vocab=4, draft_source="heads"
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +292,12 @@ def test_convert_graft_and_quantization_keep_the_ranking(checkpoint, tmp_path):
         assert np.allclose(fresh.mass, stored.mass, atol=1e-6)
         ids = tokenizer.encode(PROMPTS[2])
         steps = mtp_generate_step(
-            ids, model, num_draft_tokens=2, max_tokens=24, draft_vocab=64
+            ids,
+            model,
+            num_draft_tokens=2,
+            max_tokens=24,
+            draft_vocab=64,
+            draft_source="heads",
         )
         assert [o.token for o in steps] == plain_greedy(model, ids, 24)
     bare = tmp_path / "bare"

@@ -36,7 +36,13 @@ def test_caches_are_lists_and_sessions_go_on(loaded):
     for text in ("def forward(self, x):", " return"):
         ids = tokenizer.encode(text)
         steps = mtp_generate_step(
-            ids, model, num_draft_tokens=3, max_tokens=20, session=session
+            ids,
+            model,
+            num_draft_tokens=3,
+            max_tokens=20,
+            session=session,
+            draft_source="heads",
+            draft_vocab=None,
         )
         out = [o.token for o in steps]
         assert out == plain_greedy(model, history + ids, 20)

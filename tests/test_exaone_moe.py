@@ -45,5 +45,12 @@ def test_sliding_mtp_layer(tmp_path):
     ids = tokenizer.encode("def forward(self, x):")
     expected = plain_greedy(model, ids, 40)
     for k in (1, 3):
-        steps = mtp_generate_step(ids, model, num_draft_tokens=k, max_tokens=40)
+        steps = mtp_generate_step(
+            ids,
+            model,
+            num_draft_tokens=k,
+            max_tokens=40,
+            draft_source="heads",
+            draft_vocab=None,
+        )
         assert [o.token for o in steps] == expected

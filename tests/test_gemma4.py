@@ -74,13 +74,25 @@ def test_chunked_prefill_and_sessions(model):
     first, second = list(range(100, 120)), [11, 12, 13]
     session = Session()
     steps = mtp_generate_step(
-        first, model, num_draft_tokens=3, session=session, prefill_step_size=3
+        first,
+        model,
+        num_draft_tokens=3,
+        session=session,
+        prefill_step_size=3,
+        draft_source="heads",
+        draft_vocab=None,
     )
     got = [next(steps).token for _ in range(37)]
     steps.close()
     assert got == plain(model, first, 37)
     steps = mtp_generate_step(
-        second, model, num_draft_tokens=2, max_tokens=60, session=session
+        second,
+        model,
+        num_draft_tokens=2,
+        max_tokens=60,
+        session=session,
+        draft_source="heads",
+        draft_vocab=None,
     )
     assert [o.token for o in steps] == plain(model, first + got + second, 60)
 

@@ -38,7 +38,14 @@ def pair(tmp_path_factory):
 
 
 def tokens(model, k):
-    steps = mtp_generate_step(PROMPT, model, num_draft_tokens=k, max_tokens=N)
+    steps = mtp_generate_step(
+        PROMPT,
+        model,
+        num_draft_tokens=k,
+        max_tokens=N,
+        draft_source="heads",
+        draft_vocab=None,
+    )
     return [o.token for o in steps]
 
 

@@ -126,7 +126,15 @@ def to_gguf(hf, path, quantize=False, extra=None):
 
 def greedy(model, ids, k, n=40):
     return [
-        o.token for o in mtp_generate_step(ids, model, num_draft_tokens=k, max_tokens=n)
+        o.token
+        for o in mtp_generate_step(
+            ids,
+            model,
+            num_draft_tokens=k,
+            max_tokens=n,
+            draft_source="heads",
+            draft_vocab=None,
+        )
     ]
 
 

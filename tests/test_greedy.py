@@ -4,7 +4,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing.fixtures import FAMILIES
 
@@ -18,7 +17,16 @@ def plain_greedy(model, prompt, n):
 
 
 def mtp_greedy(model, prompt, n, k):
-    outs = list(mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=n))
+    outs = list(
+        mtp_generate_step(
+            prompt,
+            model,
+            num_draft_tokens=k,
+            max_tokens=n,
+            draft_source="heads",
+            draft_vocab=None,
+        )
+    )
     return [o.token for o in outs], outs[-1].stats
 
 
@@ -84,7 +92,13 @@ def test_long_prompt_chunked_prefill(loaded):
     ids = tokenizer.encode("def f(x):\n    return x * 2\n" * 12)
     expected = plain_greedy(model, ids, 24)
     steps = mtp_generate_step(
-        ids, model, num_draft_tokens=2, max_tokens=24, prefill_step_size=16
+        ids,
+        model,
+        num_draft_tokens=2,
+        max_tokens=24,
+        prefill_step_size=16,
+        draft_source="heads",
+        draft_vocab=None,
     )
     assert [o.token for o in steps] == expected
 
@@ -93,9 +107,16 @@ def test_drafting_params_do_not_matter_for_greedy(loaded):
     """Greedy ignores top-p/top-k: identical output."""
     model, tokenizer = loaded("glm4_moe", predictable=True)
     ids = tokenizer.encode(PROMPTS[2])
-    params = SamplingParams(temp=0.0, top_p=0.5, top_k=3)
     outs = mtp_generate_step(
-        ids, model, num_draft_tokens=2, params=params, max_tokens=32
+        ids,
+        model,
+        num_draft_tokens=2,
+        temp=0.0,
+        top_p=0.5,
+        top_k=3,
+        max_tokens=32,
+        draft_source="heads",
+        draft_vocab=None,
     )
     assert [o.token for o in outs] == plain_greedy(model, ids, 32)
 
@@ -105,12 +126,12 @@ def test_greedy_identity_with_quantized_kv(checkpoint):
     from the quantized cache, and the tokens match mlx-lm's quantized decoding."""
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from mlx_mtp.cache import KVQuantization, make_caches
+    from mlx_mtp.cache import make_caches
     from mlx_mtp.loading import load
 
     path = checkpoint("mimo", predictable=True, num_attention_heads=2)
     model, tokenizer = load(str(path))
-    kv = KVQuantization(bits=4, group_size=32, start=0)
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         steps = generate_step(
@@ -130,8 +151,10 @@ def test_greedy_identity_with_quantized_kv(checkpoint):
                     model,
                     num_draft_tokens=k,
                     max_tokens=NUM_TOKENS,
-                    kv=kv,
+                    **kv,
                     caches=caches,
+                    draft_source="heads",
+                    draft_vocab=None,
                 )
             )
             assert [o.token for o in outs] == expected, (prompt, k)
@@ -147,6 +170,12 @@ def test_plain_path_with_rotating_window(loaded):
     steps = generate_step(mx.array(ids), model.trunk, max_tokens=48, max_kv_size=16)
     expected = [int(t) for t, _ in steps]
     outs = mtp_generate_step(
-        ids, model, num_draft_tokens=0, max_tokens=48, max_kv_size=16
+        ids,
+        model,
+        num_draft_tokens=0,
+        max_tokens=48,
+        max_kv_size=16,
+        draft_source="heads",
+        draft_vocab=None,
     )
     assert [o.token for o in outs] == expected

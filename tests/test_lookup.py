@@ -47,7 +47,12 @@ def test_greedy_identity_with_lookup_drafts(family, loaded):
     for k in (0, 2):
         steps = list(
             mtp_generate_step(
-                ids, model, num_draft_tokens=k, max_tokens=40, draft_source="lookup"
+                ids,
+                model,
+                num_draft_tokens=k,
+                max_tokens=40,
+                draft_source="lookup",
+                draft_vocab=None,
             )
         )
         assert [o.token for o in steps] == expected, (family, k)
@@ -91,9 +96,17 @@ def test_sampling_test_catches_a_lookup_draft_scored_as_uniform(small, monkeypat
 
 def test_bad_lookup_options_are_refused(small):
     with pytest.raises(MTPError, match="draft_source must be one of heads, lookup"):
-        list(mtp_generate_step([1, 2], small, draft_source="ngram", max_tokens=2))
+        list(
+            mtp_generate_step(
+                [1, 2], small, draft_source="ngram", max_tokens=2, draft_vocab=None
+            )
+        )
     with pytest.raises(MTPError, match="lookup_tokens must be from 1 to 16"):
-        list(mtp_generate_step([1, 2], small, draft_source="lookup", lookup_tokens=0))
+        list(
+            mtp_generate_step(
+                [1, 2], small, draft_source="lookup", lookup_tokens=0, draft_vocab=None
+            )
+        )
 
 
 def test_cli_generate_with_lookup_drafts(checkpoint):
@@ -138,7 +151,12 @@ def test_greedy_identity_with_auto_source(family, loaded):
     expected = plain_greedy(model, ids, 40)
     for k in (2, "auto"):
         steps = mtp_generate_step(
-            ids, model, num_draft_tokens=k, max_tokens=40, draft_source="auto"
+            ids,
+            model,
+            num_draft_tokens=k,
+            max_tokens=40,
+            draft_source="auto",
+            draft_vocab=None,
         )
         assert [o.token for o in steps] == expected, (family, k)
 

@@ -84,7 +84,14 @@ def test_three_sub_layer_step_decodes_exactly(tmp_path):
     ids = tokenizer.encode("def forward(self, x):")
     expected = plain_greedy(model, ids, 32)
     for k in (1, 3):
-        steps = mtp_generate_step(ids, model, num_draft_tokens=k, max_tokens=32)
+        steps = mtp_generate_step(
+            ids,
+            model,
+            num_draft_tokens=k,
+            max_tokens=32,
+            draft_source="heads",
+            draft_vocab=None,
+        )
         assert [o.token for o in steps] == expected
 
 

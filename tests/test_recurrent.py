@@ -13,7 +13,7 @@ from mlx_mtp.cache import RecurrentCache, begin_verify, make_caches, rewind
 from mlx_mtp.loading import load_model
 from mlx_mtp.models.qwen3_next import SHIFTED
 from mlx_mtp.sampling import SamplingParams
-from mlx_mtp.speculative import commit, launch, prefill
+from mlx_mtp.speculative import build_round, commit, prefill
 
 from .test_cache import assert_same_cache, fresh_caches
 
@@ -70,7 +70,7 @@ def test_rollback_parity_after_partial_round(family, loaded):
     state = prefill(model, caches, tokenizer.encode(PROMPT), 1, 512)
     key, partial = mx.random.key(0), 0
     for _ in range(40):
-        rnd = launch(model, caches, state, k, params, key)
+        rnd = build_round(model, caches, state, k, params, key)
         a = rnd.result.num_accepted.item()
         new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
         commit(caches, state, rnd, a, new)

@@ -53,7 +53,16 @@ def plain(model, prompt, n):
 
 
 def drafted(model, prompt, n, k):
-    outs = list(mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=n))
+    outs = list(
+        mtp_generate_step(
+            prompt,
+            model,
+            num_draft_tokens=k,
+            max_tokens=n,
+            draft_source="heads",
+            draft_vocab=None,
+        )
+    )
     return [o.token for o in outs], outs[-1].stats
 
 

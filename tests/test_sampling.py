@@ -7,12 +7,14 @@ acceptance rules and require it to fail, so the test has the power it claims.
 """
 
 import math
+from dataclasses import asdict
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlx_mtp.speculative as speculative
+from mlx_mtp.draft_length import DraftPolicy
 from mlx_mtp.loading import load_model
 from mlx_mtp.rejection import AcceptResult, accept_stochastic
 from mlx_mtp.sampling import SamplingParams, filtered_logprobs, sample
@@ -42,7 +44,7 @@ def exact_distributions(model, params):
     return joint, (joint[..., None] * p3).sum(axis=(0, 1))
 
 
-class Cycle:
+class Cycle(DraftPolicy):
     """Draft-length policy drafting ks[0], ks[1], ... in turn (a fresh one per run)."""
 
     def __init__(self, *ks):
@@ -52,23 +54,23 @@ class Cycle:
         self.round += 1
         return self.ks[(self.round - 1) % len(self.ks)]
 
-    def observe(self, k, accepted):
-        pass
-
 
 def sample_tokens(model, params, k, n):
     """(n, 3) first three tokens of n seeded MTP runs; the first round drafts k (an
     int, or a tuple of ks drafted in turn)."""
     out = np.zeros((n, 3), dtype=np.int64)
     for seed in range(n):
-        policy = Cycle(*k) if isinstance(k, tuple) else k
+        policy = Cycle(*k) if isinstance(k, tuple) else None
         steps = mtp_generate_step(
             PROMPT,
             model,
-            num_draft_tokens=policy,
-            params=params,
+            num_draft_tokens=policy.max_k if policy else k,
+            policy=policy,
+            **asdict(params),
             max_tokens=(max(k) if isinstance(k, tuple) else k) + 2,
             seed=seed,
+            draft_source="heads",
+            draft_vocab=None,
         )
         out[seed] = [o.token for _, o in zip(range(3), steps)]
         steps.close()
@@ -103,7 +105,7 @@ def sampling_after_prompt_fails(model, prompt, vocab, k, n=600, **options) -> bo
             prompt,
             model,
             num_draft_tokens=k,
-            params=params,
+            **asdict(params),
             max_tokens=3,
             seed=seed,
             **options,
@@ -190,9 +192,11 @@ def test_seed_reproducible(small_model):
             PROMPT,
             small_model,
             num_draft_tokens=3,
-            params=params,
+            **asdict(params),
             max_tokens=24,
             seed=seed,
+            draft_source="heads",
+            draft_vocab=None,
         )
         return [o.token for o in steps]
 

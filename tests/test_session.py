@@ -11,7 +11,13 @@ from .test_greedy import plain_greedy
 
 def turn(model, session, ids, n, k, stop_after=None):
     steps = mtp_generate_step(
-        ids, model, num_draft_tokens=k, max_tokens=n, session=session
+        ids,
+        model,
+        num_draft_tokens=k,
+        max_tokens=n,
+        session=session,
+        draft_source="heads",
+        draft_vocab=None,
     )
     out = []
     for o in steps:
@@ -45,7 +51,16 @@ def test_session_keeps_its_draft_depth(loaded):
     with pytest.raises(MTPError, match="drafts with 2 MTP layer"):
         turn(model, session, tokenizer.encode(" again"), 4, 1)
     with pytest.raises(MTPError, match="rotating KV window"):
-        list(mtp_generate_step([1, 2], model, session=Session(), max_kv_size=8))
+        list(
+            mtp_generate_step(
+                [1, 2],
+                model,
+                session=Session(),
+                max_kv_size=8,
+                draft_source="heads",
+                draft_vocab=None,
+            )
+        )
 
 
 def test_chat_turns_reuse_the_session(loaded):
@@ -109,3 +124,21 @@ def test_chat_command(checkpoint):
     assert result.output.count("\n") == 4  # the banner and three replies
     eof = CliRunner().invoke(main, ["chat", "--model", path, "-m", "4"], input="hi\n")
     assert eof.exit_code == 0 and "tok/s" in eof.output  # Ctrl-D ends it too
+
+
+@pytest.mark.parametrize("family", ["mimo", "step3p5", "mimo_v2_flash"])
+@pytest.mark.parametrize("k", [2, 3, "auto"])
+def test_every_mtp_cache_reaches_the_frontier_after_turns_ending_at_max_tokens(
+    family, k, loaded
+):
+    """A round capped by max_tokens below the draft depth must not leave the deeper
+    MTP layers behind the frontier (their caches would miss rows for the rest of the
+    conversation): after each turn every MTP cache holds exactly the rows below it."""
+    model, tokenizer = loaded(family, predictable=True)  # two MTP layers
+    session, history = Session(), []
+    for ids, n in zip([tokenizer.encode("def f(x):"), [7], [9, 4], [5]], [7, 5, 6, 2]):
+        out = turn(model, session, ids, n, k)
+        assert out == plain_greedy(model, history + ids, n)
+        history += ids + out
+        offsets = [c.offset for c in session.caches.mtp]
+        assert offsets == [session.state.frontier] * model.num_mtp_layers

@@ -43,7 +43,13 @@ def test_chunked_prefill_past_the_window(loaded):
     expected = plain_greedy(model, ids, 24)
     for k in (1, 2):
         steps = mtp_generate_step(
-            ids, model, num_draft_tokens=k, max_tokens=24, prefill_step_size=5
+            ids,
+            model,
+            num_draft_tokens=k,
+            max_tokens=24,
+            prefill_step_size=5,
+            draft_source="heads",
+            draft_vocab=None,
         )
         assert [o.token for o in steps] == expected
 

@@ -66,8 +66,26 @@ def test_loss_goes_down_and_output_loads(trunk, tmp_path):
     model, tokenizer = load(str(out))
     assert model.num_mtp_layers == 1 and model.mtp.draft_vocab.shape == (96,)
     ids = tokenizer.encode("def wrap(text, width):")
-    outs = list(mtp_generate_step(ids, model, num_draft_tokens=2, max_tokens=32))
-    plain = list(mtp_generate_step(ids, model, num_draft_tokens=0, max_tokens=32))
+    outs = list(
+        mtp_generate_step(
+            ids,
+            model,
+            num_draft_tokens=2,
+            max_tokens=32,
+            draft_source="heads",
+            draft_vocab=None,
+        )
+    )
+    plain = list(
+        mtp_generate_step(
+            ids,
+            model,
+            num_draft_tokens=0,
+            max_tokens=32,
+            draft_source="heads",
+            draft_vocab=None,
+        )
+    )
     assert [o.token for o in outs] == [o.token for o in plain]  # exact, whatever heads
     vocab = np.array(model.mtp.draft_vocab)
     logits = np.array(model.draft_logits(model.hidden(mx.array(ids)[None])))[0, -1]
@@ -175,7 +193,14 @@ def test_trains_heads_for_other_families(family, checkpoint, tmp_path):
     plain, drafted = (
         [
             o.token
-            for o in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=24)
+            for o in mtp_generate_step(
+                prompt,
+                model,
+                num_draft_tokens=k,
+                max_tokens=24,
+                draft_source="heads",
+                draft_vocab=None,
+            )
         ]
         for k in (0, 2)
     )

@@ -152,14 +152,26 @@ def greedy_identity(model, prompts, n=120, ks=(1, 2, 3, 4), policies=()):
         expected = plain(model, prompt, n)
         for k in ks:
             outs = list(
-                mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=n)
+                mtp_generate_step(
+                    prompt,
+                    model,
+                    num_draft_tokens=k,
+                    max_tokens=n,
+                    draft_source="heads",
+                    draft_vocab=None,
+                )
             )
             assert [o.token for o in outs] == expected, (len(prompt), k)
             h = hist.setdefault(k, [0] * (k + 1))
             hist[k] = [a + b for a, b in zip(h, outs[-1].stats.accepted_histogram)]
         for policy in (RandomLength([0, 1, 2, 3, 4], seed=len(prompt)), *policies):
             outs = mtp_generate_step(
-                prompt, model, num_draft_tokens=policy, max_tokens=n
+                prompt,
+                model,
+                policy=policy,
+                max_tokens=n,
+                draft_source="heads",
+                draft_vocab=None,
             )
             assert [o.token for o in outs] == expected, (len(prompt), policy)
     return hist
@@ -178,7 +190,13 @@ def test_chunked_prefill_past_the_window(model):
     prompt = list(range(100, 120))
     expected = plain(model, prompt, 40)
     steps = mtp_generate_step(
-        prompt, model, num_draft_tokens=2, max_tokens=40, prefill_step_size=3
+        prompt,
+        model,
+        num_draft_tokens=2,
+        max_tokens=40,
+        prefill_step_size=3,
+        draft_source="heads",
+        draft_vocab=None,
     )
     assert [o.token for o in steps] == expected
 
@@ -195,14 +213,27 @@ def test_early_close_and_sessions_equal_a_fresh_prefill(model):
     conversation exactly as plain decoding of it does."""
     first, second = PROMPTS[1], [11, 12, 13]
     session = Session()
-    steps = mtp_generate_step(first, model, num_draft_tokens=3, session=session)
+    steps = mtp_generate_step(
+        first,
+        model,
+        num_draft_tokens=3,
+        session=session,
+        draft_source="heads",
+        draft_vocab=None,
+    )
     got = [next(steps).token for _ in range(37)]
     steps.close()  # early: the round in flight is dropped
     assert got == plain(model, first, 37)
     reply = [
         o.token
         for o in mtp_generate_step(
-            second, model, num_draft_tokens=3, max_tokens=60, session=session
+            second,
+            model,
+            num_draft_tokens=3,
+            max_tokens=60,
+            session=session,
+            draft_source="heads",
+            draft_vocab=None,
         )
     ]
     assert reply == plain(model, first + got + second, 60)
@@ -276,6 +307,12 @@ def test_max_kv_size_drafts_exactly(checkpoint):
         expected = [int(t) for t, _ in steps]
         for k in (0, 1, 3):
             outs = mtp_generate_step(
-                prompt, model, num_draft_tokens=k, max_tokens=100, max_kv_size=16
+                prompt,
+                model,
+                num_draft_tokens=k,
+                max_tokens=100,
+                max_kv_size=16,
+                draft_source="heads",
+                draft_vocab=None,
             )
             assert [o.token for o in outs] == expected, (len(prompt), k)
