@@ -56,10 +56,10 @@ def graft_heads(
     revision: Optional[str] = None,
     head_bits: int = 8,
     overwrite: bool = False,
-    draft_vocab: bool = True,
+    rank_vocab: bool = True,
 ) -> Path:
     """Attach the MTP heads of ``hf_path`` to the MLX conversion at ``mlx_path``, and
-    (``draft_vocab``) the ranking of its vocabulary for draft vocabularies
+    (``rank_vocab``) the ranking of its vocabulary for draft vocabularies
     (`mlx_mtp.draft_vocab`)."""
     if head_bits not in (4, 8, 16):
         raise MTPError("head_bits must be 4, 8 or 16")
@@ -100,7 +100,7 @@ def graft_heads(
     dst_config["mtp"] = heads_section(stack, quantization, record)
     writers = {dst / HEADS_FILE: lambda p: save_heads(p, stack)}
     ranked = None
-    if draft_vocab and "draft_vocab" not in stack:
+    if rank_vocab and "draft_vocab" not in stack:
         ranked = ranking.rank_folder(dst, Model(trunk, MTPStack([]), family, dst))
     if ranked is not None:
         dst_config["mtp"]["draft_vocab"] = ranked[1]

@@ -72,7 +72,7 @@ class Options:
         copy_code: Copy the source's ``*.py`` files (custom tokenizer or model code,
             run only with ``trust_remote_code``); default: leave them out, with a
             warning.
-        draft_vocab: Rank the vocabulary for draft vocabularies (`mlx_mtp.draft_vocab`:
+        rank_vocab: Rank the vocabulary for draft vocabularies (`mlx_mtp.draft_vocab`:
             one pass of the converted model over a built-in text) and store the
             ranking with the heads.
     """
@@ -88,7 +88,7 @@ class Options:
     shard_gb: float = 5.0
     progress: bool = True
     copy_code: bool = False
-    draft_vocab: bool = True
+    rank_vocab: bool = True
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -230,7 +230,7 @@ def _convert_folder(
         save_trunk(tmp, trunk, o.shard_gb, o.progress)
         _save_config(config, tmp)
         copy_side_files(src, tmp, code=o.copy_code)
-        if stack is not None and o.draft_vocab and "draft_vocab" not in stack:
+        if stack is not None and o.rank_vocab and "draft_vocab" not in stack:
             _store_ranking(tmp, config)
 
 

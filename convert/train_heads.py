@@ -9,10 +9,11 @@ the runtime chains it, so later drafts are trained too.
 
 Efficiency on a CPU: trunk features (hidden states, greedy tokens) are computed once and
 stored (float16, memory-mapped) and reused across epochs; the head's softmax runs over
-a draft vocabulary (the ``--draft-vocab`` most frequent greedy tokens, FR-Spec style),
-which the runtime then drafts from. The block starts as a copy of the trunk's last
-layer. Training checkpoints every ``--save-every`` steps and ``--resume`` continues with
-identical state; the output is a normal mlx-mtp model folder (trunk files + heads).
+a draft vocabulary (the ``--draft-vocab-size`` most frequent greedy tokens, FR-Spec
+style), which the runtime then drafts from. The block starts as a copy of the trunk's
+last layer. Training checkpoints every ``--save-every`` steps and ``--resume`` continues
+with identical state; the output is a normal mlx-mtp model folder (trunk files +
+heads).
 """
 
 import contextlib
@@ -59,7 +60,7 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 50
     weight_decay: float = 0.01
-    draft_vocab: int = 8192
+    draft_vocab_size: int = 8192  # the heads draft from this many tokens
     held_out: float = 0.05
     eval_every: int = 100
     save_every: int = 100
@@ -273,9 +274,8 @@ def train_heads(
         counts = np.bincount(
             np.asarray(feats["greedy"]).ravel(), minlength=model.args.vocab_size
         )
-        vocab = np.sort(np.argsort(-counts, kind="stable")[: cfg.draft_vocab]).astype(
-            np.int32
-        )
+        top = np.argsort(-counts, kind="stable")[: cfg.draft_vocab_size]
+        vocab = np.sort(top).astype(np.int32)
         remap_np = np.full(counts.shape[0], -1, dtype=np.int32)
         remap_np[vocab] = np.arange(len(vocab), dtype=np.int32)
         remap, W = mx.array(remap_np), draft_weight(model, mx.array(vocab))

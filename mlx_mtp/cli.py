@@ -667,6 +667,40 @@ def head_bits_option(default: str):
     )
 
 
+def renamed_option(old: str, new: str, **kwargs):
+    """A hidden option for ``old``, the spelling this command's option ``new`` had
+    before ``--draft-vocab`` became the decoding option alone: giving it is a usage
+    error that names the new spelling, never the old meaning kept silently. ``old``
+    may be a flag pair (``--a/--no-a``), ``new`` the matching pair."""
+
+    def refuse(ctx, param, value):
+        if value is None:
+            return
+        pairs = [s.split("/") for s in (old, new)]
+        given, to = (p[0 if value is True or len(p) == 1 else 1] for p in pairs)
+        raise click.UsageError(
+            f"{given} is now {to} (--draft-vocab is the decoding option of "
+            "generate, chat and serve)",
+            ctx,
+        )
+
+    return click.option(
+        old, default=None, hidden=True, expose_value=False, callback=refuse, **kwargs
+    )
+
+
+RANK_VOCAB = click.option(
+    "--rank-vocab/--no-rank-vocab",
+    default=True,
+    show_default=True,
+    help="Rank the vocabulary for draft vocabularies (one pass of the model over a "
+    "built-in text) and store the ranking with the heads.",
+)
+OLD_RANK_VOCAB = renamed_option(
+    "--draft-vocab/--no-draft-vocab", "--rank-vocab/--no-rank-vocab"
+)
+
+
 @main.command(short_help="Convert a Hugging Face checkpoint, keeping its MTP heads.")
 @click.option(
     "--hf-path", help="Hugging Face checkpoint (folder, hub repo or .gguf file)."
@@ -709,13 +743,8 @@ def head_bits_option(default: str):
     default=None,
     help="A Gemma 4 assistant to write beside the target (the folder runs the pair).",
 )
-@click.option(
-    "--draft-vocab/--no-draft-vocab",
-    default=True,
-    show_default=True,
-    help="Rank the vocabulary for draft vocabularies (one pass of the model over a "
-    "built-in text) and store it with the heads.",
-)
+@RANK_VOCAB
+@OLD_RANK_VOCAB
 @click.option("--graft-heads-from", "graft_from", hidden=True)
 @click.option("--check", "check_path", hidden=True)
 @click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, hidden=True)
@@ -765,13 +794,8 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
 @head_bits_option("8")
 @REVISION
 @click.option("--overwrite", is_flag=True, help="Replace heads the folder already has.")
-@click.option(
-    "--draft-vocab/--no-draft-vocab",
-    default=True,
-    show_default=True,
-    help="Rank the vocabulary for draft vocabularies (one pass of the model over a "
-    "built-in text) and store it with the heads.",
-)
+@RANK_VOCAB
+@OLD_RANK_VOCAB
 @stops_on_signals
 @friendly_errors
 def graft(source, mlx_path, **options):
@@ -792,7 +816,7 @@ def _graft(source, mlx_path, options: dict) -> None:
     if not mlx_path:
         raise click.UsageError("--mlx-path is required")
     assistant = is_assistant_source(source, options["revision"])
-    extra = {} if assistant else {"draft_vocab": options.get("draft_vocab", True)}
+    extra = {} if assistant else {"rank_vocab": options.get("rank_vocab", True)}
     out = (graft_assistant if assistant else graft_heads)(
         source,
         mlx_path,
@@ -877,12 +901,14 @@ def _check(path, source, min_agreement, trust_remote_code):
     "--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True
 )
 @click.option(
-    "--draft-vocab",
+    "--draft-vocab-size",
     type=click.IntRange(min=2),
     default=8192,
     show_default=True,
-    help="Draft from the most frequent trunk tokens only.",
+    help="The heads are trained to draft from this many tokens, the trunk's most "
+    "frequent.",
 )
+@renamed_option("--draft-vocab", "--draft-vocab-size")
 @click.option(
     "--eval-every", type=click.IntRange(min=1), default=100, show_default=True
 )

@@ -94,7 +94,7 @@ def main():
             batch_size=4,
             steps=args.train_steps,
             tokens=4096,
-            draft_vocab=4096,
+            draft_vocab_size=4096,
             eval_every=args.train_steps,
             save_every=args.train_steps,
         )

@@ -8,7 +8,7 @@ read off independently of head quality. The construction:
   residual stream is dominated by the current token, attention / MLP outputs damped;
   the untied ``lm_head`` maps token x's direction to pi(x), pi one long random cycle,
   so the trunk's greedy next token is pi(x_t) and never loops early. With
-  ``--draft-vocab N`` the cycle runs over N tokens only and the other rows of
+  ``--draft-vocab-size N`` the cycle runs over N tokens only and the other rows of
   ``lm_head`` are zero, so the trunk emits those N tokens (a real model's output mass
   is concentrated likewise) and the heads draft from them alone (FR-Spec style, as
   ``mlx-mtp train-heads`` writes them): a draft step then reads N rows of the head;
@@ -18,14 +18,14 @@ read off independently of head quality. The construction:
   on greedy continuations equals --acceptance.
 
     python scripts/make_synthetic_model.py OUT --acceptance 0.7 [--params 300e6]
-        [--draft-vocab 4096]
+        [--draft-vocab-size 4096]
 
-Without ``--draft-vocab`` the heads are in the Hugging Face layout
+Without ``--draft-vocab-size`` the heads are in the Hugging Face layout
 (``model.layers.{L}.*``); with it, the folder is an mlx-mtp conversion (trunk in
 ``model.safetensors``, heads and their draft vocabulary in ``mtp.safetensors``).
 
 ``--zipf S`` makes a model for sampling (temperature 1) instead (vocabulary 32768 unless
-``--vocab`` says otherwise; not with ``--draft-vocab``). Token ``zipf_order[r]`` gets the
+``--vocab`` says otherwise; not with ``--draft-vocab-size``). Token ``zipf_order[r]`` gets the
 Zipf weight Z ∝ 1/(r+1)^S, ``zipf_order`` a random permutation; the cycle pi runs
 through the Zipf ranks in order, shuffled within blocks of 64, so that the trunk's output
 as a whole is Zipf-like; and the trunk's next-token distribution after x is about the
@@ -417,7 +417,10 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--draft-vocab", type=int, default=0, help="tokens the trunk emits (0: all)"
+        "--draft-vocab-size",
+        type=int,
+        default=0,
+        help="tokens the trunk emits and the heads draft from (0: all)",
     )
     p.add_argument(
         "--zipf",
@@ -432,8 +435,8 @@ def main():
         help="with --zipf: the trunk's mean probability of its successor token",
     )
     args = p.parse_args()
-    if args.zipf and args.draft_vocab:
-        p.error("--zipf cannot be combined with --draft-vocab")
+    if args.zipf and args.draft_vocab_size:
+        p.error("--zipf cannot be combined with --draft-vocab-size")
     if args.zipf < 0:
         p.error("--zipf must be >= 0")
     if args.zipf and not 0 < args.follow < 1:
@@ -447,8 +450,10 @@ def main():
     from mlx_mtp.testing.fixtures import write_tokenizer
 
     config = llama_config(args.params, args.vocab, args.hidden)
-    w, emitted, parts = build_weights(config, args.seed, args.draft_vocab, args.zipf)
-    vocab = mx.array(emitted, dtype=mx.int32) if args.draft_vocab else None
+    w, emitted, parts = build_weights(
+        config, args.seed, args.draft_vocab_size, args.zipf
+    )
+    vocab = mx.array(emitted, dtype=mx.int32) if args.draft_vocab_size else None
     noise = w.pop("_noise")
     args.out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(args.out, 512)
@@ -524,12 +529,12 @@ def main():
         "measured_agreement": measured,
         "gamma": gamma,
         "trunk_parameters": trunk_params,
-        "draft_vocab": args.draft_vocab,
+        "draft_vocab_size": args.draft_vocab_size,
         "blas": blas,
     }
     if zipf:  # the measured agreement is then the sampled acceptance
         info = {**info, "sampled_acceptance": measured, **zipf}
-    if args.draft_vocab:
+    if args.draft_vocab_size:
         write_conversion(args.out, config, w, emitted, info)
     (args.out / "synthetic.json").write_text(json.dumps(info, indent=2))
     print(json.dumps(info))

@@ -1,5 +1,6 @@
 """The CLI as a new user runs it, on a tiny checkpoint."""
 
+import pytest
 from click.testing import CliRunner
 
 from mlx_mtp.cli import main
@@ -48,16 +49,71 @@ def test_prompt_from_stdin_and_sampling_seed(checkpoint):
     assert a.output == b.output
 
 
-def test_chat_template_flags(checkpoint):
-    path = str(checkpoint("glm4_moe"))
-    for extra in (["--ignore-chat-template"], ["--system-prompt", "Be brief."]):
-        result = run("generate", "--model", path, "-p", "hi", "-m", "8", *extra)
+def test_chat_template_flags(checkpoint, monkeypatch):
+    """The prompt decoded is the chat template's rendering of ``-p`` (with
+    ``--system-prompt`` as a system message), or ``-p``'s own tokens with
+    ``--ignore-chat-template``."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_mtp import cli
+
+    path = checkpoint("glm4_moe")
+    tokenizer, build_prompt, prompts = load_tokenizer(path), cli.build_prompt, []
+
+    def spy(*args, **kwargs):
+        ids = build_prompt(*args, **kwargs)
+        prompts.append(tokenizer.decode(ids))
+        return ids
+
+    monkeypatch.setattr(cli, "build_prompt", spy)
+    user = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    cases = {
+        (): user,
+        ("--system-prompt", "Be brief."): "<|im_start|>system\nBe brief.<|im_end|>\n"
+        + user,
+        ("--ignore-chat-template",): "hi",
+    }
+    for extra, prompt in cases.items():
+        result = run("generate", "--model", str(path), "-p", "hi", "-m", "2", *extra)
         assert result.exit_code == 0, result.output
+        assert prompts == [prompt], extra
+        prompts.clear()
 
 
 def test_help_and_module_entry():
-    assert run("--help").exit_code == 0
+    """``python -m mlx_mtp`` is the CLI: its help lists the commands, exit 0."""
+    import subprocess
+    import sys
+
     assert "--num-draft-tokens" in run("generate", "--help").output
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_mtp", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Usage: mlx-mtp [OPTIONS] COMMAND")
+    for command in ("generate", "chat", "serve", "convert", "graft", "train-heads"):
+        assert f"\n  {command} " in done.stdout, command
+
+
+@pytest.mark.parametrize(
+    "args, new",
+    [
+        (["train-heads", "--draft-vocab", "64"], "--draft-vocab-size"),
+        (["convert", "--draft-vocab"], "--rank-vocab"),
+        (["convert", "--no-draft-vocab"], "--no-rank-vocab"),
+        (["graft", "--draft-vocab"], "--rank-vocab"),
+        (["graft", "--no-draft-vocab"], "--no-rank-vocab"),
+    ],
+)
+def test_old_spellings_of_renamed_flags_name_the_new_one(args, new):
+    """``--draft-vocab`` is the decoding option; train-heads, convert and graft named
+    other things so: their old spelling is a usage error naming the new flag."""
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1].startswith(f"Error: {args[1]} is now {new} (")
 
 
 def test_ctrl_c_stops_cleanly(checkpoint):

@@ -13,6 +13,7 @@ from mlx_lm.utils import quantize_model
 
 from mlx_mtp.cli import main
 from mlx_mtp.convert import check, convert, graft_heads
+from mlx_mtp.draft_vocab import FILE as RANKING
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import quantize_heads
 from mlx_mtp.loading import load_model
@@ -144,18 +145,23 @@ def test_graft_onto_conversion_without_heads(
 
 
 def test_graft_command_and_its_old_spelling(checkpoint, tmp_path):
+    """Both spellings graft; the ranking of the vocabulary is stored with the heads
+    unless --no-rank-vocab says not to."""
     src = checkpoint("deepseek_v3", predictable=True)
     plain_src = strip_heads(src, tmp_path / "plain-src", "model.layers.3.")
     for old_spelling in (False, True):
         bare = convert(str(plain_src), tmp_path / f"bare{old_spelling}", progress=False)
         if old_spelling:
             args = ["convert", "--graft-heads-from", src, "--mlx-path", bare]
+            args.append("--no-rank-vocab")
         else:
             args = ["graft", "--from", src, "--mlx-path", bare]
         result = run_cli(*args)
         assert result.exit_code == 0, result.output
         assert ("now `mlx-mtp graft" in result.output) == old_spelling
         assert load_model(str(bare))[0].num_mtp_layers == 1
+        ranked = "draft_vocab" in json.loads((bare / "config.json").read_text())["mtp"]
+        assert (bare / RANKING).exists() == ranked == (not old_spelling)
 
 
 def test_graft_refuses_a_different_trunk(checkpoint, tmp_path):
@@ -223,10 +229,11 @@ def test_cli_convert_and_bad_inputs(checkpoint, tmp_path):
     assert json.loads((out / "config.json").read_text())["mtp"]["quantization"] is None
     again = run_cli("convert", "--hf-path", src, "--mlx-path", out)
     assert again.exit_code == 1 and "already exists" in again.output
-    assert (
-        run_cli("convert", "--hf-path", src, "--mlx-path", out, "--overwrite").exit_code
-        == 0
-    )
+    assert (out / RANKING).exists()  # ranked for draft vocabularies by default
+    args = ("convert", "--hf-path", src, "--mlx-path", out, "--overwrite")
+    assert run_cli(*args, "--no-rank-vocab").exit_code == 0
+    assert not (out / RANKING).exists()
+    assert run_cli(*args, "--rank-vocab").exit_code == 0 and (out / RANKING).exists()
     assert run_cli("convert", "--mlx-path", out).exit_code == 2  # no mode
     assert run_cli("convert", "--hf-path", src).exit_code == 2  # no output
 

@@ -25,7 +25,7 @@ from mlx_mtp.errors import DiskFullError, MTPError
 from mlx_mtp.heads import HEADS_FILE
 
 TINY = TrainConfig(
-    depth=1, seq_len=16, batch_size=2, steps=2, draft_vocab=32, eval_every=2
+    depth=1, seq_len=16, batch_size=2, steps=2, draft_vocab_size=32, eval_every=2
 )
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -394,7 +394,7 @@ def test_full_disk_in_train_heads_features_is_an_error_not_a_crash(
                 "16",
                 "--steps",
                 "2",
-                "--draft-vocab",
+                "--draft-vocab-size",
                 "32",
             ],
             capture_output=True,

@@ -281,12 +281,12 @@ def test_graft_overwrite_is_all_or_nothing_at_every_step(sources, tmp_path):
     src, bare = sources
     dst = tmp_path / "model"
     shutil.copytree(bare, dst)
-    graft_heads(str(src), str(dst), head_bits=8, draft_vocab=False)
+    graft_heads(str(src), str(dst), head_bits=8, rank_vocab=False)
     original, old = tmp_path / "original", snapshot(dst)
     shutil.copytree(dst, original)
 
     def graft(steps=None):
-        graft_heads(str(src), str(dst), head_bits=4, overwrite=True, draft_vocab=False)
+        graft_heads(str(src), str(dst), head_bits=4, overwrite=True, rank_vocab=False)
 
     graft()
     new = snapshot(dst)
@@ -331,7 +331,7 @@ def test_a_killed_grafts_files_are_finished_before_the_next_graft(sources, tmp_p
     src, bare = sources
     grafted, dst = tmp_path / "grafted", tmp_path / "model"
     shutil.copytree(bare, grafted)
-    graft_heads(str(src), str(grafted), draft_vocab=False)
+    graft_heads(str(src), str(grafted), rank_vocab=False)
     shutil.copytree(bare, dst)
     pid = dead_pid()
     shutil.copy(grafted / "mtp.safetensors", dst / "mtp.safetensors")
@@ -339,7 +339,7 @@ def test_a_killed_grafts_files_are_finished_before_the_next_graft(sources, tmp_p
     names = ["mtp.safetensors", "config.json"]
     (dst / f".mlx-mtp.{pid}.journal").write_text(json.dumps(names))
     with pytest.raises(MTPError, match="already has MTP heads"):
-        graft_heads(str(src), str(dst), draft_vocab=False)
+        graft_heads(str(src), str(dst), rank_vocab=False)
     assert snapshot(dst) == snapshot(grafted)
 
 
@@ -352,7 +352,7 @@ def test_a_folder_mid_update_is_refused_until_the_update_is_finished(sources, tm
     src, bare = sources
     dst, pid = tmp_path / "model", dead_pid()
     shutil.copytree(bare, dst)
-    graft_heads(str(src), str(dst), draft_vocab=False)
+    graft_heads(str(src), str(dst), rank_vocab=False)
     config = (dst / "config.json").read_bytes()
     shutil.copy(bare / "config.json", dst / "config.json")
     (dst / f".config.json.{pid}.partial").write_bytes(config)
@@ -361,7 +361,7 @@ def test_a_folder_mid_update_is_refused_until_the_update_is_finished(sources, tm
     with pytest.raises(MTPError, match="halfway through an update.*mlx-mtp graft"):
         load(str(dst))
     with pytest.raises(MTPError, match="already has MTP heads"):
-        graft_heads(str(src), str(dst), draft_vocab=False)  # finishes it first
+        graft_heads(str(src), str(dst), rank_vocab=False)  # finishes it first
     assert not journal.exists()
     assert load(str(dst))[0].num_mtp_layers > 0
 
@@ -398,7 +398,7 @@ def test_sigterm_and_sighup_stop_a_conversion_cleanly(command, sources, tmp_path
         sig, where = signal.SIGHUP, ("graft", "save_heads")
         dst = tmp_path / "model"
         shutil.copytree(bare, dst)
-        args = ["graft", "--from", src, "--mlx-path", dst, "--no-draft-vocab"]
+        args = ["graft", "--from", src, "--mlx-path", dst, "--no-rank-vocab"]
         before = snapshot(dst)
     script = SLOW.format(module=where[0], name=where[1])
     proc = subprocess.Popen(
@@ -450,7 +450,7 @@ def test_heads_that_are_not_floating_point_are_one_line_errors(sources, tmp_path
         result = CliRunner().invoke(
             main,
             ["graft", "--from", ints, "--mlx-path", dst, "--head-bits", bits]
-            + ["--no-draft-vocab"],
+            + ["--no-rank-vocab"],
         )
         assert result.exit_code == 1, result.output
         assert (
@@ -492,7 +492,7 @@ def test_float16_heads_onto_a_float32_trunk_pass_check(checkpoint, tmp_path):
     src = checkpoint("deepseek_v3", predictable=True, dtype="float16")
     plain = strip_heads(src, tmp_path / "plain", "model.layers.3.")
     bare = convert(str(plain), tmp_path / "bare", dtype="float32", progress=False)
-    graft_heads(str(src), str(bare), head_bits=16, draft_vocab=False)
+    graft_heads(str(src), str(bare), head_bits=16, rank_vocab=False)
     heads = mx.load(str(bare / "mtp.safetensors"))
     assert {v.dtype for v in heads.values()} == {mx.float32}
     report = check(str(bare))

@@ -25,7 +25,7 @@ CFG = TrainConfig(
     batch_size=4,
     steps=12,
     tokens=6000,
-    draft_vocab=96,
+    draft_vocab_size=96,
     eval_every=6,
     save_every=4,
     warmup=2,
@@ -37,7 +37,7 @@ QUICK = TrainConfig(  # a couple of steps: enough to check what decodes exactly
     batch_size=2,
     steps=2,
     tokens=600,
-    draft_vocab=32,
+    draft_vocab_size=32,
     eval_every=2,
     save_every=2,
     warmup=1,
@@ -151,13 +151,15 @@ def test_cli(trunk, tmp_path):
         "32",
         "--tokens",
         "2000",
-        "--draft-vocab",
+        "--draft-vocab-size",
         "64",
     ]
     result = CliRunner().invoke(
         main, args + [a for d in DATA[:2] for a in ("--data", d)]
     )
     assert result.exit_code == 0, result.output
+    heads = mx.load(str(tmp_path / "cli" / "mtp.safetensors"))
+    assert heads["draft_vocab"].shape == (64,)  # the heads draft from 64 tokens
     other = [a if a != str(tmp_path / "cli") else str(tmp_path / "other") for a in args]
     missing = CliRunner().invoke(main, other + ["--data", str(tmp_path / "nope")])
     assert missing.exit_code == 1 and "no such data" in missing.output
