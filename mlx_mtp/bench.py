@@ -168,8 +168,8 @@ def bench(
     sources: Sequence[str] = ("heads",),
     vocabs: Sequence[Union[int, str, None]] = (None,),
 ) -> dict:
-    """Run the benchmark; returns {"rows": [...], "costs": {...}} (see module docstring).
-    ``sources``: the draft sources to run each k with ("heads", "lookup", "auto");
+    """Run the benchmark; returns {"rows": [...], "costs": {...}} (see the module's
+    docstring). ``sources``: the draft sources to run each k with ("heads", "lookup", "auto");
     the ideal speedup is reported for heads drafts only. ``vocabs``: the draft
     vocabularies to run heads drafts with (None: the heads' own rows; "full", a
     number of tokens, "auto": see `mlx_mtp.draft_vocab`)."""

@@ -28,7 +28,8 @@ class GenerationResponse(_LMResponse):
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> List[int]:
-    """Token ids of a prompt given as text, ids or an ``mx.array`` (mlx-lm's rule for BOS)."""
+    """Token ids of a prompt given as text, ids or an ``mx.array`` (mlx-lm's rule for
+    BOS)."""
     if isinstance(prompt, str):
         if not prompt:
             raise MTPError("the prompt is empty")
@@ -166,8 +167,9 @@ def format_stats(r: GenerationResponse) -> str:
             : len(drafted) - drafted[::-1].index(True)
         ]
         per_pos = " ".join(f"{x:.2f}" for x in acceptance)
+        rate = f"{stats.acceptance_rate:.2f}"
         line += (
-            f" | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.2f}),"
+            f" | accepted {stats.accepted}/{stats.drafted} ({rate}),"
             f" per position [{per_pos}] | {stats.tokens_per_round:.2f} tok/round,"
             f" {stats.mean_draft_length:.2f} drafts/round"
         )

@@ -1,11 +1,11 @@
 """The MTP decode loop: a generator of per-token records, one round at a time.
 
-Bookkeeping. ``state.tokens`` holds the committed tokens t_0..t_n; the trunk's cache holds
-t_0..t_{n-1} and t_n is *pending* (the input of the next verify). MTP row i pairs the
-trunk's post-norm hidden state h_i with token t_{i+1} at position i; layer j's row i takes
-layer j-1's output instead of h_i and token t_{i+j+1}, and predicts t_{i+j+2}. Rows below
-``state.frontier`` are in every MTP cache, computed from true trunk hidden states and
-committed tokens only (as vLLM keeps them); ``state.hidden`` holds h for rows
+Bookkeeping. ``state.tokens`` holds the committed tokens t_0..t_n; the trunk's cache
+holds t_0..t_{n-1} and t_n is *pending* (the input of the next verify). MTP row i pairs
+the trunk's post-norm hidden state h_i with token t_{i+1} at position i; layer j's row i
+takes layer j-1's output instead of h_i and token t_{i+j+1}, and predicts t_{i+j+2}.
+Rows below ``state.frontier`` are in every MTP cache, computed from true trunk hidden
+states and committed tokens only (as vLLM keeps them); ``state.hidden`` holds h for rows
 frontier..n-1.
 
 Each round reads as four phases:
