@@ -1,23 +1,26 @@
 """Caches for speculative decoding, and the one helper that rolls them back.
 
-The trunk's caches are mlx-lm's own (`make_prompt_cache`), except that recurrent layers
-whose mixer can record per-position states get a `RecurrentCache`; each MTP layer has a
-plain `KVCache` whose row i holds position i. Rollback goes through `begin_verify`
+The trunk's caches are mlx-lm's own (`make_prompt_cache`), except that sliding-window
+layers get a `WindowCache` and recurrent layers whose mixer can record per-position
+states a `RecurrentCache`; each MTP layer has a plain `KVCache` whose row i holds
+position i. Rollback goes through `begin_verify`
 (called before a verify pass writes k+1 positions) and `rewind` (called after, with the
 number of positions to drop). Each cache type has an adapter:
 
 - KV caches (`KVCache`, `QuantizedKVCache`) trim the rejected tail;
-- sliding-window layers (mlx-lm's ``RotatingKVCache`` without sinks, as a model's own
-  ``make_cache`` makes them) get a `WindowCache`, which gives every query of a
-  multi-token pass its own window and keeps enough history to trim the tail;
+- sliding-window layers (mlx-lm's ``RotatingKVCache``: a model's own, without sinks, as
+  its ``make_cache`` makes them, and every attention layer under ``--max-kv-size``,
+  with its sink tokens) get a `WindowCache`, which gives every query of a multi-token
+  pass its own window and keeps enough history to trim the tail, so drafting stays
+  exact however often the window wraps;
 - `RecurrentCache` asks its layer to record ``[conv_state, ssm_state]`` after every
   position of the pass (a `Capture`) and, on rewind, puts back the record at the
   accepted length: O(k) states per layer, no recomputation, and nothing at all to do
   when every draft is accepted.
 
-A cache with no adapter (a `RotatingKVCache` with sink tokens, as ``--max-kv-size``
-makes, or an `ArraysCache` whose mixer cannot record states) makes `check_rollback`
-fail before decoding starts.
+A cache with no adapter (a ``RotatingKVCache`` not made by `make_caches`, or an
+`ArraysCache` whose mixer cannot record states) makes `check_rollback` fail before
+decoding starts.
 """
 
 import logging
@@ -424,7 +427,8 @@ class CaptureRollback:
             return
         if mark is None or mark.steps is None or n > mark.kept:
             raise RollbackError(
-                f"cannot roll a recurrent cache back by {n} positions: no state recorded"
+                f"cannot roll a recurrent cache back by {n} positions: "
+                "no state recorded"
             )
         mark.kept -= n
         cache.cache = list(mark.steps[mark.kept - 1] if mark.kept else mark.base)
@@ -503,6 +507,7 @@ def rewind(
 
 
 def trim_to(cache, length: int) -> None:
-    """Trim a KV cache so it holds exactly its first ``length`` positions (if longer)."""
+    """Trim a KV cache so that it holds exactly its first ``length`` positions (when
+    it holds more)."""
     if cache.offset > length:
         cache.trim(cache.offset - length)
