@@ -67,7 +67,7 @@ class TrainConfig:
     seed: int = 0
 
 
-# --- data and features ------------------------------------------------------------------
+# --- data and features ----------------------------------------------------------------
 
 
 def text_files(paths: List[str]) -> List[Path]:
@@ -176,7 +176,7 @@ def _stored_prefix(path: Path, tokens: np.ndarray) -> bool:
     )
 
 
-# --- the head ---------------------------------------------------------------------------
+# --- the head -------------------------------------------------------------------------
 
 
 def init_head(model, family, draft_vocab: np.ndarray) -> MTPStack:
@@ -189,17 +189,22 @@ def init_head(model, family, draft_vocab: np.ndarray) -> MTPStack:
     layer.eh_proj.weight = mx.concatenate(
         [0.01 * mx.random.normal((H, H)), mx.eye(H)], axis=1
     )
-    layer.norm.weight = mx.array(model.trunk.model.norm.weight)
+    layer.norm.weight = mx.array(family.final_norm(model.trunk).weight)
     stack = MTPStack([layer], len(draft_vocab))
     stack.draft_vocab = mx.array(draft_vocab, dtype=mx.int32)
     return stack
 
 
 def draft_weight(model, vocab: mx.array) -> mx.array:
-    """Rows of the trunk's output projection (its ``lm_head``, or the tied
-    embedding) for the draft vocabulary, (V', H), dequantized."""
-    trunk = model.trunk
-    head = getattr(trunk, "lm_head", None) or trunk.model.embed_tokens
+    """Rows of the trunk's output projection (the family's ``output_head``: its
+    ``lm_head``, or the tied embedding) for the draft vocabulary, (V', H),
+    dequantized."""
+    head = model.family.output_head(model.trunk)
+    if head is None:
+        raise MTPError(
+            f"cannot train heads for {model.family.name}: its logits are not one "
+            "projection of the hidden state"
+        )
     w = head.weight
     if hasattr(head, "scales"):
         w = mx.dequantize(w, head.scales, head.biases, head.group_size, head.bits)
@@ -226,7 +231,7 @@ def losses(stack, model, W, remap, batch, depth: int):
     return out
 
 
-# --- training -----------------------------------------------------------------------------
+# --- training -------------------------------------------------------------------------
 
 
 def train_heads(
@@ -242,12 +247,13 @@ def train_heads(
     on_eval: Optional[Callable[[int, List[float]], None]] = None,
     trust_remote_code: bool = False,
 ) -> Path:
-    """Train MTP heads for ``model_path`` on text ``data``; write the model to ``mlx_path``.
+    """Train MTP heads for ``model_path`` on text ``data``; write the model to
+    ``mlx_path``.
 
     Everything is checked before the work folder is made: the output may not replace
-    anything but a model folder (see `mlx_mtp.convert.output.check_destination`), the data must
-    fill one sequence. A full disk is one `MTPError`; the work folder is kept for
-    ``resume``.
+    anything but a model folder (see `mlx_mtp.convert.output.check_destination`), the
+    data must fill one sequence. A full disk is one `MTPError`; the work folder is kept
+    for ``resume``.
     """
     from tqdm import tqdm
 

@@ -122,15 +122,14 @@ class Sync:
 
 
 def shard(trunk, group: mx.distributed.Group) -> str:
-    """Shard an mlx-lm trunk over ``group`` as mlx-lm's ``sharded_load`` does: tensor
-    parallel when its class has ``shard``, else pipeline parallel when it has
+    """Shard an mlx-lm trunk over ``group`` exactly as mlx-lm's ``sharded_load`` does:
+    tensor parallel when its class has ``shard``, else pipeline parallel when it has
     ``model.pipeline``. Returns which ("tensor" or "pipeline")."""
     if hasattr(trunk, "shard"):
         trunk.shard(group)
         return "tensor"
-    inner = getattr(trunk, "language_model", trunk)
-    if hasattr(getattr(inner, "model", None), "pipeline"):
-        inner.model.pipeline(group)
+    if hasattr(getattr(trunk, "model", None), "pipeline"):
+        trunk.model.pipeline(group)
         return "pipeline"
     raise MTPError(
         f"mlx-lm cannot shard {trunk.model_type} models (its class has neither shard "

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from . import __version__
 from .errors import MissingHeadsError, MTPError
 from .files import read_json, safetensors_header
+from .models import get_family
 from .models.mtp import MTPStack
 
 FORMAT = "mlx-mtp/1"
@@ -176,21 +177,20 @@ def load_heads(model_path: Path, config: dict, family, trunk) -> MTPStack:
     return load_strict(stack, weights)
 
 
-# Token embedding names: most families, Nemotron-H's, Ling's.
-EMBEDDINGS = (
-    "embed_tokens.weight",
-    "backbone.embeddings.weight",
-    "model.word_embeddings.weight",
-)
-
-
 def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
     """sha256 of a checkpoint's token embedding (name, dtype, shape, first ``sample``
     bytes): cheap, independent of how the files are sharded or whether they hold MTP
     tensors, and different for checkpoints that share a layout but not their weights.
-    None when the file holding the embedding is absent (e.g. a partial download)."""
+    The embedding is the family's ``EMBEDDING_KEY``: the shortest name ending with
+    its last two parts (``embed_tokens.weight``), as Hugging Face and MLX files both
+    name it. None when the config (of a supported family) or the file holding the
+    embedding is absent (e.g. a partial download)."""
     index = folder / "model.safetensors.index.json"
     try:
+        config = read_json(folder / "config.json")
+        if not isinstance(config, dict):
+            return None
+        suffix = ".".join(get_family(config).EMBEDDING_KEY.split(".")[-2:])
         if index.is_file():
             weight_map = read_json(index)["weight_map"]
         else:
@@ -203,8 +203,7 @@ def source_fingerprint(folder: Path, sample: int = 1 << 16) -> Optional[str]:
     except (OSError, KeyError, TypeError, ValueError):  # MTPError is a ValueError
         return None
     names = sorted(
-        (k for k in weight_map if k.endswith(EMBEDDINGS)),
-        key=lambda k: (not k.endswith(EMBEDDINGS[0]), len(k)),
+        (k for k in weight_map if k == suffix or k.endswith("." + suffix)), key=len
     )
     if not names or not (folder / weight_map[names[0]]).is_file():
         return None

@@ -1,5 +1,6 @@
-"""MTP family registry: one module per Hugging Face ``model_type``, each defining the
-hooks of `mlx_mtp.models.family.Family` (the interface and its defaults are there).
+"""MTP family registry: one module per Hugging Face ``model_type``, each ending in its
+``FAMILY`` (`mlx_mtp.models.family`: the interface, its defaults, and the files a new
+family touches).
 Trunks whose checkpoints ship no heads share `retrofit` (heads from `train-heads`)."""
 
 import dataclasses
@@ -37,10 +38,6 @@ FAMILIES = (
     "step3p5",
 )
 
-# Trunks with no MTP heads of their own whose family is `retrofit`: a DeepSeek-style
-# layer shaped as the trunk's last decoder layer (Gemma 3, gpt-oss and Mistral can
-# interleave sliding-window layers; see `mlx_mtp.cache.WindowCache`). Each is tested
-# on a fixture (`mlx_mtp.testing.fixtures.write_retrofitted`).
 # Model types that share another's module.
 SHARED = {
     "gemma4_text": "gemma4",
@@ -48,6 +45,10 @@ SHARED = {
     "glm_moe_dsa": "deepseek_v32",
 }
 
+# Trunks with no MTP heads of their own whose family is `retrofit`: a DeepSeek-style
+# layer shaped as the trunk's last decoder layer (Gemma 3, gpt-oss and Mistral can
+# interleave sliding-window layers; see `mlx_mtp.cache.WindowCache`). Each is tested
+# on a fixture (`mlx_mtp.testing.fixtures.write_retrofitted`).
 RETROFITTED = {
     "gemma3_text": "retrofit",
     "gpt_oss": "retrofit",

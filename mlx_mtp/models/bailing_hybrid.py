@@ -17,10 +17,10 @@ mlx-lm runs as ``bailing_moe_v3``: such a config is refused with that fix.
 from mlx_lm.models import bailing_hybrid as lm
 
 from ..errors import UnsupportedModelError
+from . import deepseek_v3
 from .base import check_copy, sanitize_layers, split_mtp
 from .capture import install_capture
-from .deepseek_v3 import mtp_layer_of
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 LAYOUT = Layout(
@@ -32,13 +32,11 @@ LAYOUT = Layout(
         "final_layernorm": "norm",
     },
 )
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
-MASK_FIRST_POSITION = True
-MASK_AS_ARRAY = True  # MLA adds the mask into its own scores
+EMBEDDING_KEY = "model.word_embeddings.weight"
 KDA_KEYS = ("short_conv_kernel_size", "kda_lower_bound", "kda_safe_gate", "no_kda_lora")
 COPIES = {
     "shared_head.head.weight": "lm_head.weight",
-    "embed_tokens.weight": "model.word_embeddings.weight",
+    "embed_tokens.weight": EMBEDDING_KEY,
 }
 
 
@@ -60,7 +58,7 @@ def declared_mtp_layers(config: dict) -> int:
 
 def split_weights(weights: dict, config: dict):
     """Split into (trunk, mtp); check and drop the layers' copies of embedding / head."""
-    trunk, mtp = split_mtp(weights, config, mtp_layer_of)
+    trunk, mtp = split_mtp(weights, config, deepseek_v3.mtp_layer_of)
     for key in list(mtp):
         name = key.split(".", 3)[3]
         if name in COPIES:
@@ -69,7 +67,7 @@ def split_weights(weights: dict, config: dict):
 
 
 def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
-    return sanitize_layers(trunk, weights, config, mtp_layer_of, LAYOUT)
+    return sanitize_layers(trunk, weights, config, deepseek_v3.mtp_layer_of, LAYOUT)
 
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
@@ -98,3 +96,22 @@ def head(trunk):
 def prepare(trunk) -> None:
     """Make the trunk's lightning-attention layers record per-position states."""
     install_capture(trunk.layers)
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    MASK_FIRST_POSITION=True,
+    MASK_AS_ARRAY=True,  # MLA adds the mask into its own scores
+    EMBEDDING_KEY=EMBEDDING_KEY,
+    fix_config=fix_config,
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=deepseek_v3.mtp_layer_of,
+    split_weights=split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+    embed=embed,
+    logits=logits,
+    head=head,
+    prepare=prepare,
+)

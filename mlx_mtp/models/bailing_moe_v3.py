@@ -14,19 +14,7 @@ from mlx_lm.models import bailing_moe_v3 as lm
 
 from . import bailing_hybrid
 from .base import sanitize_layers
-from .capture import install_capture
-from .deepseek_v3 import mtp_layer_of  # noqa: F401  (the family interface)
 from .mtp import MTPLayer
-
-LAYOUT = bailing_hybrid.LAYOUT
-MTP_CONFIG_KEYS = bailing_hybrid.MTP_CONFIG_KEYS
-MASK_AS_ARRAY = True  # MLA adds the mask into its own scores
-
-declared_mtp_layers = bailing_hybrid.declared_mtp_layers
-split_weights = bailing_hybrid.split_weights
-embed = bailing_hybrid.embed
-logits = bailing_hybrid.logits
-head = bailing_hybrid.head
 
 
 def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
@@ -37,7 +25,10 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
         for k, v in weights.items()
     }
     last = config["num_hidden_layers"] - 1
-    return sanitize_layers(trunk, weights, config, mtp_layer_of, LAYOUT, last)
+    family = bailing_hybrid.FAMILY
+    return sanitize_layers(
+        trunk, weights, config, family.mtp_layer_of, family.LAYOUT, last
+    )
 
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
@@ -47,6 +38,10 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     return MTPLayer(args.hidden_size, args.rms_norm_eps, block)
 
 
-def prepare(trunk) -> None:
-    """Make the trunk's KDA layers record per-position states on request."""
-    install_capture(trunk.layers)
+# Ling 2.5's layout, split, embedding, head and recurrent-state capture (here of the
+# KDA layers); no embedding zeroed, and its configs are Ling 3.0's (not refused)
+FAMILY = bailing_hybrid.FAMILY.derive(
+    sanitize=sanitize,
+    make_layer=make_layer,
+    defaults=("MASK_FIRST_POSITION", "fix_config"),
+)

@@ -84,6 +84,11 @@ def trunk_embed(trunk: nn.Module, ids: mx.array) -> mx.array:
     return trunk.model.embed_tokens(ids)
 
 
+def trunk_final_norm(trunk: nn.Module) -> nn.Module:
+    """The final norm of an mlx-lm `Model` whose `.model` ends with ``norm``."""
+    return trunk.model.norm
+
+
 class Model(nn.Module):
     """An mlx-lm trunk with its MTP layers attached.
 
@@ -163,12 +168,11 @@ class Model(nn.Module):
         `draft_logits`): the head's rows gathered once, or, for a family whose logits
         are its own kind, its logits masked."""
         rows = self.mtp.draft_vocab if vocab is None else self.vocab_ranking.rows(vocab)
-        head = self.family.head
-        if head is None and self.family.own_logits:
+        full = self.family.output_head(self.trunk)
+        if full is None:
             mask = mx.zeros((self.args.vocab_size,), dtype=mx.bool_)
             mask[rows] = True
             return lambda h: mx.where(mask, self.logits(h), -mx.inf)
-        full = (head or trunk_head)(self.trunk)
         rows_head, size = RowsHead(full, rows), full.weight.shape[0]
         return lambda h: expand(rows_head(h), rows, size)
 

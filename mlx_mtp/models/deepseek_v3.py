@@ -11,7 +11,7 @@ from typing import Optional
 from mlx_lm.models import deepseek_v3 as lm
 
 from .base import check_copy, sanitize_layers, split_mtp
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 LAYOUT = Layout(
@@ -27,9 +27,6 @@ LAYOUT = Layout(
         "shared_head.head.weight": "lm_head.weight",
     },
 )
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
-MASK_FIRST_POSITION = True
-MASK_AS_ARRAY = True  # MLA attention adds the mask into its own scores
 
 
 def declared_mtp_layers(config: dict) -> int:
@@ -69,3 +66,16 @@ def make_layer(
     args = trunk.args
     block = block_class(args, args.num_hidden_layers + j)
     return MTPLayer(args.hidden_size, args.rms_norm_eps, block)
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    MASK_FIRST_POSITION=True,
+    MASK_AS_ARRAY=True,  # MLA attention adds the mask into its own scores
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+)

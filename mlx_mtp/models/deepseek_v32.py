@@ -16,16 +16,6 @@ from mlx_lm.models import deepseek_v32 as lm
 from . import deepseek_v3
 from .mtp import MTPLayer
 
-LAYOUT = deepseek_v3.LAYOUT
-MTP_CONFIG_KEYS = deepseek_v3.MTP_CONFIG_KEYS
-MASK_FIRST_POSITION = True
-MASK_AS_ARRAY = True  # MLA adds the mask into its scores; the indexer selects with it
-
-declared_mtp_layers = deepseek_v3.declared_mtp_layers
-mtp_layer_of = deepseek_v3.mtp_layer_of
-split_weights = deepseek_v3.split_weights
-sanitize = deepseek_v3.sanitize
-
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     layer = deepseek_v3.make_layer(
@@ -33,3 +23,7 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     )
     layer.kv_caches = 2
     return layer
+
+
+# DeepSeek-V3's hooks (MLA adds the mask into its scores; the indexer selects with it)
+FAMILY = deepseek_v3.FAMILY.derive(make_layer=make_layer)

@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models import ernie4_5_moe as lm
 
 from .base import mlx_lm_sanitize, split_mtp
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 FUSION = {
@@ -31,7 +31,6 @@ LAYOUT = Layout(
     prefix=lambda config, j: "model.",
     fusion={f"{name}.{{j}}": schema for name, schema in FUSION.items()},
 )
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
 PATTERN = re.compile(
     r"model\.(mtp_emb_norm|mtp_hidden_norm|mtp_linear_proj|mtp_block)\.(\d+)\.(.+)"
 )
@@ -73,3 +72,14 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     return MTPLayer(
         args.hidden_size, args.rms_norm_eps, lm.Ernie4_5_DecoderLayer(args, j)
     )
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+)

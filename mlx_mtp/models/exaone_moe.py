@@ -15,13 +15,8 @@ import dataclasses
 from mlx_lm.models import exaone_moe as lm
 
 from . import qwen3_next
+from .family import define
 from .mtp import MTPLayer
-
-LAYOUT = qwen3_next.LAYOUT
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
-
-mtp_layer_of = qwen3_next.mtp_layer_of
-split_weights = qwen3_next.split_weights
 
 
 def declared_mtp_layers(config: dict) -> int:
@@ -57,3 +52,15 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     layer = MTPLayer(args.hidden_size, args.rms_norm_eps, block)
     layer.window = window
     return layer
+
+
+# Qwen3-Next's names and split; plain norms (so no is_raw), no recurrent trunk
+FAMILY = define(
+    LAYOUT=qwen3_next.LAYOUT,
+    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=qwen3_next.mtp_layer_of,
+    split_weights=qwen3_next.split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+)

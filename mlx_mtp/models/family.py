@@ -1,10 +1,26 @@
-"""The family interface: what one family module (one per Hugging Face ``model_type``)
-defines, and the defaults of what it may leave out.
+"""The family interface: the hooks one family module (one per Hugging Face
+``model_type``) gives mlx-mtp, and the defaults of those it may leave out.
 
-A family module is plain functions and constants; `Family.from_module` checks it and
-fills the defaults, so the rest of mlx-mtp calls ``family.hook(...)`` with no
-``getattr``. Adding a family is one module in this package (plus its name in
-`mlx_mtp.models.FAMILIES`) and one fixture spec in `mlx_mtp.testing.fixtures`.
+A family module ends with one object, ``FAMILY``: ``define(...)`` names every hook a
+family sets, and ``other.FAMILY.derive(...)`` takes another family's hooks except the
+ones it names (its own, or ``defaults=(...)`` for the defaults), so a reader sees what
+a family takes from which. Hook names are checked where they are written (a misspelt
+one is an error naming the closest hook), and `Family.from_module` refuses a module
+whose public names look like hooks ``FAMILY`` does not use. The rest of mlx-mtp calls
+``family.hook(...)`` with no ``getattr``: everything a Hugging Face layout means to
+mlx-mtp (tensor names, the trunk's embedding, norm and head) is a hook.
+
+A new family touches exactly these files:
+
+- ``mlx_mtp/models/<model_type>.py``: its hooks, ending in ``FAMILY``;
+- ``mlx_mtp/models/__init__.py``: its name in ``FAMILIES`` (and in ``SHARED`` when
+  further model types use the same module);
+- ``mlx_mtp/testing/fixtures.py``: the builder of its tiny checkpoint in ``_SPECS``;
+- ``tests/golden/<model_type>.json``: a real release's tensor names and shapes
+  (`tests/test_golden_layouts.py` checks the split and sanitize against it);
+- a test module or a row in the per-family tables of the tests its trunk needs
+  (the numpy reference in ``tests/numpy_reference.py``, ``tests/test_convert.py``,
+  ``tests/test_fixtures.py``) and the README's table of families.
 
 Required:
 
@@ -28,6 +44,12 @@ Optional (default in brackets):
 - ``MASK_FIRST_POSITION`` [False]: zero the embedding of an MTP layer's first row at
   position 0 (vLLM's convention for DeepSeek, GLM and MiMo);
 - ``MASK_AS_ARRAY`` [False]: the block's attention takes its causal mask as an array;
+- ``EMBEDDING_KEY`` [``"model.embed_tokens.weight"``]: the checkpoint name of the
+  trunk's token embedding (its last two parts also name it in an MLX conversion);
+- ``FINAL_NORM_KEY`` [``"model.norm.weight"``]: the checkpoint name of the trunk's
+  final norm;
+- ``ZERO_CENTRED_NORMS`` [False]: the checkpoint stores norms as ``w`` in
+  ``x * (1 + w)`` (Qwen, Step), so a norm that scales by one is stored as 0;
 - ``is_raw(weights, config) -> bool`` [True]: the tensors are in raw Hugging Face form,
   which the family's sanitize fixes (e.g. Qwen's ``(1 + w)`` norms);
 - ``prepare(trunk)`` [None]: install per-position state capture in recurrent mixers
@@ -38,15 +60,17 @@ Optional (default in brackets):
 - ``head(trunk)`` [None: `trunk_head`, or no draft-vocabulary rows when ``logits`` is
   the family's own]: the module whose ``(V, H)`` weight ``logits`` projects with;
 - ``embed(trunk, ids)`` [`trunk_embed`]: token embeddings;
+- ``final_norm(trunk)`` [`trunk_final_norm`]: the norm ``hidden`` ends with;
 - ``fix_config(config) -> dict`` [no fixes]: config values mlx-lm's ``ModelArgs``
   need to build the trunk as transformers would (merged over ``config.json``).
 """
 
-from dataclasses import MISSING, dataclass, field, fields
+import difflib
+from dataclasses import MISSING, dataclass, field, fields, replace
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
-from .base import trunk_embed, trunk_hidden, trunk_logits
+from .base import trunk_embed, trunk_final_norm, trunk_head, trunk_hidden, trunk_logits
 
 
 @dataclass(frozen=True)
@@ -88,40 +112,48 @@ class Layout:
         return f"{prefix(config, j)}{name}.weight"
 
 
-def _trunk_args(trunk):
+def trunk_args(trunk):
+    """The default ``text_args``: the trunk's own args."""
     return trunk.args
 
 
-def _no_fixes(config: dict) -> dict:
+def no_fixes(config: dict) -> dict:
+    """The default ``fix_config``: nothing to add to ``config.json``."""
     return {}
 
 
-def _always_raw(weights: dict, config: dict) -> bool:
+def always_raw(weights: dict, config: dict) -> bool:
+    """The default ``is_raw``: the tensors are as Hugging Face writes them."""
     return True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
-    """A family module's hooks, with the documented defaults filled in."""
+    """A family's hooks, with the documented defaults filled in (build one with
+    `define` or `Family.derive`, which check the hook names)."""
 
-    name: str
+    name: str = ""
     LAYOUT: Layout
     MTP_CONFIG_KEYS: Tuple[str, ...]
     declared_mtp_layers: Callable[[dict], int]
     mtp_layer_of: Callable[[str, dict], Optional[int]]
     split_weights: Callable[[dict, dict], tuple]
     sanitize: Callable[..., dict]
-    make_layer: Callable[[Any, int], Any]
+    make_layer: Callable[[Any, int, dict], Any]
     MASK_FIRST_POSITION: bool = False
     MASK_AS_ARRAY: bool = False
-    is_raw: Callable[[dict, dict], bool] = _always_raw
+    EMBEDDING_KEY: str = "model.embed_tokens.weight"
+    FINAL_NORM_KEY: str = "model.norm.weight"
+    ZERO_CENTRED_NORMS: bool = False
+    is_raw: Callable[[dict, dict], bool] = always_raw
     prepare: Optional[Callable[[Any], None]] = None
-    text_args: Callable[[Any], Any] = _trunk_args
+    text_args: Callable[[Any], Any] = trunk_args
     hidden: Callable = trunk_hidden
     logits: Callable = trunk_logits
     head: Optional[Callable] = None
     embed: Callable = trunk_embed
-    fix_config: Callable[[dict], dict] = _no_fixes
+    final_norm: Callable = trunk_final_norm
+    fix_config: Callable[[dict], dict] = no_fixes
 
     @classmethod
     def hooks(cls) -> Tuple[str, ...]:
@@ -138,21 +170,108 @@ class Family:
         )
 
     @classmethod
-    def from_module(cls, module: ModuleType) -> "Family":
-        """Check ``module`` against the interface and fill in the defaults.
+    def default(cls, hook: str) -> Any:
+        """The default of an optional hook."""
+        check_hook_names([hook])
+        value = next(f.default for f in fields(cls) if f.name == hook)
+        if value is MISSING:
+            raise TypeError(f"the family hook {hook} is required; it has no default")
+        return value
+
+    def derive(self, *, defaults: Iterable[str] = (), **hooks) -> "Family":
+        """This family's hooks, except ``hooks`` (replaced) and ``defaults`` (reset
+        to the interface's defaults).
 
         Raises:
-            TypeError: a required hook is missing (a bug in the family module).
+            TypeError: a name is not a hook (naming the closest one).
         """
-        missing = [h for h in cls.required() if not hasattr(module, h)]
-        if missing:
+        defaults = tuple(defaults)
+        check_hook_names([*defaults, *hooks])
+        both = sorted(set(defaults) & set(hooks))
+        if both:
+            raise TypeError(f"{', '.join(both)}: both given and reset to the default")
+        reset = {h: self.default(h) for h in defaults}
+        return replace(self, **reset, **hooks)
+
+    @classmethod
+    def from_module(cls, module: ModuleType) -> "Family":
+        """The ``FAMILY`` of a family module, its public names checked.
+
+        Raises:
+            TypeError: the module has no ``FAMILY``, or a public name of it looks
+                like a hook that ``FAMILY`` does not use (a bug in the module).
+        """
+        family = getattr(module, "FAMILY", None)
+        if not isinstance(family, cls):
             raise TypeError(
-                f"family module {module.__name__} lacks {', '.join(missing)}"
+                f"family module {module.__name__} defines no FAMILY (a Family, "
+                "from define or another family's FAMILY.derive)"
             )
-        hooks = {h: getattr(module, h) for h in cls.hooks() if hasattr(module, h)}
-        return cls(name=module.__name__.rpartition(".")[2], **hooks)
+        for name, value in vars(module).items():
+            problem = _name_problem(name, value, family)
+            if problem:
+                raise TypeError(f"family module {module.__name__}: {problem}")
+        return replace(family, name=module.__name__.rpartition(".")[2])
+
+    def output_head(self, trunk) -> Optional[Any]:
+        """The module whose ``(V, H)`` weight ``logits`` projects with (``head``, or
+        the trunk's own); None when ``logits`` is the family's own and names none."""
+        if self.head is not None:
+            return self.head(trunk)
+        return None if self.own_logits else trunk_head(trunk)
 
     @property
     def own_logits(self) -> bool:
         """The family computes logits its own way (its head is not the trunk's)."""
         return self.logits is not trunk_logits
+
+
+def define(**hooks) -> Family:
+    """A family from its hooks (the optional ones default as the module docstring
+    says).
+
+    Raises:
+        TypeError: a name is not a hook (naming the closest one), or a required hook
+            is missing.
+    """
+    check_hook_names(hooks)
+    missing = [h for h in Family.required() if h not in hooks]
+    if missing:
+        raise TypeError(f"the family lacks {', '.join(missing)}")
+    return Family(**hooks)
+
+
+def check_hook_names(names: Iterable[str]) -> None:
+    """Raise TypeError for the first of ``names`` that is not a hook."""
+    hooks = Family.hooks()
+    for name in names:
+        if name not in hooks:
+            raise TypeError(f"{name} is not a family hook{_closest(name, hooks)}")
+
+
+def _closest(name: str, hooks: Tuple[str, ...], cutoff: float = 0.6) -> str:
+    match = difflib.get_close_matches(name, hooks, n=1, cutoff=cutoff)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+# Public module names starting so, or this close to a hook's name, are taken for
+# misspelt hooks; a family's own helpers are named otherwise (or start with "_").
+HOOK_PREFIXES = ("MASK_", "MTP_", "LAYOUT")
+LOOKALIKE = 0.8
+
+
+def _name_problem(name: str, value: Any, family: Family) -> Optional[str]:
+    """Why a family module's public ``name`` is refused, or None."""
+    if name.startswith("_") or name == "FAMILY" or isinstance(value, ModuleType):
+        return None
+    hooks = Family.hooks()
+    if name in hooks:
+        ours = getattr(family, name)
+        if value is ours or (not callable(value) and value == ours):
+            return None
+        return f"{name} is not the FAMILY's {name} (pass it to FAMILY, or rename it)"
+    lookalike = difflib.get_close_matches(name, hooks, n=1, cutoff=LOOKALIKE)
+    if lookalike or name.startswith(HOOK_PREFIXES):
+        hint = _closest(name, hooks)
+        return f"{name} is not a family hook{hint}; name a helper otherwise"
+    return None

@@ -13,7 +13,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .family import Layout
+from .family import Layout, define
 
 # transformers' Gemma4TextConfig defaults where mlx-lm's ModelArgs defaults differ: a
 # config written by transformers leaves out every value equal to its default.
@@ -70,10 +70,6 @@ def fix_config(config: dict) -> dict:
     return {k: v for k, v in hf_text_config(config).items() if k not in config}
 
 
-LAYOUT = Layout(prefix=lambda config, j: "", fusion={})
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
-
-
 def declared_mtp_layers(config: dict) -> int:
     return 0
 
@@ -124,3 +120,27 @@ def head(trunk):
 def embed(trunk, ids: mx.array) -> mx.array:
     model = text_model(trunk).model
     return model.embed_tokens(ids) * model.embed_scale
+
+
+def final_norm(trunk):
+    return text_model(trunk).model.norm
+
+
+FAMILY = define(
+    LAYOUT=Layout(prefix=lambda config, j: "", fusion={}),
+    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    EMBEDDING_KEY="model.language_model.embed_tokens.weight",
+    FINAL_NORM_KEY="model.language_model.norm.weight",
+    fix_config=fix_config,
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+    text_args=text_args,
+    hidden=hidden,
+    logits=logits,
+    head=head,
+    embed=embed,
+    final_norm=final_norm,
+)

@@ -9,15 +9,10 @@ from mlx_lm.models import glm4_moe as lm
 from . import deepseek_v3
 from .mtp import MTPLayer
 
-LAYOUT = deepseek_v3.LAYOUT
-MTP_CONFIG_KEYS = deepseek_v3.MTP_CONFIG_KEYS
-MASK_FIRST_POSITION = True
-
-declared_mtp_layers = deepseek_v3.declared_mtp_layers
-mtp_layer_of = deepseek_v3.mtp_layer_of
-split_weights = deepseek_v3.split_weights
-sanitize = deepseek_v3.sanitize
-
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     return deepseek_v3.make_layer(trunk, j, config, block_class=lm.DecoderLayer)
+
+
+# DeepSeek-V3's hooks; GQA attention takes mlx-lm's "causal" mask, not an array
+FAMILY = deepseek_v3.FAMILY.derive(make_layer=make_layer, defaults=("MASK_AS_ARRAY",))

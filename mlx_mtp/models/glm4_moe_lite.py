@@ -15,13 +15,7 @@ from mlx_lm.models import glm4_moe_lite as lm
 
 from . import deepseek_v3
 
-LAYOUT = deepseek_v3.LAYOUT
-MTP_CONFIG_KEYS = deepseek_v3.MTP_CONFIG_KEYS
-MASK_FIRST_POSITION = True
-MASK_AS_ARRAY = True  # MLA attention adds the mask into its own scores
-
-declared_mtp_layers = deepseek_v3.declared_mtp_layers
-mtp_layer_of = deepseek_v3.mtp_layer_of
-split_weights = deepseek_v3.split_weights
-sanitize = deepseek_v3.sanitize
-make_layer = partial(deepseek_v3.make_layer, block_class=lm.Glm4MoeLiteDecoderLayer)
+# DeepSeek-V3's hooks (MLA attention adds the mask into its own scores)
+FAMILY = deepseek_v3.FAMILY.derive(
+    make_layer=partial(deepseek_v3.make_layer, block_class=lm.Glm4MoeLiteDecoderLayer)
+)

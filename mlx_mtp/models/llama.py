@@ -12,15 +12,14 @@ from mlx_lm.models import llama as lm
 from . import deepseek_v3
 from .mtp import MTPLayer
 
-LAYOUT = deepseek_v3.LAYOUT
-MTP_CONFIG_KEYS = deepseek_v3.MTP_CONFIG_KEYS
-
-declared_mtp_layers = deepseek_v3.declared_mtp_layers
-mtp_layer_of = deepseek_v3.mtp_layer_of
-split_weights = deepseek_v3.split_weights
-sanitize = deepseek_v3.sanitize
-
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = trunk.args
     return MTPLayer(args.hidden_size, args.rms_norm_eps, lm.TransformerBlock(args))
+
+
+# DeepSeek-V3's layout and translation; the heads' first row keeps its embedding (as
+# train-heads trains them) and llama's attention takes mlx-lm's "causal" mask
+FAMILY = deepseek_v3.FAMILY.derive(
+    make_layer=make_layer, defaults=("MASK_FIRST_POSITION", "MASK_AS_ARRAY")
+)

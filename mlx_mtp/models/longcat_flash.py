@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models import longcat_flash as lm
 
 from .base import check_copy, mlx_lm_sanitize
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 LAYOUT = Layout(
@@ -37,8 +37,6 @@ LAYOUT = Layout(
     },
     norm_prefix=lambda config, j: "model.mtp.",  # one final norm, model.mtp.norm
 )
-MTP_CONFIG_KEYS = ()  # the tensors count the MTP layers
-MASK_AS_ARRAY = True  # MLA adds the mask into its own scores
 COPY = "model.mtp.embed_tokens.weight"
 FUSION_PARTS = ("enorm.m", "hnorm.m", "eh_proj")
 
@@ -113,3 +111,15 @@ class Block(nn.Module):
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = trunk.args
     return MTPLayer(args.hidden_size, args.rms_norm_eps, Block(args))
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=(),  # the tensors count the MTP layers
+    MASK_AS_ARRAY=True,  # MLA adds the mask into its own scores
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+)

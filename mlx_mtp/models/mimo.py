@@ -10,7 +10,7 @@ from typing import Optional
 from mlx_lm.models import mimo as lm
 
 from .base import sanitize_layers, split_mtp
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 LAYOUT = Layout(
@@ -23,8 +23,6 @@ LAYOUT = Layout(
     },
     hidden_first=True,
 )
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
-MASK_FIRST_POSITION = True
 
 
 def declared_mtp_layers(config: dict) -> int:
@@ -50,3 +48,15 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     return MTPLayer(
         args.hidden_size, args.rms_norm_eps, block, hidden_first=LAYOUT.hidden_first
     )
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    MASK_FIRST_POSITION=True,
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+)

@@ -19,7 +19,7 @@ from typing import Optional
 from mlx_lm.models import mimo_v2_flash as lm
 
 from .base import sanitize_layers, split_mtp
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 LAYOUT = Layout(
@@ -31,7 +31,6 @@ LAYOUT = Layout(
         "final_layernorm": "norm",
     },
 )
-MTP_CONFIG_KEYS = ()  # released configs do not count the MTP layers
 
 
 def declared_mtp_layers(config: dict) -> int:
@@ -62,3 +61,14 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     layer = MTPLayer(args.hidden_size, args.layernorm_epsilon, block)
     layer.window = args.sliding_window_size
     return layer
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=(),  # released configs do not count the MTP layers
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+)

@@ -31,13 +31,13 @@ from mlx_lm.models import nemotron_h as lm
 from ..errors import UnsupportedModelError
 from .base import mlx_lm_sanitize, split_mtp
 from .capture import install_capture
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 DEFAULT_STEP = ("full_attention", "moe")
 CHARS = lm.ModelArgs._block_type_to_char
 FUSION = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj"}
-FINAL_NORM = "final_layernorm"
+STEP_NORM = "final_layernorm"
 
 
 def step_pattern(config: dict) -> str:
@@ -70,10 +70,9 @@ def _last_prefix(config: dict, j: int) -> str:
 
 LAYOUT = Layout(
     prefix=lambda config, j: f"mtp.layers.{j * len(step_pattern(config))}.",
-    fusion={**FUSION, FINAL_NORM: "norm"},
+    fusion={**FUSION, STEP_NORM: "norm"},
     norm_prefix=_last_prefix,
 )
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
 
 
 def declared_mtp_layers(config: dict) -> int:
@@ -110,7 +109,7 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
             part = name.partition(".")[0]
             if s == 0 and part in FUSION:
                 out[f"layers.{j}.{FUSION[part]}{name[len(part):]}"] = value
-            elif s == P - 1 and part == FINAL_NORM:
+            elif s == P - 1 and part == STEP_NORM:
                 out[f"layers.{j}.norm{name[len(part):]}"] = value
             else:
                 out[f"layers.{j}.block.layers.{s}.{name}"] = value
@@ -157,3 +156,24 @@ def embed(trunk, ids: mx.array) -> mx.array:
 def prepare(trunk) -> None:
     """Make the trunk's Mamba-2 mixers record per-position states on request."""
     install_capture(trunk.layers)
+
+
+def final_norm(trunk):
+    return trunk.backbone.norm_f
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    EMBEDDING_KEY="backbone.embeddings.weight",
+    FINAL_NORM_KEY="backbone.norm_f.weight",
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    sanitize=sanitize,
+    make_layer=make_layer,
+    hidden=hidden,
+    embed=embed,
+    final_norm=final_norm,
+    prepare=prepare,
+)

@@ -8,18 +8,8 @@ described in `qwen3_next`. The MTP block is the family's full-attention decoder 
 from mlx_lm.models import qwen3_5 as lm
 from mlx_lm.models.base import gather_last_axis
 
-from .capture import install_capture
+from . import qwen3_next
 from .mtp import MTPLayer
-from .qwen3_next import (  # noqa: F401  (the family interface)
-    LAYOUT,
-    declared_mtp_layers,
-    make_block,
-    mtp_layer_of,
-    sanitize,
-    split_weights,
-)
-
-MTP_CONFIG_KEYS = ("mtp_num_hidden_layers",)
 
 
 def is_raw(weights: dict, config: dict) -> bool:
@@ -50,10 +40,19 @@ def logits(trunk, h):
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = text_args(trunk)
-    block = make_block(args, lm.DecoderLayer, lm.SparseMoeBlock, lm.MLP)
+    block = qwen3_next.make_block(args, lm.DecoderLayer, lm.SparseMoeBlock, lm.MLP)
     return MTPLayer(args.hidden_size, args.rms_norm_eps, block)
 
 
-def prepare(trunk) -> None:
-    """Make the trunk's Gated-DeltaNet layers record per-position states on request."""
-    install_capture(trunk.layers)
+# Qwen3-Next's layout, split, sanitize and Gated-DeltaNet capture, on a trunk nested
+# under model.language_model. (mlx-lm's ``trunk.model`` reaches into it)
+FAMILY = qwen3_next.FAMILY.derive(
+    MTP_CONFIG_KEYS=("mtp_num_hidden_layers",),
+    EMBEDDING_KEY="model.language_model.embed_tokens.weight",
+    FINAL_NORM_KEY="model.language_model.norm.weight",
+    is_raw=is_raw,
+    text_args=text_args,
+    head=head,
+    logits=logits,
+    make_layer=make_layer,
+)

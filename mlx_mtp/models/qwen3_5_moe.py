@@ -10,19 +10,6 @@ import re
 import mlx.core as mx
 
 from . import qwen3_5
-from .qwen3_5 import (  # noqa: F401  (the family interface)
-    LAYOUT,
-    MTP_CONFIG_KEYS,
-    declared_mtp_layers,
-    head,
-    is_raw,
-    logits,
-    make_layer,
-    mtp_layer_of,
-    prepare,
-    sanitize,
-    text_args,
-)
 
 _PER_EXPERT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
@@ -46,5 +33,9 @@ def fuse_experts(weights: dict) -> dict:
 
 
 def split_weights(weights: dict, config: dict):
-    trunk, mtp = qwen3_5.split_weights(weights, config)
+    trunk, mtp = qwen3_5.FAMILY.split_weights(weights, config)
     return fuse_experts(trunk), mtp
+
+
+# Qwen3.5's hooks (its make_layer builds the MoE block from the config)
+FAMILY = qwen3_5.FAMILY.derive(split_weights=split_weights)

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_next as lm
 
 from .capture import install_capture
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 LAYOUT = Layout(
@@ -150,3 +150,17 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
 def prepare(trunk) -> None:
     """Make the trunk's Gated-DeltaNet layers record per-position states on request."""
     install_capture(trunk.layers)
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=MTP_CONFIG_KEYS,
+    ZERO_CENTRED_NORMS=True,
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    is_raw=is_raw,
+    sanitize=sanitize,
+    make_layer=make_layer,
+    prepare=prepare,
+)

@@ -10,13 +10,7 @@ replaced by the head's), so no family needs to know its decoder layer's construc
 
 import copy
 
-from .deepseek_v3 import (  # noqa: F401  (the family interface)
-    LAYOUT,
-    MTP_CONFIG_KEYS,
-    declared_mtp_layers,
-    mtp_layer_of,
-    split_weights,
-)
+from . import deepseek_v3
 from .mtp import MTPLayer
 
 
@@ -24,13 +18,13 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     """Map ``model.layers.{L + j}.*`` to the schema ``layers.{j}.*``. The block's
     tensors carry the trunk's own (mlx-lm) names already, so no trunk sanitize runs
     (some, such as Gemma 3's, change the trunk itself when called)."""
-    out = {}
+    out, layout = {}, deepseek_v3.LAYOUT
     for key, value in weights.items():
-        j = mtp_layer_of(key, config)
-        name = key[len(LAYOUT.prefix(config, j)) :]
+        j = deepseek_v3.mtp_layer_of(key, config)
+        name = key[len(layout.prefix(config, j)) :]
         part, _, leaf = name.rpartition(".")
-        if part in LAYOUT.fusion:
-            out[f"layers.{j}.{LAYOUT.fusion[part]}.{leaf}"] = value
+        if part in layout.fusion:
+            out[f"layers.{j}.{layout.fusion[part]}.{leaf}"] = value
         else:
             out[f"layers.{j}.block.{name}"] = value
     return out
@@ -41,3 +35,12 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = trunk.args
     block = copy.deepcopy(trunk.layers[-1])
     return MTPLayer(args.hidden_size, args.rms_norm_eps, block)
+
+
+# DeepSeek-V3's layout, split and layer count; its own sanitize and block; no
+# embedding zeroed (train-heads trains without) and the block's own "causal" mask
+FAMILY = deepseek_v3.FAMILY.derive(
+    sanitize=sanitize,
+    make_layer=make_layer,
+    defaults=("MASK_FIRST_POSITION", "MASK_AS_ARRAY"),
+)

@@ -22,7 +22,7 @@ from mlx_lm.models import step3p5 as lm
 
 from ..errors import UnsupportedModelError
 from .base import check_copy, mlx_lm_sanitize, split_mtp
-from .family import Layout
+from .family import Layout, define
 from .mtp import MTPLayer
 
 LAYOUT = Layout(
@@ -38,7 +38,6 @@ LAYOUT = Layout(
         "embed_tokens.weight": "model.embed_tokens.weight",
     },
 )
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers",)
 # mlx-lm's step3p5 sanitize renames these (and adds 1 to every norm) in a raw checkpoint
 RENAMED = (
     (".moe.gate_proj.", ".mlp.switch_mlp.gate_proj."),
@@ -125,3 +124,16 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     if block.is_sliding:
         layer.window = args.sliding_window
     return layer
+
+
+FAMILY = define(
+    LAYOUT=LAYOUT,
+    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    ZERO_CENTRED_NORMS=True,
+    declared_mtp_layers=declared_mtp_layers,
+    mtp_layer_of=mtp_layer_of,
+    split_weights=split_weights,
+    is_raw=is_raw,
+    sanitize=sanitize,
+    make_layer=make_layer,
+)

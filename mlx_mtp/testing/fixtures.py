@@ -62,7 +62,6 @@ import functools
 import importlib
 import json
 import pathlib
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -147,13 +146,13 @@ def write_checkpoint(
         token_ids = _special_token_ids(vocab_size)
     else:
         token_ids = {tok: vocab_size - 1 for tok in SPECIAL_TOKENS}
-    spec, fam = _SPECS[family], _family(family)
+    fam = _family(family)
     rng = np.random.default_rng(seed)
-    config, tensors = spec.build(_Init(rng), vocab_size, **options)
+    config, tensors = _SPECS[family](_Init(rng), vocab_size, **options)
     config.update(_token_id_config(token_ids))
     config["torch_dtype"] = dtype
     if predictable:
-        _make_predictable(fam, spec, config, tensors, rng)
+        _make_predictable(fam, config, tensors, rng)
 
     mtp_keys = [k for k in tensors if fam.mtp_layer_of(k, config) is not None]
     _write_weights(out, tensors, mtp_keys, _DTYPES[dtype], num_shards)
@@ -1598,52 +1597,28 @@ def _nextn_layers(
     return t
 
 
-@dataclass(frozen=True)
-class _FamilySpec:
-    """How the fixture builds one family's tensors; the names of its MTP tensors come
-    from the family's own `Layout` (``LAYOUT`` of its module)."""
-
-    build: Callable[[_Init, int], Tuple[dict, Tensors]]
-    embed_key: str = "model.embed_tokens.weight"
-    trunk_norm_key: str = "model.norm.weight"
-    unit_norm: float = 1.0  # stored value of a norm weight that scales by one
-    norm_offset: float = 0.0  # added to the trunk's final norm for the MTP one
-
-
-_QWEN3_5 = dict(
-    embed_key="model.language_model.embed_tokens.weight",
-    trunk_norm_key="model.language_model.norm.weight",
-    unit_norm=0.0,  # (1 + w) norms, stored zero-centred
-)
-
-_SPECS = {
-    "bailing_hybrid": _FamilySpec(
-        build=_bailing_hybrid,
-        embed_key="model.word_embeddings.weight",
-    ),
-    "bailing_moe_v3": _FamilySpec(
-        build=_bailing_moe_v3,
-        embed_key="model.word_embeddings.weight",
-    ),
-    "deepseek_v3": _FamilySpec(build=_deepseek_v3),
-    "deepseek_v32": _FamilySpec(build=_deepseek_v32),
-    "ernie4_5_moe": _FamilySpec(build=_ernie4_5_moe),
-    "exaone_moe": _FamilySpec(build=_exaone_moe),
-    "glm4_moe": _FamilySpec(build=_glm4_moe),
-    "glm4_moe_lite": _FamilySpec(build=_glm4_moe_lite),
-    "glm_moe_dsa": _FamilySpec(build=_glm_moe_dsa),
-    "longcat_flash": _FamilySpec(build=_longcat_flash),
-    "mimo": _FamilySpec(build=_mimo),
-    "mimo_v2_flash": _FamilySpec(build=_mimo_v2_flash),
-    "nemotron_h": _FamilySpec(
-        build=_nemotron_h,
-        embed_key="backbone.embeddings.weight",
-        trunk_norm_key="backbone.norm_f.weight",
-    ),
-    "qwen3_5": _FamilySpec(build=_qwen3_5, **_QWEN3_5),
-    "qwen3_5_moe": _FamilySpec(build=functools.partial(_qwen3_5, moe=True), **_QWEN3_5),
-    "qwen3_next": _FamilySpec(build=_qwen3_next, unit_norm=0.0),
-    "step3p5": _FamilySpec(build=_step3p5, unit_norm=0.0),
+# How the fixture builds each family's config and tensors: ``build(init, vocab_size,
+# **options) -> (config, tensors)``. Everything else the fixture needs of a family
+# (where its MTP tensors, embedding and final norm sit, its norms' convention) is the
+# family's own (`mlx_mtp.models.family`).
+_SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
+    "bailing_hybrid": _bailing_hybrid,
+    "bailing_moe_v3": _bailing_moe_v3,
+    "deepseek_v3": _deepseek_v3,
+    "deepseek_v32": _deepseek_v32,
+    "ernie4_5_moe": _ernie4_5_moe,
+    "exaone_moe": _exaone_moe,
+    "glm4_moe": _glm4_moe,
+    "glm4_moe_lite": _glm4_moe_lite,
+    "glm_moe_dsa": _glm_moe_dsa,
+    "longcat_flash": _longcat_flash,
+    "mimo": _mimo,
+    "mimo_v2_flash": _mimo_v2_flash,
+    "nemotron_h": _nemotron_h,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": functools.partial(_qwen3_5, moe=True),
+    "qwen3_next": _qwen3_next,
+    "step3p5": _step3p5,
 }
 FAMILIES = tuple(_SPECS)  # the families with a fixture (llama's is `write_llama`)
 
@@ -1671,11 +1646,11 @@ def _distinct_layers(family, cfg: dict, tensors: Tensors) -> List[int]:
 
 def _make_predictable(
     family,
-    spec: _FamilySpec,
     cfg: dict,
     tensors: Tensors,
     rng: np.random.Generator,
     embed_scale: float = PREDICTABLE_EMBED_SCALE,
+    norm_offset: float = 0.0,
 ) -> None:
     """Rewire ``tensors`` in place so the MTP heads often agree with the trunk.
 
@@ -1696,7 +1671,8 @@ def _make_predictable(
     layout = family.LAYOUT
     text = _text_config(cfg)
     hidden = text["hidden_size"]
-    original = tensors[spec.embed_key]
+    unit_norm = 0.0 if family.ZERO_CENTRED_NORMS else 1.0  # a norm scaling by one
+    original = tensors[family.EMBEDDING_KEY]
     embed = original * np.float32(embed_scale)
     for key, value in tensors.items():  # the embedding and its copies in MTP layers
         if value.shape == original.shape and np.array_equal(value, original):
@@ -1709,10 +1685,10 @@ def _make_predictable(
         halves = [noise, eye] if layout.hidden_first else [eye, noise]
         tensors[layout.key(text, j, "eh_proj")] = np.concatenate(halves, axis=1)
         tensors[layout.key(text, j, "enorm")] = np.full(
-            hidden, spec.unit_norm, dtype=np.float32
+            hidden, unit_norm, dtype=np.float32
         )
         if "norm" in layout.fusion.values():  # else the trunk's final norm closes it
-            final_norm = tensors[spec.trunk_norm_key] + np.float32(spec.norm_offset)
+            final_norm = tensors[family.FINAL_NORM_KEY] + np.float32(norm_offset)
             tensors[layout.key(text, j, "norm")] = final_norm
     for key in tensors:
         if family.mtp_layer_of(key, cfg) is not None and key.endswith(
@@ -2024,10 +2000,9 @@ def write_llama(
         )
         if predictable:
             tensors = {k: np.array(v) for k, v in weights.items()}
-            spec = _FamilySpec(build=None)
             rng = np.random.default_rng(seed)
             scale = 2.0 if weight_std else PREDICTABLE_EMBED_SCALE
-            _make_predictable(_family("llama"), spec, config, tensors, rng, scale)
+            _make_predictable(_family("llama"), config, tensors, rng, scale)
             weights = {k: mx.array(v) for k, v in tensors.items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
     _write_json(out / "config.json", config)
@@ -2071,8 +2046,8 @@ def write_gemma3(
     }
     weights = _retrofitted(gemma3_text, config, seed, weight_std, zero_norms=True)
     if predictable:
-        spec = _FamilySpec(build=None, norm_offset=1.0)
-        tensors = _predictable(weights, config, spec, seed, 4.0)
+        # Gemma's trunk norms are zero-centred, the retrofitted MTP layer's plain
+        tensors = _predictable(weights, config, seed, 4.0, norm_offset=1.0)
         head = f"model.layers.{config['num_hidden_layers']}."
         for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
             # Gemma normalizes each block output: damp there, (1 - 0.8) = 0.2
@@ -2119,7 +2094,7 @@ def write_gpt_oss(
     }
     weights = _retrofitted(gpt_oss, config, seed, weight_std, zero_norms=False)
     if predictable:
-        tensors = _predictable(weights, config, _FamilySpec(build=None), seed)
+        tensors = _predictable(weights, config, seed)
         weights = {k: mx.array(v) for k, v in tensors.items()}
     return _write_retrofitted(out_dir, config, weights)
 
@@ -2179,16 +2154,19 @@ def write_retrofitted(
     module = importlib.import_module(model_class.__module__)
     weights = _retrofitted(module, config, seed, weight_std, zero_norms=False)
     if predictable:
-        tensors = _predictable(weights, config, _FamilySpec(build=None), seed)
+        tensors = _predictable(weights, config, seed)
         weights = {k: mx.array(v) for k, v in tensors.items()}
     return _write_retrofitted(out_dir, config, weights)
 
 
-def _predictable(weights, config, spec, seed, scale=PREDICTABLE_EMBED_SCALE) -> Tensors:
+def _predictable(
+    weights, config, seed, scale=PREDICTABLE_EMBED_SCALE, norm_offset=0.0
+) -> Tensors:
     """`_make_predictable` on mlx weights; returns numpy tensors."""
     tensors = {k: np.array(v) for k, v in weights.items()}
     rng = np.random.default_rng(seed)
-    _make_predictable(_family(config["model_type"]), spec, config, tensors, rng, scale)
+    family = _family(config["model_type"])
+    _make_predictable(family, config, tensors, rng, scale, norm_offset)
     return tensors
 
 
