@@ -1,8 +1,8 @@
 """Port Hugging Face checkpoints to MLX with their MTP heads.
 
-- `convert`: a Hugging Face checkpoint (folder or hub repo) -> an MLX folder: the trunk as
-  mlx-lm writes it (optionally quantized), the heads in ``mtp.safetensors`` (8-bit by
-  default when the trunk is quantized), tokenizer files, provenance.
+- `convert`: a Hugging Face checkpoint (folder or hub repo) -> an MLX folder: the trunk
+  as mlx-lm writes it (optionally quantized), the heads in ``mtp.safetensors`` (8-bit
+  by default when the trunk is quantized), tokenizer files, provenance.
 - `graft_heads`: attach heads from a Hugging Face checkpoint to an existing MLX
   conversion, downloading only the shards that hold them.
 - `graft_assistant`: the same for a Gemma 4 assistant (`mlx_mtp.assistant`); ``convert``

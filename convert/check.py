@@ -122,7 +122,8 @@ def _source(source: Optional[str], section: dict, report) -> Optional[str]:
 
 
 def predictions(model, tokens: List[int]) -> List[np.ndarray]:
-    """Top-1 of the trunk (next token) and of each MTP layer (chained, teacher-forced)."""
+    """Top-1 of the trunk (next token) and of each MTP layer (chained,
+    teacher-forced)."""
     seq = mx.array(tokens)[None]
     h = model.hidden(seq)  # (1, n, H)
     out = [np.array(mx.argmax(model.logits(h), axis=-1)[0])]

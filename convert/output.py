@@ -45,7 +45,7 @@ MODEL_FILES = (
 )
 
 
-# --- what may be written where ------------------------------------------------------------
+# --- what may be written where --------------------------------------------------------
 
 
 def check_destination(
@@ -153,7 +153,7 @@ def _written_by_mlx(path: Path) -> bool:
         return False
 
 
-# --- scratch paths, locks and what dead runs left -----------------------------------------
+# --- scratch paths, locks and what dead runs left -------------------------------------
 #
 # How a replacement stays all-or-nothing, whatever stops it (an error, Ctrl-C, SIGKILL):
 # - A folder (`staged_folder`): the new one is written to ``.NAME.PID.partial``; once it
@@ -311,7 +311,7 @@ def _take(lock: Path, dst: Path) -> int:
     raise MTPError(f"cannot take the lock {lock}")
 
 
-# --- writing ------------------------------------------------------------------------------
+# --- writing --------------------------------------------------------------------------
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -461,8 +461,9 @@ def _journal_names(journal: Path) -> list:
 def save_trunk(
     folder: Path, model: nn.Module, shard_gb: float = 5.0, progress=True
 ) -> dict:
-    """Write the trunk as mlx-lm does (``model[-i-of-n].safetensors`` + index), evaluating
-    one shard at a time and releasing the model's arrays as they are written.
+    """Write the trunk as mlx-lm does (``model[-i-of-n].safetensors`` + index),
+    evaluating one shard at a time and releasing the model's arrays as they are
+    written.
 
     mlx-lm's ``save_model(..., donate_model=True)`` writes the same files the same way,
     but takes no shard size (the tests write several shards of a tiny model, as large

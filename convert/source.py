@@ -40,7 +40,8 @@ def resolve_source(
     revision: Optional[str] = None,
     patterns: Optional[List[str]] = None,
 ) -> Path:
-    """A local folder as is, or a hub repo downloaded (only ``patterns``) into the HF cache."""
+    """A local folder as is, or a hub repo downloaded (only ``patterns``) into the HF
+    cache."""
     return resolve(path_or_repo, revision, patterns or SOURCE_PATTERNS)
 
 
@@ -115,7 +116,8 @@ def copy_side_files(
 
 
 def snapshot_revision(folder: Path) -> Optional[str]:
-    """The commit of a hub snapshot folder (``.../snapshots/<commit>``), if it is one."""
+    """The commit of a hub snapshot folder (``.../snapshots/<commit>``), if it is
+    one."""
     parts = folder.resolve().parts
     if len(parts) >= 2 and parts[-2] == "snapshots":
         return parts[-1]

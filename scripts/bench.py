@@ -2,8 +2,9 @@
 `mlx_mtp.bench`). On Linux CPUs it first switches MLX's float32 matmuls to OpenBLAS
 (fast_blas.py) and says when it cannot: timing needs float32 weights and a fast BLAS.
 
-    python scripts/bench.py --model PATH [--draft-model ASSISTANT] [--tokens 128] [--reps 5] [--k 0 1 2 3 4 auto]
-        [--temp 0 0.7] [--workloads code chat prose code-edit summarise adversarial]
+    python scripts/bench.py --model PATH [--draft-model ASSISTANT] [--tokens 128]
+        [--reps 5] [--k 0 1 2 3 4 auto] [--temp 0 0.7]
+        [--workloads code chat prose code-edit summarise adversarial]
         [--sources heads lookup auto] [--vocabs own full 4096 auto] [--json out.json]
 """
 

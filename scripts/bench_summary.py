@@ -27,8 +27,8 @@ def main():
             acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
             print(
                 f"{path.stem:22} {r['workload']:11} {r['temp']:>3} {_run(r):>18} "
-                f"{r['tok_s']:7.2f} {r['ratio']:8.2f}x {ideal or 0:6.2f} {eff or 0:5.2f} "
-                f"{r['tokens_per_round']:9.2f}  [{acc}]"
+                f"{r['tok_s']:7.2f} {r['ratio']:8.2f}x {ideal or 0:6.2f} "
+                f"{eff or 0:5.2f} {r['tokens_per_round']:9.2f}  [{acc}]"
             )
 
 

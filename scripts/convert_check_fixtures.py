@@ -22,7 +22,8 @@ SETTINGS = {"q8/h8": (8, 8), "q4/h8": (4, 8), "q4/h4": (4, 4)}
 def main():
     logging.getLogger("mlx_mtp").setLevel(logging.ERROR)
     print(
-        f"{'family':12} {'bits':6} {'trunk':>6} {'heads (source trunk)':>21} {'end to end':>11}"
+        f"{'family':12} {'bits':6} {'trunk':>6} {'heads (source trunk)':>21} "
+        f"{'end to end':>11}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         for family in FAMILIES:
@@ -41,7 +42,8 @@ def main():
                 heads = " ".join(f"{a:.3f}" for a in r.head_agreement)
                 e2e = " ".join(f"{a:.3f}" for a in r.end_to_end)
                 print(
-                    f"{family:12} {name:6} {r.trunk_agreement:6.3f} {heads:>21} {e2e:>11}"
+                    f"{family:12} {name:6} {r.trunk_agreement:6.3f} {heads:>21} "
+                    f"{e2e:>11}"
                 )
 
 

@@ -1,9 +1,9 @@
 """Peak memory of ``mlx-mtp convert`` relative to the checkpoint's size.
 
-Writes a synthetic Hugging Face checkpoint in MiMo's layout (Qwen2 trunk + MTP layers at
-``model.mtp_layers.{j}``; random bfloat16 weights, --params of them, in --shards shards),
-then converts it in a fresh process (4-bit trunk, 8-bit heads by default) and reports
-that process's peak resident memory next to the checkpoint size:
+Writes a synthetic Hugging Face checkpoint in MiMo's layout (Qwen2 trunk + MTP layers
+at ``model.mtp_layers.{j}``; random bfloat16 weights, --params of them, in --shards
+shards), then converts it in a fresh process (4-bit trunk, 8-bit heads by default) and
+reports that process's peak resident memory next to the checkpoint size:
 
     python scripts/convert_memory.py [--params 500e6] [--shards 5] [--keep DIR]
 """
@@ -15,7 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mlx_mtp.models.mimo import LAYOUT
+from mlx_mtp.models import get_family
+
+LAYOUT = get_family({"model_type": "mimo"}).LAYOUT
 
 CHILD = """
 import json, resource, sys, time
@@ -24,14 +26,15 @@ tic = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], quantize=True, q_bits=4, progress=False,
         shard_gb=float(sys.argv[3]))
 import mlx.core as mx
-print(json.dumps({"seconds": time.perf_counter() - tic,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"seconds": time.perf_counter() - tic, "peak_rss_bytes": rss,
                   "mlx_peak_bytes": mx.get_peak_memory()}))
 """
 BASELINE = """
 import json, resource
 import mlx.core as mx, mlx_lm, mlx_mtp, convert
-print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"peak_rss_bytes": rss}))
 """
 
 

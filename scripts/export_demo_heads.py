@@ -1,6 +1,8 @@
-"""Ship heads trained by ``mlx-mtp train-heads`` as the demo's (``mlx_mtp/demo_heads/``).
+"""Ship heads trained by ``mlx-mtp train-heads`` as the demo's
+(``mlx_mtp/demo_heads/``).
 
-    python scripts/export_demo_heads.py TRAINED_FOLDER [--bits 8] [--out mlx_mtp/demo_heads]
+    python scripts/export_demo_heads.py TRAINED_FOLDER [--bits 8]
+        [--out mlx_mtp/demo_heads]
 
 Writes ``mtp.safetensors`` (the heads, quantized to ``--bits``) and ``mtp.json`` (the
 config section the demo puts in its model's config: format, draft vocabulary size,

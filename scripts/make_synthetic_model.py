@@ -24,16 +24,18 @@ Without ``--draft-vocab-size`` the heads are in the Hugging Face layout
 (``model.layers.{L}.*``); with it, the folder is an mlx-mtp conversion (trunk in
 ``model.safetensors``, heads and their draft vocabulary in ``mtp.safetensors``).
 
-``--zipf S`` makes a model for sampling (temperature 1) instead (vocabulary 32768 unless
-``--vocab`` says otherwise; not with ``--draft-vocab-size``). Token ``zipf_order[r]`` gets the
-Zipf weight Z ∝ 1/(r+1)^S, ``zipf_order`` a random permutation; the cycle pi runs
-through the Zipf ranks in order, shuffled within blocks of 64, so that the trunk's output
-as a whole is Zipf-like; and the trunk's next-token distribution after x is about the
-mixture p(pi(x)) = --follow (0.7), the rest spread ∝ Z:
+``--zipf S`` makes a model for sampling (temperature 1) instead (vocabulary 32768
+unless ``--vocab`` says otherwise; not with ``--draft-vocab-size``). Token
+``zipf_order[r]`` gets the Zipf weight Z ∝ 1/(r+1)^S, ``zipf_order`` a random
+permutation; the cycle pi runs through the Zipf ranks in order, shuffled within blocks
+of 64, so that the trunk's output as a whole is Zipf-like; and the trunk's next-token
+distribution after x is about the mixture p(pi(x)) = --follow (0.7), the rest spread
+∝ Z:
 
 - every embedding is ``EMBED_SCALE * (d_x + u) / sqrt(2)``, d_x a random unit direction
   orthogonal to a fixed unit vector u, so the final-norm hidden state h has a nearly
-  constant component m = h·u (measured, as are n = h·d_x and the rms s of h·d_y, y != x);
+  constant component m = h·u (measured, as are n = h·d_x and the rms s of h·d_y,
+  y != x);
 - ``lm_head`` row y is ``alpha_y * d_{pi^-1(y)} + beta_y * u``, with
   ``alpha_y n = lead - log Z(y) + (alpha_y s)^2 / 2`` and
   ``beta_y m = log Z(y) - (alpha_y s)^2 / 2 - alpha_y c·d_{pi^-1(y)}`` (c: the mean of h
@@ -71,7 +73,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_blas import ensure_fast_blas  # noqa: E402
 
-from mlx_mtp.models.llama import LAYOUT  # noqa: E402  (DeepSeek-style head names)
+from mlx_mtp.models import get_family  # noqa: E402
+
+LAYOUT = get_family({"model_type": "llama"}).LAYOUT  # DeepSeek-style head names
 
 EMBED_SCALE = 8.0
 LOCAL = 64  # --zipf: the successor cycle keeps to blocks of this many Zipf ranks

@@ -1,6 +1,7 @@
 """Write a tiny random checkpoint (HF layout, MTP tensors included) and print its path.
 
-Usage: python scripts/make_tiny_checkpoint.py FAMILY OUT_DIR [--predictable] [--seed N] [--shards N]
+Usage: python scripts/make_tiny_checkpoint.py FAMILY OUT_DIR [--predictable] [--seed N]
+    [--shards N]
 """
 
 import argparse

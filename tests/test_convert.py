@@ -1,4 +1,5 @@
-"""``mlx-mtp convert``: round trips, plain mlx-lm compatibility, graft, check, safety."""
+"""``mlx-mtp convert``: round trips, plain mlx-lm compatibility, graft, check,
+safety."""
 
 import json
 import shutil
@@ -201,7 +202,7 @@ def test_check_reports_and_catches_broken_heads(checkpoint, tmp_path):
     assert not report.passed
     result = run_cli("check", out)
     assert result.exit_code == 1 and "FAIL" in result.output
-    # the concatenation order swapped ([hidden, embedding] instead of [embedding, hidden])
+    # the concatenation order swapped: [hidden, embedding], not [embedding, hidden]
     proj = "layers.0.eh_proj.weight"
     w = mx.dequantize(
         clean[proj], clean[proj[:-6] + "scales"], clean[proj[:-6] + "biases"], bits=8

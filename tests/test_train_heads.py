@@ -1,4 +1,5 @@
-"""``mlx-mtp train-heads``: a few steps on a tiny llama, resume, and the output folder."""
+"""``mlx-mtp train-heads``: a few steps on a tiny llama, resume, and the output
+folder."""
 
 import json
 from pathlib import Path
