@@ -10,30 +10,20 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model, load_tokenizer
 
+from mlx_mtp.models import get_family
 from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 
 H = 64
 V = 512
 
-# Where each family keeps its MTP tensors (official HF names).
+# Where the families of the name and shape tests below keep their MTP tensors
+# (official HF names); the others' are checked against real releases
+# (tests/golden, tests/test_golden_layouts.py).
 MTP_PREFIX = {
-    "bailing_hybrid": ("model.layers.4.",),
-    "bailing_moe_v3": ("model.layers.4.",),
     "deepseek_v3": ("model.layers.3.",),
-    "deepseek_v32": ("model.layers.3.",),
-    "ernie4_5_moe": ("model.mtp_",),
-    "exaone_moe": ("mtp.",),
-    "glm_moe_dsa": ("model.layers.3.",),
     "glm4_moe": ("model.layers.2.",),
     "glm4_moe_lite": ("model.layers.3.",),
     "mimo": ("model.mtp_layers.0.", "model.mtp_layers.1."),
-    "longcat_flash": ("model.mtp.",),
-    "mimo_v2_flash": ("model.mtp.",),
-    "nemotron_h": ("mtp.",),
-    "step3p5": ("model.layers.3.", "model.layers.4."),
-    "qwen3_5": ("mtp.",),
-    "qwen3_5_moe": ("mtp.",),
-    "qwen3_next": ("mtp.",),
 }
 ORIGINAL = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo")
 QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -108,12 +98,15 @@ def _is_mtp(family: str, key: str) -> bool:
 
 
 def _strip_mtp(family: str, src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
-    """Copy of ``src`` without MTP tensors (plain mlx-lm only drops layer 61)."""
+    """Copy of ``src`` without MTP tensors (plain mlx-lm only drops layer 61), as the
+    family's split finds them."""
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix == ".json" and f.name != "model.safetensors.index.json":
             (dst / f.name).write_bytes(f.read_bytes())
-    trunk = {k: v for k, v in _weights(src).items() if not _is_mtp(family, k)}
+    config = json.loads((src / "config.json").read_text())
+    layer_of = get_family(config).mtp_layer_of
+    trunk = {k: v for k, v in _weights(src).items() if layer_of(k, config) is None}
     mx.save_safetensors(str(dst / "model.safetensors"), trunk, {"format": "pt"})
     return dst
 
