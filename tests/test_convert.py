@@ -154,15 +154,14 @@ def test_graft_command_and_its_old_spelling(checkpoint, tmp_path):
         bare = convert(str(plain_src), tmp_path / f"bare{old_spelling}", progress=False)
         if old_spelling:
             args = ["convert", "--graft-heads-from", src, "--mlx-path", bare]
-            args.append("--no-rank-vocab")
         else:
-            args = ["graft", "--from", src, "--mlx-path", bare]
+            args = ["graft", "--from", src, "--mlx-path", bare, "--no-rank-vocab"]
         result = run_cli(*args)
         assert result.exit_code == 0, result.output
         assert ("now `mlx-mtp graft" in result.output) == old_spelling
         assert load_model(str(bare))[0].num_mtp_layers == 1
         ranked = "draft_vocab" in json.loads((bare / "config.json").read_text())["mtp"]
-        assert (bare / RANKING).exists() == ranked == (not old_spelling)
+        assert (bare / RANKING).exists() == ranked == old_spelling
 
 
 def test_graft_refuses_a_different_trunk(checkpoint, tmp_path):
