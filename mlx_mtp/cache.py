@@ -473,8 +473,9 @@ def check_rollback(caches: List[Any]) -> None:
     bad = sorted({type(c).__name__ for c in caches if _adapter(c) is None})
     if "RotatingKVCache" in bad:
         raise RollbackError(
-            "MTP drafting cannot roll back a sliding-window (rotating) KV cache exactly "
-            "once it wraps; drop --max-kv-size or use --num-draft-tokens 0"
+            "MTP drafting cannot roll back mlx-lm's sliding-window RotatingKVCache "
+            "exactly once it wraps: make the caches with mlx_mtp.cache.make_caches "
+            "(its WindowCache rolls back), or decode with num_draft_tokens 0"
         )
     if bad:
         raise RollbackError(

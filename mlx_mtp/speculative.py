@@ -332,8 +332,8 @@ def _settle(caches: Caches, state: DecodeState, queued: List[Round], seen: int):
     """On exit: drop queued rounds and tokens never yielded. The trunk caches then hold
     the prompt and every yielded token but the last (which stays pending, as inside
     the loop); ``seen`` is that length, and ``state`` describes exactly that, so a
-    `Session` can go on from it. Caches that cannot roll back (a rotating window in
-    plain decoding) keep the queued token."""
+    `Session` can go on from it. Caches without an exact rollback (allowed in plain
+    decoding only: mlx-lm's own rotating cache, say) keep the queued token."""
     for rnd in reversed(queued):
         rewind(caches.trunk, rnd.verified.marks, rnd.draft.k + 1, strict=False)
     held = len(state.tokens) - 1  # committed positions
