@@ -1,13 +1,13 @@
 """Several ranks (Macs) decoding one sharded model, on MLX's own distributed layer.
 
-Under ``mlx.launch`` every rank runs the same program on its shard of the trunk (mlx-lm's
-tensor parallelism, ``Model.shard``, or its pipeline, ``model.pipeline``); the MTP
-heads are whole on every rank. A rank's collectives must match every other rank's
-call for call, so every decision that picks what runs next is made on rank 0 and
-shared (`Sync`): the draft tokens (the verify pass of a sharded trunk must see the same
-tokens everywhere), the accepted count and the next token, the sampling seed, and the
-round costs the adaptive draft length works from. No floating-point difference
-between ranks (another chip, another kernel) can then make their caches diverge.
+Under ``mlx.launch`` every rank runs the same program on its shard of the trunk
+(mlx-lm's tensor parallelism, ``Model.shard``, or its pipeline, ``model.pipeline``); the
+MTP heads are whole on every rank. A rank's collectives must match every other rank's
+call for call, so every decision that picks what runs next is made on rank 0 and shared
+(`Sync`): the draft tokens (the verify pass of a sharded trunk must see the same tokens
+everywhere), the accepted count and the next token, the sampling seed, and the round
+costs the adaptive draft length works from. No floating-point difference between ranks
+(another chip, another kernel) can then make their caches diverge.
 
 Sharing is one ``all_sum`` with zeros off rank 0, built into the round's lazy graph, so
 it adds no host synchronisation: two small collectives per round, against two per

@@ -1,11 +1,13 @@
-"""The MTP heads of an MLX conversion: ``mtp.safetensors`` plus a ``"mtp"`` config section.
+"""The MTP heads of an MLX conversion: ``mtp.safetensors`` plus a ``"mtp"`` config
+section.
 
-A conversion keeps the trunk exactly as mlx-lm writes it (``model*.safetensors``, which is
-all mlx-lm reads, so plain mlx-lm loads the folder and ignores the heads) and the heads
-in their own file, already in mlx-mtp's schema ``layers.{j}.{enorm,hnorm,eh_proj,norm,
-block.*}`` and already fixed up (experts stacked, norms shifted, copies dropped): loading
-translates nothing, so nothing can be shifted twice. The config section records what
-loading needs to rebuild the same layers, and where the heads came from:
+A conversion keeps the trunk exactly as mlx-lm writes it (``model*.safetensors``, which
+is all mlx-lm reads, so plain mlx-lm loads the folder and ignores the heads) and the
+heads in their own file, already in mlx-mtp's schema
+``layers.{j}.{enorm,hnorm,eh_proj,norm,block.*}`` and already fixed up (experts
+stacked, norms shifted, copies dropped): loading translates nothing, so nothing can be
+shifted twice. The config section records what loading needs to rebuild the same layers,
+and where the heads came from:
 
     "mtp": {"format": "mlx-mtp/1", "file": "mtp.safetensors", "num_layers": 1,
             "quantization": {"group_size": 64, "bits": 8, "mode": "affine"} | null,
@@ -77,7 +79,8 @@ def quantize_like(
 
 
 def load_strict(stack: MTPStack, weights: dict) -> MTPStack:
-    """Load ``weights`` into ``stack``; a missing, extra or misshapen tensor is an error."""
+    """Load ``weights`` into ``stack``; a missing, extra or misshapen tensor is an
+    error."""
     expected = dict(tree_flatten(stack.parameters()))
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))

@@ -1,7 +1,7 @@
 """MTP family registry: one module per Hugging Face ``model_type``, each ending in its
-``FAMILY`` (`mlx_mtp.models.family`: the interface, its defaults, and the files a new
-family touches).
-Trunks whose checkpoints ship no heads share `retrofit` (heads from `train-heads`)."""
+``FAMILY`` (`mlx_mtp.models.family` has the interface, its defaults and the files a new
+family touches). Trunks whose checkpoints ship no heads share `retrofit` (heads from
+`train-heads`)."""
 
 import dataclasses
 import importlib

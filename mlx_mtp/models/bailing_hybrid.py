@@ -57,7 +57,8 @@ def declared_mtp_layers(config: dict) -> int:
 
 
 def split_weights(weights: dict, config: dict):
-    """Split into (trunk, mtp); check and drop the layers' copies of embedding / head."""
+    """Split into (trunk, mtp); check and drop the layers' copies of embedding /
+    head."""
     trunk, mtp = split_mtp(weights, config, deepseek_v3.mtp_layer_of)
     for key in list(mtp):
         name = key.split(".", 3)[3]

@@ -6,9 +6,10 @@
 - ``hidden(inputs, cache)``: ``(B, L, H)`` trunk hidden states **after** the final norm,
   the state every MTP family is trained on;
 - ``logits(h)``: the shared head, ``(..., H) -> (..., V)``;
-- ``mtp_forward(j, hidden, tokens, cache)``: MTP layer j over rows (hidden at i, token at
-  i+1), returning its ``(B, L, H)`` post-norm outputs;
-- ``__call__(inputs, cache)``: plain trunk logits, so mlx-lm's loops run on it unchanged;
+- ``mtp_forward(j, hidden, tokens, cache)``: MTP layer j over rows (hidden at i, token
+  at i+1), returning its ``(B, L, H)`` post-norm outputs;
+- ``__call__(inputs, cache)``: plain trunk logits, so mlx-lm's loops run on it
+  unchanged;
 - ``assist(tokens, hidden, kv, position)``: with a separate drafter (a Gemma 4
   assistant, `mlx_mtp.models.gemma4_assistant`) instead of MTP layers, one draft step
   of it, reading the target's K/V ``kv``.
@@ -29,7 +30,8 @@ from .mtp import MTPStack
 
 
 def trunk_hidden(trunk: nn.Module, inputs: mx.array, cache: Optional[List[Any]]):
-    """Post-final-norm hidden states of an mlx-lm `Model` whose `.model` returns them."""
+    """Post-final-norm hidden states of an mlx-lm `Model` whose `.model` returns
+    them."""
     return trunk.model(inputs, cache)
 
 
@@ -73,7 +75,8 @@ class RowsHead:
 
 
 def expand(logits: mx.array, rows: mx.array, vocab_size: int) -> mx.array:
-    """``(..., V')`` logits over the token ids ``rows`` -> ``(..., V)``, -inf elsewhere."""
+    """``(..., V')`` logits over the token ids ``rows`` -> ``(..., V)``, -inf
+    elsewhere."""
     full = mx.full((*logits.shape[:-1], vocab_size), -mx.inf, dtype=logits.dtype)
     full[..., rows] = logits
     return full
@@ -212,15 +215,15 @@ class Model(nn.Module):
     ) -> mx.array:
         """Run MTP layer ``j`` on rows ``(hidden[i], tokens[i])``.
 
-        Row i of the call sits at position ``cache.offset + i``; ``tokens[i]`` is the token
-        that follows the position of ``hidden[i]``.
+        Row i of the call sits at position ``cache.offset + i``; ``tokens[i]`` is the
+        token that follows the position of ``hidden[i]``.
 
         Args:
             hidden: ``(B, L, H)`` post-norm hidden states (trunk or previous MTP layer).
             tokens: ``(B, L)`` token ids.
         Returns:
-            ``(B, L, H)`` post-norm MTP outputs; ``logits(out)`` predicts the token after
-            ``tokens``.
+            ``(B, L, H)`` post-norm MTP outputs; ``logits(out)`` predicts the token
+            after ``tokens``.
         """
         e = self.embed(tokens)  # (B, L, H)
         offset = cache.offset if cache is not None else 0
@@ -243,7 +246,8 @@ class Model(nn.Module):
 
 
 def mlx_lm_sanitize(trunk: nn.Module, weights: dict) -> dict:
-    """Run the sanitize of the mlx-lm class the trunk was built from (not a subclass's)."""
+    """Run the sanitize of the mlx-lm class the trunk was built from (not a
+    subclass's)."""
     for cls in type(trunk).__mro__:
         if cls.__module__.startswith("mlx_lm.") and "sanitize" in vars(cls):
             return cls.sanitize(trunk, weights)
@@ -260,10 +264,11 @@ def sanitize_layer(
 ) -> dict:
     """Translate one MTP layer's Hugging Face tensors to the schema `layers.{j}.*`.
 
-    The layer's tensors are renamed to the trunk's layer 0 and passed through the trunk's
-    own sanitize, so the decoder block gets exactly the trunk's fixes (expert stacking,
-    FP8 dequantization, MLA splits). Then the fusion and norm parts are renamed by
-    ``head_names`` (family name -> schema name) and the rest lands under ``block``.
+    The layer's tensors are renamed to the trunk's layer 0 and passed through the
+    trunk's own sanitize, so the decoder block gets exactly the trunk's fixes (expert
+    stacking, FP8 dequantization, MLA splits). Then the fusion and norm parts are
+    renamed by ``head_names`` (family name -> schema name) and the rest lands under
+    ``block``.
 
     Args:
         weights: Tensors of the MTP layers, Hugging Face names.
@@ -290,7 +295,8 @@ def sanitize_layer(
 
 
 def check_copy(copy: mx.array, original: Optional[mx.array], what: str) -> None:
-    """Check that a duplicated tensor (an MTP layer's embedding or head) equals the trunk's.
+    """Check that a duplicated tensor (an MTP layer's embedding or head) equals the
+    trunk's.
 
     Large tensors are compared on a strided subset of rows, which catches heads taken
     from another model without reading gigabytes.

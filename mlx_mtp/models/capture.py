@@ -1,21 +1,23 @@
 """Recurrent mixers that can record their state after every position of a pass.
 
-A verify pass feeds k+1 tokens through the trunk; if only a of the k drafts are accepted,
-each recurrent layer must continue from its state after position a, which mlx-lm's
-mixers do not expose (they return the final state only). `install_capture` gives the
-trunk's mixers a subclass that, when its cache asks for it (`RecurrentCache.capture`),
-runs the projections and the convolution over all positions at once, as usual, and the
-recurrence one position at a time, recording the cache slots ``[conv_state, state]``
-after each. No weight is read twice; the extra cost is k more calls of the small
-recurrence. Without a capture request the mixer is mlx-lm's, unchanged.
+A verify pass feeds k+1 tokens through the trunk; if only a of the k drafts are
+accepted, each recurrent layer must continue from its state after position a, which
+mlx-lm's mixers do not expose (they return the final state only). `install_capture`
+gives the trunk's mixers a subclass that, when its cache asks for it
+(`RecurrentCache.capture`), runs the projections and the convolution over all positions
+at once, as usual, and the recurrence one position at a time, recording the cache slots
+``[conv_state, state]`` after each. No weight is read twice; the extra cost is k more
+calls of the small recurrence. Without a capture request the mixer is mlx-lm's,
+unchanged.
 
 The recurrence runs the same per-position update as plain one-token decoding, so the
 recorded states, and the states kept after rollback, are those of plain decoding.
 
 Covered mlx-lm mixers: the Gated-DeltaNet of ``qwen3_5`` / ``qwen3_5_moe`` and
 ``qwen3_next``, the Mamba-2 mixer of ``nemotron_h``, and the lightning (gated linear)
-attention of ``bailing_hybrid`` and the Kimi Delta Attention of ``bailing_moe_v3``. Another mixer joins with a subclass that records
-per-position slots and an entry in `CAPTURING`.
+attention of ``bailing_hybrid`` and the Kimi Delta Attention of ``bailing_moe_v3``.
+Another mixer joins with a subclass that records per-position slots and an entry in
+`CAPTURING`.
 """
 
 import mlx.core as mx

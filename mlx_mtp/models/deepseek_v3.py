@@ -1,8 +1,10 @@
-"""DeepSeek-V3 / V3.1 MTP: layers at ``model.layers.{L + j}`` with L = num_hidden_layers.
+"""DeepSeek-V3 / V3.1 MTP: layers at ``model.layers.{L + j}`` with L =
+num_hidden_layers.
 
-Each layer holds ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm``, copies of
-the embedding and head (``embed_tokens``, ``shared_head.head``; checked, then dropped) and a
-full MLA + MoE decoder layer. The real model has L = 61; nothing here assumes it.
+Each layer holds ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm``, copies
+of the embedding and head (``embed_tokens``, ``shared_head.head``; checked, then
+dropped) and a full MLA + MoE decoder layer. The real model has L = 61; nothing here
+assumes it.
 """
 
 import re

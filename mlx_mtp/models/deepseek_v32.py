@@ -1,5 +1,5 @@
-"""DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``): DeepSeek-V3's MTP layout
-on an MLA layer with the DSA sparse-attention indexer.
+"""DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``): DeepSeek-V3's MTP
+layout on an MLA layer with the DSA sparse-attention indexer.
 
 The MTP layer sits at ``model.layers.{L}`` with DeepSeek's names (``enorm``, ``hnorm``,
 ``eh_proj``, ``shared_head.norm``, checked copies of the embedding and head) and a full

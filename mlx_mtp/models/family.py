@@ -10,17 +10,20 @@ whose public names look like hooks ``FAMILY`` does not use. The rest of mlx-mtp 
 ``family.hook(...)`` with no ``getattr``: everything a Hugging Face layout means to
 mlx-mtp (tensor names, the trunk's embedding, norm and head) is a hook.
 
-A new family touches exactly these files:
+A new family touches exactly these files (every test iterating over the fixtures'
+families then runs it: greedy identity, sampling, rollback, conversion, numerics):
 
 - ``mlx_mtp/models/<model_type>.py``: its hooks, ending in ``FAMILY``;
-- ``mlx_mtp/models/__init__.py``: its name in ``FAMILIES`` (and in ``SHARED`` when
-  further model types use the same module);
-- ``mlx_mtp/testing/fixtures.py``: the builder of its tiny checkpoint in ``_SPECS``;
-- ``tests/golden/<model_type>.json``: a real release's tensor names and shapes
-  (`tests/test_golden_layouts.py` checks the split and sanitize against it);
-- a test module or a row in the per-family tables of the tests its trunk needs
-  (the numpy reference in ``tests/numpy_reference.py``, ``tests/test_convert.py``,
-  ``tests/test_fixtures.py``) and the README's table of families.
+- ``mlx_mtp/models/__init__.py``: its name in ``FAMILIES`` (and ``SHARED`` for
+  further model types of the same module);
+- ``mlx_mtp/testing/fixtures.py``: the builder of its tiny checkpoint, in ``_SPECS``
+  (everything else the fixture needs is the family's own);
+- ``tests/numpy_reference.py``: its name in ``FAMILIES`` (and, for a trunk of a new
+  kind, ``SEPARATE`` and a ``tests/numpy_<model_type>.py``), the independent forward
+  pass `tests/test_numerics.py` compares every fixture family with;
+- ``tests/golden/<model_type>.json``, when a release's tensor names and shapes can be
+  found (`tests/test_golden_layouts.py` checks every file there);
+- ``README.md``: its row in the table of families.
 
 Required:
 

@@ -1,5 +1,5 @@
-"""Gemma 4 targets (``gemma4``, ``gemma4_unified`` and ``gemma4_text``): no MTP layers of
-their own; Google ships their drafters as separate checkpoints, the assistants
+"""Gemma 4 targets (``gemma4``, ``gemma4_unified`` and ``gemma4_text``): no MTP layers
+of their own; Google ships their drafters as separate checkpoints, the assistants
 (`mlx_mtp.models.gemma4_assistant`), which read this trunk's caches.
 
 The trunk is mlx-lm's (``gemma4`` wraps ``gemma4_text`` as ``language_model``; the

@@ -11,7 +11,7 @@ target):
     x = pre_projection(concat(target_embed(t_p) * sqrt(H), h))   # (B, L, 2 H) -> H_d
     y = norm(layers(x, K/V of the target's positions < p))       # queries at p
     logits = tied_head(y) | centroid_head(y)                     # never soft-capped
-    h' = post_projection(y)                                      # back to the target's H
+    h' = post_projection(y)                                      # to the target's H
 
 ``h`` is the target's post-norm last hidden state at p - 1 for the first step, then
 ``h'``; the token is the one just drafted. Sliding layers see the last ``W + 1``

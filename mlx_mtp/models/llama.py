@@ -1,8 +1,8 @@
 """Llama-architecture models (Llama, Mistral, SmolLM, ...) with retrofitted MTP heads.
 
 Llama checkpoints ship no heads; `mlx-mtp train-heads` trains DeepSeek-style heads for
-them, and llama.cpp writes such heads in GGUF as ``blk.{L}.nextn.*``. Both use DeepSeek's
-naming at ``model.layers.{L + j}`` (``enorm``, ``hnorm``, ``eh_proj``,
+them, and llama.cpp writes such heads in GGUF as ``blk.{L}.nextn.*``. Both use
+DeepSeek's naming at ``model.layers.{L + j}`` (``enorm``, ``hnorm``, ``eh_proj``,
 ``shared_head.norm`` and a llama decoder layer), so this family shares DeepSeek-V3's
 translation; without heads a llama model loads for plain decoding and conversion.
 """

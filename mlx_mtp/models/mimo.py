@@ -1,7 +1,8 @@
-"""MiMo-7B MTP: layers at ``model.mtp_layers.{j}``, concatenation order [hidden, embedding].
+"""MiMo-7B MTP: layers at ``model.mtp_layers.{j}``, concatenation order [hidden,
+embedding].
 
-Names: ``token_layernorm`` (embedding norm), ``hidden_layernorm``, ``input_proj`` [H, 2H],
-``final_layernorm`` and a Qwen2 decoder layer. Embedding and head are the trunk's.
+Names: ``token_layernorm`` (embedding norm), ``hidden_layernorm``, ``input_proj`` [H,
+2H], ``final_layernorm`` and a Qwen2 decoder layer. Embedding and head are the trunk's.
 """
 
 import re

@@ -2,11 +2,12 @@
 run one decoder block, normalize.
 
     x = eh_proj(concat(enorm(e), hnorm(h)))      # [hidden, embedding] when hidden_first
-    z = norm(block(x))                           # post-norm output, fed to the shared head
+    z = norm(block(x))                           # post-norm, fed to the shared head
 
-Parameter names follow the internal schema `layers.{j}.{enorm,hnorm,eh_proj,block.*,norm}`;
-each family's `sanitize` maps its Hugging Face names onto it. The block is the family's
-own mlx-lm decoder layer, so its weights load exactly as the trunk's do.
+Parameter names follow the internal schema
+`layers.{j}.{enorm,hnorm,eh_proj,block.*,norm}`; each family's `sanitize` maps its
+Hugging Face names onto it. The block is the family's own mlx-lm decoder layer, so its
+weights load exactly as the trunk's do.
 """
 
 from typing import Any, Callable, List, Optional

@@ -1,8 +1,9 @@
 """Qwen3.5 / Qwen3.6 MoE MTP: as `qwen3_5`, with an MoE MTP layer (shared expert).
 
 Expert tensors may be stored one per expert or fused (``experts.gate_up_proj`` /
-``experts.down_proj``); both load, for the MTP layer (`qwen3_next.stack_experts`) and for
-the trunk (per-expert tensors are fused here into the layout mlx-lm's sanitize expects).
+``experts.down_proj``); both load, for the MTP layer (`qwen3_next.stack_experts`) and
+for the trunk (per-expert tensors are fused here into the layout mlx-lm's sanitize
+expects).
 """
 
 import re
@@ -15,7 +16,8 @@ _PER_EXPERT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weigh
 
 
 def fuse_experts(weights: dict) -> dict:
-    """Per-expert trunk tensors -> fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
+    """Per-expert trunk tensors -> fused ``experts.gate_up_proj`` /
+    ``experts.down_proj``."""
     out, groups = {}, {}
     for key, value in weights.items():
         m = _PER_EXPERT.fullmatch(key)

@@ -75,7 +75,8 @@ def is_raw(weights: dict, config: dict) -> bool:
 
 
 def stack_experts(block: dict) -> dict:
-    """Per-expert or fused (``gate_up_proj``) expert tensors -> mlx-lm's ``switch_mlp``."""
+    """Per-expert or fused (``gate_up_proj``) expert tensors -> mlx-lm's
+    ``switch_mlp``."""
     out, per_expert = {}, {}
     for name, value in block.items():
         m = re.fullmatch(r"mlp\.experts\.(\d+)\.(\w+)\.weight", name)
@@ -97,7 +98,8 @@ def stack_experts(block: dict) -> dict:
 
 
 def sanitize(weights: dict, config: dict, trunk, raw: bool = False) -> dict:
-    """Map ``mtp.*`` tensors to the schema ``layers.{j}.{enorm,hnorm,eh_proj,norm,block}``.
+    """Map ``mtp.*`` tensors to the schema
+    ``layers.{j}.{enorm,hnorm,eh_proj,norm,block}``.
 
     Args:
         raw: The checkpoint is a raw Hugging Face one (`is_raw`): add 1 to every
@@ -126,7 +128,8 @@ def sanitize(weights: dict, config: dict, trunk, raw: bool = False) -> dict:
 
 
 def make_block(args, decoder_layer, moe_block, dense_mlp):
-    """A full-attention decoder layer with the MTP layer's MLP (vLLM: MLP of layer 0)."""
+    """A full-attention decoder layer with the MTP layer's MLP (vLLM: MLP of layer
+    0)."""
     block = decoder_layer(args, args.full_attention_interval - 1)
     moe = (
         0 not in getattr(args, "mlp_only_layers", [])

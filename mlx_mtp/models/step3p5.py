@@ -67,7 +67,8 @@ def is_raw(weights: dict, config: dict) -> bool:
 
 
 def split_weights(weights: dict, config: dict):
-    """Split into (trunk, mtp); check and drop the layers' copies of embedding and head."""
+    """Split into (trunk, mtp); check and drop the layers' copies of embedding and
+    head."""
     trunk, mtp = split_mtp(weights, config, mtp_layer_of)
     for key in list(mtp):
         name = key.split(".", 3)[3]
@@ -81,7 +82,8 @@ def _is_norm(name: str) -> bool:
 
 
 def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
-    """Map ``model.layers.{L+j}.*`` to ``layers.{j}.{enorm,hnorm,eh_proj,norm,block.*}``.
+    """Map ``model.layers.{L+j}.*`` to
+    ``layers.{j}.{enorm,hnorm,eh_proj,norm,block.*}``.
 
     The decoder layer's tensors (``.transformer.`` dropped) go through mlx-lm's
     sanitize as the trunk's layer 0 for the expert renames; its norms and the fusion
@@ -116,7 +118,8 @@ def _check_layer_lists(args, j: int) -> None:
 
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
-    """MTP layer j: mlx-lm's decoder layer at index L + j, with its window if sliding."""
+    """MTP layer j: mlx-lm's decoder layer at index L + j, with its window if
+    sliding."""
     args = trunk.args
     _check_layer_lists(args, j)
     block = lm.Step3p5DecoderLayer(args, args.num_hidden_layers + j)

@@ -12,7 +12,8 @@
 Families and where their MTP tensors live:
 
 - ``deepseek_v3``: ``model.layers.{num_hidden_layers}.`` (``enorm``, ``hnorm``,
-  ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens`` + an MLA/MoE decoder layer);
+  ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens`` + an MLA/MoE decoder
+  layer);
 - ``bailing_hybrid``: Ling 2.5, lightning-attention / MLA groups, grouped MoE; one MTP
   layer appended at ``model.layers.{L}.`` (MLA + MoE, ``final_layernorm``);
 - ``bailing_moe_v3``: Ling 3.0, Kimi-Delta-Attention / MLA groups; one MTP layer
@@ -23,22 +24,25 @@ Families and where their MTP tensors live:
   ``model.mtp_{emb_norm,hidden_norm,linear_proj,block}.0.`` (no final norm of its own);
 - ``exaone_moe``: sliding layers and a full NoPE layer, MoE; one MTP layer at
   top-level ``mtp.`` (Qwen3-Next's names, plain norms, dense MLP);
-- ``glm4_moe``: ``model.layers.{num_hidden_layers}.``, same names, GQA/MoE decoder layer;
+- ``glm4_moe``: ``model.layers.{num_hidden_layers}.``, same names, GQA/MoE decoder
+  layer;
 - ``mimo``: ``model.mtp_layers.{i}.`` (``token_layernorm``, ``hidden_layernorm``,
   ``input_proj``, ``final_layernorm`` + a Qwen2 decoder layer), two layers,
   concat order ``[hidden, embedding]``.
 - ``qwen3_5`` / ``qwen3_5_moe``: hybrid trunk (3 Gated-DeltaNet layers, then one gated
   full-attention layer) nested under ``model.language_model.``, config in
-  ``text_config``; MTP at top-level ``mtp.`` (``fc``, ``pre_fc_norm_{embedding,hidden}``,
-  ``norm``, ``layers.0.*``). The MoE variant stores the trunk's experts fused
-  (``experts.gate_up_proj``) and the MTP layer's per expert, as releases do.
+  ``text_config``; MTP at top-level ``mtp.`` (``fc``,
+  ``pre_fc_norm_{embedding,hidden}``, ``norm``, ``layers.0.*``). The MoE variant stores
+  the trunk's experts fused (``experts.gate_up_proj``) and the MTP layer's per expert,
+  as releases do.
 - ``qwen3_next``: the same hybrid, flat config and ``model.`` names, MoE everywhere,
   per-expert tensors, ``num_nextn_predict_layers``.
 - ``nemotron_h``: a Mamba-2 / attention / MoE / MLP trunk under ``backbone.``; one MTP
   step of two sub-layers ``mtp.layers.{0,1}.`` (attention with ``enorm``, ``hnorm``,
   ``eh_proj``; then a latent MoE with ``final_layernorm``).
 - ``longcat_flash``: two MLA sub-layers per layer and a shortcut MoE with identity
-  experts; one MTP layer at ``model.mtp.layers.0.`` (MLA, dense MLP), ``model.mtp.norm``;
+  experts; one MTP layer at ``model.mtp.layers.0.`` (MLA, dense MLP),
+  ``model.mtp.norm``;
 - ``mimo_v2_flash``: full and sliding attention (sink biases, v head dim narrower than
   q/k's), MoE; two MTP layers at ``model.mtp.layers.{0,1}.`` (sliding attention, dense
   MLP, ``pre_mlp_layernorm``, ``final_layernorm``), not counted by the config.
@@ -122,7 +126,8 @@ def write_checkpoint(
     tokenizer: bool = True,
     **options,
 ) -> pathlib.Path:
-    """Write a tiny random checkpoint of ``family`` into ``out_dir`` and return its path.
+    """Write a tiny random checkpoint of ``family`` into ``out_dir`` and return its
+    path.
 
     The output is a pure function of the arguments (same seed, same bytes).
     ``tokenizer=False`` writes no tokenizer files, which allows vocabularies too small
@@ -162,7 +167,8 @@ def write_checkpoint(
 
 
 def write_tokenizer(out_dir, vocab_size: int = 512) -> None:
-    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and
+    ``special_tokens_map.json``.
 
     The tokenizer is a byte-level BPE (Qwen/DeepSeek style) with at most
     ``vocab_size`` tokens; the special tokens ``<|endoftext|>`` (eos, bos and pad),
@@ -282,7 +288,8 @@ def _decoder_layer(
     attention: Callable[[str], Tensors],
     mlp: Callable[[str], Tensors],
 ) -> Tensors:
-    """Pre-norm decoder block: input/post-attention norms + ``self_attn.*`` + ``mlp.*``."""
+    """Pre-norm decoder block: input/post-attention norms + ``self_attn.*`` +
+    ``mlp.*``."""
     t = {f"{prefix}input_layernorm.weight": init.norm(hidden)}
     t.update(attention(f"{prefix}self_attn."))
     t[f"{prefix}post_attention_layernorm.weight"] = init.norm(hidden)
@@ -321,7 +328,8 @@ def _trunk(init: _Init, cfg: dict, layer: Callable[[str, int], Tensors]) -> Tens
 def _moe_layers(
     init: _Init, cfg: dict, attention: Callable[[str], Tensors]
 ) -> Callable[[str, int], Tensors]:
-    """Decoder layers with ``attention``: dense MLP below first_k_dense_replace, else MoE."""
+    """Decoder layers with ``attention``: dense MLP below first_k_dense_replace, else
+    MoE."""
 
     def layer(prefix: str, idx: int) -> Tensors:
         dense = idx < cfg["first_k_dense_replace"]
@@ -383,7 +391,8 @@ def _deepseek_v3_config(vocab_size: int) -> dict:
 
 
 def _deepseek_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
-    """DeepSeek-V3: 3 MLA layers (layer 0 dense, 1-2 MoE) + MTP at ``model.layers.3``."""
+    """DeepSeek-V3: 3 MLA layers (layer 0 dense, 1-2 MoE) + MTP at
+    ``model.layers.3``."""
     cfg = _deepseek_v3_config(vocab_size)
     layer = _moe_layers(init, cfg, lambda p: _mla_attention(init, p, cfg))
     tensors = _trunk(init, cfg, layer)
@@ -612,7 +621,8 @@ def _gated_attention(init: _Init, prefix: str, cfg: dict) -> Tensors:
 
 
 def _gated_deltanet(init: _Init, prefix: str, cfg: dict, fused: bool) -> Tensors:
-    """Gated-DeltaNet mixer; ``fused`` is Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``."""
+    """Gated-DeltaNet mixer; ``fused`` is Qwen3-Next's ``in_proj_qkvz`` /
+    ``in_proj_ba``."""
     hidden, nv = cfg["hidden_size"], cfg["linear_num_value_heads"]
     key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     value_dim = nv * cfg["linear_value_head_dim"]
@@ -669,7 +679,8 @@ def _qwen_tensors(
 ) -> Tensors:
     """Trunk under ``base`` (e.g. ``model.language_model.``) and the ``mtp.`` layer.
 
-    ``mlp(prefix, is_mtp)`` builds an MLP; ``deltanet(prefix)`` a linear-attention mixer.
+    ``mlp(prefix, is_mtp)`` builds an MLP; ``deltanet(prefix)`` a linear-attention
+    mixer.
     """
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     t = {f"{base}embed_tokens.weight": init.normal((vocab, hidden), EMBED_STD)}
@@ -2018,12 +2029,12 @@ def write_gemma3(
     weight_std: float = 0.2,
     pattern: int = 3,
 ) -> pathlib.Path:
-    """A tiny Gemma 3 text checkpoint (``gemma3_text``, Hugging Face names, hidden
-    64): ``pattern`` layers, all sliding-window ones (window ``sliding_window``) but
-    the last, which is full attention (Gemma 3's releases use a pattern of 6); an untied ``lm_head`` (a tied one on an embedding-dominated
-    stream repeats the current token); a retrofitted MTP layer (`_retrofitted`).
-    Gemma's norms are stored zero-centred (``x * (1 + w)``); the MTP layer's own
-    norms are plain."""
+    """A tiny Gemma 3 text checkpoint (``gemma3_text``, Hugging Face names, hidden 64):
+    ``pattern`` layers, all sliding-window ones (window ``sliding_window``) but the
+    last, which is full attention (Gemma 3's releases use a pattern of 6); an untied
+    ``lm_head`` (a tied one on an embedding-dominated stream repeats the current token);
+    a retrofitted MTP layer (`_retrofitted`). Gemma's norms are stored zero-centred
+    (``x * (1 + w)``); the MTP layer's own norms are plain."""
     from mlx_lm.models import gemma3_text
 
     config = {
