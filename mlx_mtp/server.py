@@ -16,8 +16,16 @@ words, server-sent events, ``usage``. Three subclasses change what MTP needs:
   Host, Content-Type), bounds on bodies, time and connections (with `_HTTPServer`),
   the checks of `server_checks` (sampling settings, the messages' shape: no image
   is taken, no URL fetched), OpenAI-style error bodies with the right status codes,
-  ``num_draft_tokens`` as an int or "auto", refusals of options the MTP loop does
-  not implement, and an ``mtp`` block with the statistics.
+  one `DecodeOptions` per request (the server's, then the request's fields:
+  ``num_draft_tokens`` as an int or "auto", ``draft_source``, ``draft_vocab``,
+  sampling), refusals of options the MTP loop does not implement, and an ``mtp``
+  block with the statistics.
+
+What the server keeps of a request is its own (`_Job`, carried by subclasses of
+mlx-lm's request and argument dataclasses with declared fields). mlx-lm's server has
+no public hooks for the rest: the private members it overrides or calls are listed in
+`MLX_LM_PRIVATE`, with the parameters they must have, and checked at import
+(`check_mlx_lm`), so that an mlx-lm of another release fails at start in one line.
 
 A client that goes away mid-stream stops its generation within one round (mlx-lm's
 handler stops the request's context; the loop checks it after every token), and the
@@ -29,6 +37,7 @@ SIGTERM stop generation within a round and end open streams with ``[DONE]``
 
 import argparse
 import gc
+import inspect
 import io
 import ipaddress
 import json
@@ -41,21 +50,26 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from queue import Empty
 from typing import List, Optional
 
 import mlx.core as mx
+import mlx_lm
 from mlx_lm import server as lm_server
 from mlx_lm.sample_utils import greedy_sampler
 
 from . import draft_vocab
+from .defaults import MAX_DRAFT_TOKENS
 from .draft_length import model_costs
-from .draft_vocab import parse as parse_draft_vocab
 from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
 from .loading import load
+from .options import DecodeOptions
+from .resolve import draft_vocabs
 from .sampling import SamplingError
 from .server_checks import (
     MAX_DEPTH,
@@ -69,12 +83,79 @@ from .server_checks import (
     key_owner,
     local_origin,
     prompt_bytes_per_token,
+    request_options,
     sampling_request_error,
 )
-from .resolve import draft_vocabs
 from .speculative import Session
+from .stats import MTPStats
 
 log = logging.getLogger("mlx_mtp")
+
+# --- what this module needs of mlx-lm's server ---------------------------------------
+
+# The private members of `mlx_lm.server` this module overrides or calls, each with
+# its parameters (as a def spells them): mlx-lm's server offers no public hook for
+# these. `check_mlx_lm` compares them at import; pyproject.toml pins the mlx-lm
+# releases whose server behaves as this module expects (0.32.0's `_tokenize` and
+# `_serve_single` have these parameters, but another body).
+MLX_LM_PRIVATE = (
+    # the generation thread's loop: supervised (`MTPResponseGenerator._generate`)
+    ("ResponseGenerator._generate", "self"),
+    # how the loop takes the next request: overridden, to mark it taken
+    ("ResponseGenerator._next_request", "self, timeout=None"),
+    # whether a request joins the batch: overridden (alone, it decodes with MTP)
+    ("ResponseGenerator._is_batchable", "self, args"),
+    # the prompt's tokens (a tuple: prompt first, the initial state fourth):
+    # overridden for the context check, and called for the MTP path
+    ("ResponseGenerator._tokenize", "self, tokenizer, request, args"),
+    # a request served alone: overridden (the MTP loop)
+    ("ResponseGenerator._serve_single", "self, request, stream"),
+    # the stop sequences and text state machine, cached: called for the MTP path
+    ("ResponseGenerator._make_state_machine", "self, model_key, tokenizer, stop_words"),
+    # the CORS headers of every reply: overridden (`MTPHandler._set_cors_headers`)
+    ("APIHandler._set_cors_headers", "self"),
+    # a batched request's sampler, which the loop looks up by name: wrapped
+    # (`_request_sampler`) so that its failure costs that request only
+    ("_make_sampler", "args, tokenizer"),
+)
+
+
+def _parameters(fn) -> str:
+    """``fn``'s parameters as a def spells them, annotations left out."""
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    spelled = []
+    for p in inspect.signature(fn).parameters.values():
+        default = "" if p.default is p.empty else f"={p.default!r}"
+        spelled.append(f"{stars.get(p.kind, '')}{p.name}{default}")
+    return ", ".join(spelled)
+
+
+def check_mlx_lm(server=lm_server) -> None:
+    """Refuse, in one `MTPError` line, an mlx-lm whose ``server`` module lacks one of
+    `MLX_LM_PRIVATE` or has it with other parameters."""
+    version = getattr(mlx_lm, "__version__", "?")
+    for name, expected in MLX_LM_PRIVATE:
+        member = server
+        for part in name.split("."):
+            member = getattr(member, part, None)
+        try:
+            found = _parameters(member) if callable(member) else None
+        except (TypeError, ValueError):  # no signature to read
+            found = None
+        if found == expected:
+            continue
+        change = (
+            "is gone"
+            if found is None
+            else f"has changed (its parameters are ({found}), not ({expected}))"
+        )
+        raise MTPError(
+            f"mlx-mtp serve needs mlx-lm 0.32.x (0.32.2 or later): "
+            f"mlx_lm.server.{name} {change} in the installed mlx-lm {version}"
+        )
+
+
+check_mlx_lm()
 
 API_KEY_ENV = "MLX_MTP_API_KEY"
 STICKY = 2.0  # seconds of batching after requests last overlapped
@@ -168,21 +249,27 @@ class MTPModelProvider(lm_server.ModelProvider):
         self.served = model_id(cli_args.model)
         self.aliases = {DEFAULT_MODEL, self.served, cli_args.model}
 
-    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+    def _load_served(self) -> None:
+        """Load the served model, and what its requests decode with (the draft
+        vocabulary's ranking, the round costs), before serving, not in a request."""
         self.reset()
+        args = self.cli_args
+        tokenizer_config = {"trust_remote_code": args.trust_remote_code}
+        if args.chat_template:
+            tokenizer_config["chat_template"] = args.chat_template
         model, tokenizer = load(
-            self.cli_args.model,
-            allow_missing_heads=self.cli_args.allow_missing_heads,
-            draft_model=self.cli_args.draft_model,
-            trust_remote_code=self.cli_args.trust_remote_code,
-            tokenizer_config=self._tokenizer_config,
+            args.model,
+            allow_missing_heads=args.allow_missing_heads,
+            draft_model=args.draft_model,
+            trust_remote_code=args.trust_remote_code,
+            tokenizer_config=tokenizer_config,
         )
-        if draft_vocab.wants_ranking(model):  # before serving, not in a request
+        if draft_vocab.wants_ranking(model):
             draft_vocab.ranking_for(model, tokenizer)
-        warm_costs(model, self.cli_args)
-        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+        warm_costs(model, args.decode)
+        if args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
-        self.model_key = (self.cli_args.model, None, self.cli_args.draft_model)
+        self.model_key = (args.model, None, args.draft_model)
         self.model, self.tokenizer = model, tokenizer
         self.processor = None
         self.draft_model = None
@@ -203,17 +290,42 @@ class MTPModelProvider(lm_server.ModelProvider):
                 "model",
             )
         if self.model is None:
-            self._load(self.cli_args.model)
+            self._load_served()
         return self.model.trunk, self.tokenizer
 
 
-def warm_costs(model, args: argparse.Namespace) -> None:
-    """Read, or measure once, the round costs that requests with the server's drafting
-    settings decode with ("auto" draft lengths and sources), before serving: else the
-    first such request would time them, on the generation thread."""
-    vocabs, _ = draft_vocabs(model, args.draft_vocab)
-    sizes = [n for n in vocabs if n is not None]
-    model_costs(model, max(args.max_draft_tokens, args.lookup_tokens), sizes)
+def warm_costs(model, defaults: DecodeOptions) -> None:
+    """Read, or measure once, every round cost a request may decode with ("auto" draft
+    lengths and sources weigh them), before serving: else a request would time them
+    on the generation thread, every other request waiting. That is a trunk pass over
+    up to `MAX_DRAFT_TOKENS` + 1 tokens (a request may ask for any k) and a draft step
+    from each draft vocabulary that "auto", "full" and the server's ``draft_vocab``
+    (``defaults``) draft from; a request that would need another is refused
+    (`times_costs`)."""
+    sizes = set()
+    for value in {"auto", "full", defaults.draft_vocab} - {None}:
+        vocabs, _ = draft_vocabs(model, value)
+        sizes.update(n for n in vocabs if n is not None)
+    model_costs(model, MAX_DRAFT_TOKENS, sorted(sizes))
+
+
+def times_costs(model, options: DecodeOptions) -> bool:
+    """Whether decoding with ``options`` would time round costs that `warm_costs` did
+    not: an "auto" draft length or source weighing a number of draft tokens
+    (``draft_vocab``) whose draft step was not measured, with native heads that draft
+    from any rows (heads trained on their own rows refuse a number, in the loop)."""
+    n, k = options.draft_vocab, options.num_draft_tokens
+    weighs = k == "auto" or (options.draft_source == "auto" and k != 0)
+    costs = model.round_costs
+    return (
+        weighs
+        and isinstance(n, int)
+        and n < model.args.vocab_size
+        and model.num_mtp_layers > 0
+        and model.assistant is None
+        and "draft_vocab" not in model.mtp
+        and (costs is None or n not in costs.drafts)
+    )
 
 
 def model_id(path: str) -> str:
@@ -230,13 +342,16 @@ CLOSE_WAIT = 2.0  # seconds `Server.close` then waits for connections to be hand
 _NOBODY = object()  # the owner of no batch
 
 
-def _owner(args):
-    """The owner of a request's caches: the index of its API key, None without."""
-    return getattr(args, "owner", None)
-
-
 def _shutting_down() -> RequestError:
     return RequestError(503, "the server is shutting down", "server_error")
+
+
+def _as_request_error(e: Exception) -> RequestError:
+    """A request's failure as its error reply: a `RequestError` as it is, any other
+    a 500."""
+    if isinstance(e, RequestError):
+        return e
+    return RequestError(500, one_line(e), "server_error")
 
 
 class _Responses(lm_server.Queue):
@@ -265,9 +380,72 @@ class _Responses(lm_server.Queue):
             self.ctx.stop()
 
 
+@dataclass
+class _Job:
+    """One request, as the server keeps it from its checks to the end of its reply:
+    its decode options (the server's, then the request's fields; checked), its
+    ``owner`` (the index of the API key it presented; None without keys), whether its
+    reply streams, and its ``responses``. Once served: ``alone`` if the MTP loop
+    served it (``mtp``: the loop's statistics so far), else mlx-lm's batch did,
+    plainly."""
+
+    options: DecodeOptions
+    owner: Optional[int] = None
+    stream: bool = False
+    responses: _Responses = field(default_factory=_Responses)
+    alone: bool = False
+    mtp: Optional[MTPStats] = None
+
+
+@dataclass
+class _Request(lm_server.CompletionRequest):
+    """mlx-lm's request, carrying the server's record of it from `MTPHandler` to
+    `MTPResponseGenerator.generate`."""
+
+    job: Optional[_Job] = None
+
+
+@dataclass
+class _JobArgs(lm_server.GenerationArguments):
+    """mlx-lm's generation arguments of a request, carrying the server's record of it
+    through mlx-lm's loop (to `MTPResponseGenerator._is_batchable`, `_serve_single`
+    and `_request_sampler`)."""
+
+    job: Optional[_Job] = None
+
+
+def _with_job(value, cls, job: _Job):
+    """``value``, an instance of mlx-lm's dataclass that ``cls`` extends, as a
+    ``cls`` carrying ``job``."""
+    return cls(**{f.name: getattr(value, f.name) for f in fields(value)}, job=job)
+
+
+@dataclass
+class _Context(lm_server.GenerationContext):
+    """mlx-lm's context of a request the MTP loop serves; ``stopped`` once `stop` was
+    called (by mlx-lm's handler when the reply ends, so early when the client went
+    away, and by a failure or `MTPResponseGenerator.shutdown`)."""
+
+    stopped: bool = False
+
+    def stop(self):
+        super().stop()
+        self.stopped = True
+
+
+class _Refusal(BaseException):
+    """A request's failure, for `MTPHandler` to answer in OpenAI's form: raised
+    through mlx-lm's handler, which catches Exception only, and so writes nothing of
+    its own after it. ``streaming``: the reply's stream had started."""
+
+    def __init__(self, error: RequestError, streaming: bool = False):
+        super().__init__(str(error))
+        self.error, self.streaming = error, streaming
+
+
 class _Replies:
-    """The responses of a request whose reply started, as an iterator; ``close``
-    (the handler's, once the reply is over) counts the request out, read or not."""
+    """The responses of a request whose reply started, as an iterator, prompt
+    progress left out: until None, or an exception put, which it raises."""
 
     def __init__(self, generator: "MTPResponseGenerator", responses: _Responses):
         self._generator, self._responses = generator, responses
@@ -277,7 +455,7 @@ class _Replies:
 
     def __next__(self):
         while True:
-            response = self._generator._await_response(self._responses)
+            response = self._generator._wait(self._responses)
             if response is None:
                 raise StopIteration
             if isinstance(response, Exception):
@@ -285,8 +463,14 @@ class _Replies:
             if not isinstance(response, tuple):  # prompt progress
                 return response
 
-    def close(self) -> None:
-        self._generator._leave(self._responses)
+
+def _streamed(replies: _Replies):
+    """A stream's responses; a failure mid-stream raised as a `_Refusal`."""
+    try:
+        yield from replies
+    except Exception as e:
+        log.info("request failed mid-reply: %s", one_line(e))
+        raise _Refusal(_as_request_error(e), streaming=True) from None
 
 
 class _OwnedPromptCache(lm_server.LRUPromptCache):
@@ -325,14 +509,16 @@ class _OneRequestSampler:
 
 
 def _request_sampler(args, tokenizer):
-    """mlx-lm's ``_make_sampler``, which its batched loop calls for each request it
-    takes in: for the requests of `MTPResponseGenerator` (they carry their
-    ``responses``), a sampler that fails its request only, as does building it."""
-    responses = getattr(args, "responses", None)
-    if responses is None:
-        return _lm_make_sampler(args, tokenizer)
+    """mlx-lm's ``_make_sampler``, which its batched loop calls by name for each
+    request it takes in (it has no hook to pass a sampler): for this server's
+    requests (`_JobArgs`), a sampler that fails its request only, as does building
+    it; mlx-lm's own for any other request. `MTPResponseGenerator` installs it."""
+    make = _request_sampler.wrapped
+    if not isinstance(args, _JobArgs):
+        return make(args, tokenizer)
+    responses = args.job.responses
     try:
-        sampler = _lm_make_sampler(args, tokenizer)
+        sampler = make(args, tokenizer)
     except Exception as e:  # this request's failure: the batch goes on
         log.exception("a request failed joining the batch")
         responses.fail(e)
@@ -340,9 +526,23 @@ def _request_sampler(args, tokenizer):
     return _OneRequestSampler(sampler, responses)
 
 
-_lm_make_sampler = getattr(lm_server._make_sampler, "wrapped", lm_server._make_sampler)
-_request_sampler.wrapped = _lm_make_sampler
-lm_server._make_sampler = _request_sampler  # mlx-lm's loop looks it up by name
+# mlx-lm's own, also when this module is imported again after a server installed it
+_request_sampler.wrapped = getattr(
+    lm_server._make_sampler, "wrapped", lm_server._make_sampler
+)
+
+
+def _top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
+    """The ``n`` likeliest tokens of ``logprobs`` as mlx-lm's handler reports them,
+    ``{"id", "token", "logprob"}`` each; none for n <= 0."""
+    if n <= 0:
+        return ()
+    ids = mx.argpartition(-logprobs, kth=n - 1)[:n].tolist()
+    values = logprobs[ids].tolist()
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    return tuple(
+        {"id": i, "token": t, "logprob": v} for i, t, v in zip(ids, tokens, values)
+    )
 
 
 class MTPResponseGenerator(lm_server.ResponseGenerator):
@@ -355,7 +555,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
     A failure costs only the requests it touched: one request's in the MTP loop or
     in its sampler in the batch goes to that request (`_serve_single`,
     `_OneRequestSampler`); a failure of the loop itself goes to the requests it had
-    taken, and the loop starts again (`_run_generate`). `shutdown` stops generation
+    taken, and the loop starts again (`_generate`). `shutdown` stops generation
     within a round and ends every open reply cleanly."""
 
     def __init__(self, model_provider: MTPModelProvider, sessions: Sessions):
@@ -364,24 +564,26 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         self._lock = threading.Condition()
         self._live = set()  # the `_Responses` of requests whose reply is not over
         self._batch_owner, self._fresh = _NOBODY, True
+        self._closing = False  # `shutdown` was called
+        lm_server._make_sampler = _request_sampler  # process-wide, see its docstring
         super().__init__(model_provider, _OwnedPromptCache(8))
 
     # the loop, supervised
 
-    def _run_generate(self):
+    def _generate(self):
         """mlx-lm's generation loop, supervised: when it raises, each request it had
         taken gets the error (its reply ends with it), the failure is logged once,
         and the loop starts again for the next requests. A loop that fails before
-        taking any request is given up (``/health`` then says so)."""
+        taking any request, or while the server shuts down, is given up: the
+        generation thread ends (``/health`` then says so)."""
         while True:
             self._batch_owner, self._fresh = _NOBODY, True
             try:
-                return self._generate()
+                return super()._generate()
             except Exception as e:
                 log.exception("the generation loop failed; restarting it")
                 self._fail_live(e, taken_only=True)
-                if self._stop or self._fresh:
-                    self._generation_failed = True
+                if self._closing or self._fresh:
                     self._fail_live(e)
                     return
 
@@ -409,7 +611,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         cache keeps stays that owner's (`_OwnedPromptCache`): another owner's request
         is served alone once the batch drained (mlx-lm drains the batch for any
         request refused here, before serving it)."""
-        owner = _owner(args)
+        owner = args.job.owner
         if not self._overlapping(args) or self._batch_owner not in (_NOBODY, owner):
             self._batch_owner = _NOBODY
             return False
@@ -442,52 +644,52 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
     # a request alone, through the MTP loop
 
     def _serve_single(self, request, stream):
-        rqueue, request, args = request
+        _, request, args = request
         try:
-            tokenizer = self.model_provider.tokenizer
-            prompt, _, _, initial_state, _ = self._tokenize(tokenizer, request, args)
-            stop_sequences, text_sm = self._make_state_machine(
-                self.model_provider.model_key, tokenizer, args.stop_words
-            )
-            ctx = lm_server.GenerationContext(
-                has_thinking=tokenizer.has_thinking,
-                has_tool_calling=tokenizer.has_tool_calling,
-                tool_parser=tokenizer.tool_parser,
-                text_sm=text_sm,
-                initial_state=initial_state,
-                prompt=prompt,
-            )
-            session = self.sessions.take(prompt, _owner(args))
-            done = len(session.tokens) if session is not None else 0
-            ctx.prompt_cache_count = done
-            ctx.mtp = None
-            session = session or Session()
-            self._decode(rqueue, ctx, session, prompt[done:], args, stop_sequences)
-        except RequestError as e:
-            rqueue.put(e)
+            self._serve_alone(request, args)
         except Exception as e:  # every failure goes back to its request
-            log.exception("a request failed")
-            rqueue.put(e)
+            if not isinstance(e, RequestError):
+                log.exception("a request failed")
+            args.job.responses.put(e)
 
-    def _decode(self, rqueue, ctx, session, rest, args, stop_sequences):
-        tokenizer, owner = self.model_provider.tokenizer, _owner(args)
-        sampling = args.sampling
+    def _serve_alone(self, request, args: _JobArgs) -> None:
+        job, tokenizer = args.job, self.model_provider.tokenizer
+        tokenized = self._tokenize(tokenizer, request, args)
+        prompt, initial_state = tokenized[0], tokenized[3]
+        stop_sequences, text_sm = self._make_state_machine(
+            self.model_provider.model_key, tokenizer, args.stop_words
+        )
+        session = self.sessions.take(prompt, job.owner)
+        done = len(session.tokens) if session is not None else 0
+        ctx = _Context(
+            has_thinking=tokenizer.has_thinking,
+            has_tool_calling=tokenizer.has_tool_calling,
+            tool_parser=tokenizer.tool_parser,
+            text_sm=text_sm,
+            initial_state=initial_state,
+            prompt=prompt,
+            prompt_cache_count=done,
+        )
+        job.alone = True
+        self._decode(
+            job, ctx, session or Session(), prompt[done:], args, stop_sequences
+        )
+
+    def _decode(self, job: _Job, ctx, session, rest, args, stop_sequences):
+        """Decode ``rest`` with the MTP loop from ``session`` and the job's options
+        (``max_tokens`` capped to the context by `_tokenize`), putting on the job's
+        queue its context once the prefill went well, a `Response` per token, then
+        None."""
+        tokenizer, owner, rqueue = (
+            self.model_provider.tokenizer,
+            job.owner,
+            job.responses,
+        )
         steps = stream_generate(
             self.model_provider.model,
             tokenizer,
             rest,
-            max_tokens=args.max_tokens,
-            num_draft_tokens=args.num_draft_tokens,
-            max_draft_tokens=self.cli_args.max_draft_tokens,
-            draft_source=getattr(args, "draft_source", self.cli_args.draft_source),
-            lookup_tokens=self.cli_args.lookup_tokens,
-            draft_vocab=getattr(args, "draft_vocab", self.cli_args.draft_vocab),
-            temp=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            seed=args.seed,
-            prefill_step_size=self.cli_args.prefill_step_size,
+            options=job.options.replace(max_tokens=args.max_tokens),
             session=session,
             on_prefill=lambda s: self.sessions.put(s.snapshot(), owner),
         )
@@ -506,21 +708,14 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
                 finish = gen.finish_reason
                 if matcher.advance(gen.token):
                     finish = "stop"
-                ctx.mtp = gen.mtp
+                job.mtp = gen.mtp
                 # the token's logprob only when asked: .item() is a sync per token
                 logprob = gen.logprobs[gen.token].item() if args.logprobs else 0.0
+                top = _top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)
                 rqueue.put(
-                    lm_server.Response(
-                        gen.text,
-                        gen.token,
-                        logprob,
-                        finish,
-                        lm_server._format_top_logprobs(
-                            gen.logprobs, args.top_logprobs, tokenizer
-                        ),
-                    )
+                    lm_server.Response(gen.text, gen.token, logprob, finish, top)
                 )
-                if finish is not None or ctx._should_stop or self._stop:
+                if finish is not None or ctx.stopped or self._closing:
                     break
             whole = True
         finally:
@@ -531,30 +726,58 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
 
     # the handlers' side
 
-    def generate(self, request, generation_args, progress_callback=None):
-        """As mlx-lm's, but a request error raised before the reply starts keeps its
-        own status (mlx-lm answers 404 to any), and a server that is shutting down
-        answers 503. The request is tracked until its reply is over (`_Replies`)."""
-        responses = _Responses()
-        generation_args.responses = responses  # where its batched sampler reports
-        self._enter(responses)
+    def generate(self, request: _Request, generation_args, progress_callback=None):
+        """Queue a request (mlx-lm's handler calls this; ``request`` carries its
+        `_Job`), and return its context and its responses once the generation
+        started it. A plain reply's responses are all read here first, so that a
+        failure mid-generation still gets an error reply; a stream's as they come.
+        A failure is raised as a `_Refusal` for `MTPHandler` to answer (mlx-lm would
+        answer a 404): a request error keeps its status, a server that is shutting
+        down answers 503, anything else is a 500. The request counts as in flight
+        until `release`."""
+        job = request.job
+        args = _with_job(generation_args, _JobArgs, job)
         try:
-            self.requests.put((responses, request, generation_args))
-            first = self._await_response(responses)
-            while isinstance(first, tuple):  # prompt progress
-                first = self._await_response(responses)
-            if first is None:  # ended before it started: the server is stopping
-                raise _shutting_down()
-            if isinstance(first, Exception):
-                raise first
-        except BaseException:
-            self._leave(responses)
-            raise
-        return first, _Replies(self, responses)
+            ctx = self._start(job, request, args)
+        except Exception as e:
+            if not isinstance(e, RequestError):
+                log.exception("request failed")
+            raise _Refusal(_as_request_error(e)) from None
+        replies = _Replies(self, job.responses)
+        if job.stream:
+            return ctx, _streamed(replies)
+        try:
+            return ctx, iter(list(replies))
+        except Exception as e:
+            log.info("request failed mid-reply: %s", one_line(e))
+            raise _Refusal(_as_request_error(e)) from None
+
+    def _start(self, job: _Job, request: _Request, args: _JobArgs):
+        """Queue the request: its context once the generation started it."""
+        self._enter(job.responses)
+        self.requests.put((job.responses, request, args))
+        first = self._wait(job.responses)
+        while isinstance(first, tuple):  # prompt progress
+            first = self._wait(job.responses)
+        if first is None:  # ended before it started: the server is stopping
+            raise _shutting_down()
+        if isinstance(first, Exception):
+            raise first
+        return first
+
+    def _wait(self, responses: _Responses):
+        """What the generation puts next for a request; RuntimeError once the
+        generation thread died, as nothing more will come."""
+        while True:
+            try:
+                return responses.get(timeout=1.0)
+            except Empty:
+                if not self.generation_available():
+                    raise RuntimeError("generation thread died") from None
 
     def _enter(self, responses: _Responses) -> None:
         with self._lock:
-            if self._stop:
+            if self._closing:
                 raise _shutting_down()
             if not self.generation_available():
                 raise RuntimeError("generation thread died")
@@ -563,7 +786,9 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             if self._in_flight > 1:
                 self._overlapped = time.monotonic()
 
-    def _leave(self, responses: _Responses) -> None:
+    def release(self, responses: _Responses) -> None:
+        """Count a request out of those in flight, once its reply is over (read or
+        not). Idempotent."""
         with self._lock:
             if responses in self._live:
                 self._live.remove(responses)
@@ -578,12 +803,12 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         ``[DONE]`` when streamed). Waits ``wait`` seconds at most for the replies to
         be written. Idempotent."""
         with self._lock:
-            self._stop = True
+            self._closing = True
             live = list(self._live)
         for responses in live:
             if responses.ctx is not None:
                 responses.ctx.stop()
-        self._generation_thread.join()
+        super().stop_and_join()  # mlx-lm's loop stops at its next check
         for responses in live:
             responses.put(None)  # a request that ended already ignores it
         with self._lock:
@@ -648,8 +873,8 @@ class _Deadline:
 
 class MTPHandler(lm_server.APIHandler):
     """mlx-lm's handler with authentication, checks that keep web pages out (Origin,
-    Host, Content-Type), bounded requests, OpenAI-style errors, the
-    ``num_draft_tokens`` field and an ``mtp`` block."""
+    Host, Content-Type), bounded requests, OpenAI-style errors, the decode options
+    of each request (`_Job`) and an ``mtp`` block."""
 
     protocol_version = "HTTP/1.0"
 
@@ -658,6 +883,7 @@ class MTPHandler(lm_server.APIHandler):
         super().setup()
         self.rfile = _Deadline(self.rfile, self.connection, self.timeout)
         self._pending = None  # the body's bytes not read yet, once known
+        self._job = None  # a completion request's record, once its fields passed
 
     def _received(self) -> None:
         """The request is read: from now on the timeout bounds each idle wait of the
@@ -748,18 +974,19 @@ class MTPHandler(lm_server.APIHandler):
                 "origin_not_allowed",
             )
 
-    def _authorize(self) -> None:
+    def _authorize(self) -> Optional[int]:
+        """401 unless the request presents one of the API keys (``/health`` needs
+        none); the index of the key it presented (None without keys)."""
         keys = self.response_generator.cli_args.api_key
-        self._owner = key_owner(keys, self.headers.get("Authorization", ""))
-        if not keys or self.path == "/health":
-            return
-        if self._owner is None:
+        owner = key_owner(keys, self.headers.get("Authorization", ""))
+        if keys and owner is None and self.path != "/health":
             raise RequestError(
                 401,
                 "missing or wrong API key (send 'Authorization: Bearer KEY')",
                 "authentication_error",
                 "invalid_api_key",
             )
+        return owner
 
     def do_OPTIONS(self):
         """A CORS preflight: answered for allowed Origins only."""
@@ -797,30 +1024,44 @@ class MTPHandler(lm_server.APIHandler):
         provider = self.response_generator.model_provider
         data = [{"id": provider.served, "object": "model", "created": self.created}]
         body = json.dumps({"object": "list", "data": data}).encode()
-        self._set_completion_headers(200)
+        self.send_response(200)
+        self.send_header("Content-type", "application/json")
+        self._set_cors_headers()
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
     def do_POST(self):
+        """A completion request, checked here before mlx-lm's handler serves it; a
+        failure anywhere after is answered here too (`_Refusal`)."""
         try:
             self._admit()
-            self._authorize()
+            owner = self._authorize()
             self._route()
             length = self._content_length()
             self._check_media_type()
             self._read_body(length)
-            self._check_fields()
+            self._check_fields(owner)
             self._check_room()
         except RequestError as e:
             return self._fail(e)
-        self.rfile = _Replay(self._raw)  # the checked body, for mlx-lm to read
+        self.rfile = io.BytesIO(self._raw)  # the checked body, for mlx-lm's handler
         self.headers.replace_header("Content-Length", str(len(self._raw)))
-        wfile = self.wfile
         try:
             super().do_POST()
-        finally:
-            self.wfile = wfile
+        except _Refusal as refusal:
+            self._answer(refusal)
+
+    def _answer(self, refusal: "_Refusal") -> None:
+        """A request's failure in OpenAI's form: its error reply, or once its stream
+        started, an error event and ``[DONE]``."""
+        if not refusal.streaming:
+            return self._fail(refusal.error)
+        try:
+            self.wfile.write(b"data: " + refusal.error.body() + b"\n\ndata: [DONE]\n\n")
+            self.wfile.flush()
+        except OSError:
+            log.info("client went away before its error event")
 
     def _route(self) -> None:
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
@@ -897,7 +1138,10 @@ class MTPHandler(lm_server.APIHandler):
             check_json(value, key)
         self._body = body
 
-    def _check_fields(self) -> None:
+    def _check_fields(self, owner: Optional[int]) -> None:
+        """The request's fields, each checked before anything is queued (a
+        `RequestError` naming the field); its `_Job` made, with its decode options;
+        the body left for mlx-lm's handler (``self._raw``)."""
         body, args = self._body, self.response_generator.cli_args
         provider = self.response_generator.model_provider
         name = body.get("model", DEFAULT_MODEL)
@@ -910,7 +1154,7 @@ class MTPHandler(lm_server.APIHandler):
                 raise bad_request(
                     f"{field} is not supported by mlx-mtp's decoding", field
                 )
-        check_sampling(body, args, provider.model.args.vocab_size)
+        check_sampling(body, args.decode, provider.model.args.vocab_size)
         chat = self.path != "/v1/completions"
         need = "messages" if chat else "prompt"
         if need not in body:
@@ -921,33 +1165,39 @@ class MTPHandler(lm_server.APIHandler):
             raise bad_request("prompt must be a non-empty string", "prompt")
         if chat:
             check_chat_fields(body)
-        k = body.pop("num_draft_tokens", args.draft_tokens)
-        if k != "auto" and (type(k) is not int or not 0 <= k <= 16):
-            raise bad_request(
-                "num_draft_tokens must be 'auto' or an integer from 0 to 16",
-                "num_draft_tokens",
-            )
-        self._num_draft_tokens = k
-        source = body.pop("draft_source", args.draft_source)
-        if source not in ("heads", "lookup", "auto"):
-            raise bad_request(
-                "draft_source must be 'heads', 'lookup' or 'auto'", "draft_source"
-            )
-        self._draft_source = source
-        try:
-            self._draft_vocab = parse_draft_vocab(
-                body.pop("draft_vocab", args.draft_vocab)
-            )
-        except MTPError as e:
-            raise bad_request(str(e), "draft_vocab") from None
         for key in ("max_tokens", "max_completion_tokens"):
             n = body.get(key)
-            if n is not None and type(n) is int and n > args.max_tokens_limit:
+            if type(n) is int and n < 1:
+                raise bad_request(f"{key} must be at least 1, got {n}", key)
+            if type(n) is int and n > args.max_tokens_limit:
                 raise bad_request(
                     f"{key} is {n}; this server generates at most "
                     f"{args.max_tokens_limit} tokens per request",
                     key,
                 )
+        options = self._decode_options(body)
+        self._check_reply_fields(body)
+        self._job = _Job(options, owner, body.get("stream") is True)
+        self._raw = json.dumps(body).encode()
+
+    def _decode_options(self, body: dict) -> DecodeOptions:
+        """The request's decode options (`request_options`: the server's, then the
+        request's fields); 400 for those whose decoding would time round costs on
+        the generation thread (`times_costs`)."""
+        options = request_options(body, self.response_generator.cli_args.decode)
+        if times_costs(self.response_generator.model_provider.model, options):
+            n = options.draft_vocab
+            raise bad_request(
+                f"draft_vocab {n} with an 'auto' num_draft_tokens or draft_source "
+                "needs round costs this server did not measure: serve with "
+                f"--draft-vocab {n}, or send a fixed num_draft_tokens and "
+                "draft_source 'heads' or 'lookup'",
+                "draft_vocab",
+            )
+        return options
+
+    def _check_reply_fields(self, body: dict) -> None:
+        """``stop`` and ``stream_options``."""
         stop = body.get("stop")
         if stop is not None and not (
             isinstance(stop, str)
@@ -965,7 +1215,6 @@ class MTPHandler(lm_server.APIHandler):
                     "stream_options",
                 )
             options["include_usage"] = bool(usage)
-        self._raw = json.dumps(body).encode()
 
     def _check_room(self) -> None:
         """400 ``context_length_exceeded``, before anything is tokenized, for a
@@ -1014,19 +1263,13 @@ class MTPHandler(lm_server.APIHandler):
             return None
 
     # mlx-lm's handler calls the methods below. Where it would answer an error in its
-    # own form, the error is answered here first, in OpenAI's, and what mlx-lm then
-    # writes goes nowhere (`_refuse`).
-
-    def _refuse(self, error: RequestError) -> None:
-        self._fail(error)
-        self.wfile = _Sink()
+    # own form, a `_Refusal` is raised instead, which `do_POST` answers in OpenAI's.
 
     def validate_model_parameters(self) -> None:
         try:
             super().validate_model_parameters()
         except ValueError as e:
-            self._refuse(bad_request(str(e)))
-            raise
+            raise _Refusal(bad_request(str(e))) from None
 
     def handle_chat_completions(self):
         """mlx-lm's, less its fetching of image URLs: `check_messages` refused image
@@ -1043,55 +1286,13 @@ class MTPHandler(lm_server.APIHandler):
         )
 
     def handle_completion(self, request, stop_words):
-        handler = self
-
-        class Generator:
-            def __getattr__(self, name):
-                return getattr(handler._generator, name)
-
-            def generate(self, request, args, progress_callback=None):
-                args.num_draft_tokens = handler._num_draft_tokens
-                args.draft_source = handler._draft_source
-                args.draft_vocab = handler._draft_vocab
-                args.owner = getattr(handler, "_owner", None)
-                try:
-                    ctx, responses = handler._generator.generate(
-                        request, args, progress_callback
-                    )
-                except RequestError as e:
-                    handler._refuse(e)
-                    raise
-                except Exception as e:  # a failure of this request only
-                    log.exception("request failed")
-                    error = RequestError(500, one_line(e), "server_error")
-                    handler._refuse(error)
-                    raise error from None
-                handler._ctx, handler._responses = ctx, responses
-                return ctx, self.relay(responses)
-
-            def relay(self, responses):
-                """The responses; an error after the reply started ends the reply
-                with it: a plain reply becomes the error's (its status line is not
-                sent yet), a stream gets an error event and ``[DONE]``. What mlx-lm
-                writes after goes nowhere."""
-                try:
-                    yield from responses
-                except Exception as e:
-                    error = e if isinstance(e, RequestError) else None
-                    error = error or RequestError(500, one_line(e), "server_error")
-                    log.info("request failed mid-reply: %s", one_line(e))
-                    if handler.stream:
-                        events = b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
-                        handler.wfile.write(events)
-                        handler.wfile.flush()
-                        handler.wfile = _Sink()
-                    else:
-                        handler._headers_buffer = []  # mlx-lm's 200, not sent
-                        handler._refuse(error)
-
-        self._generator, self.response_generator = self.response_generator, Generator()
+        """mlx-lm's, serving the request as a `_Request`, which carries its `_Job` to
+        the generator. A failure after the reply started ends the reply (a stream
+        with an error event) and the server goes on; the request is counted out
+        once its reply is over."""
+        job = self._job
         try:
-            super().handle_completion(request, stop_words)
+            super().handle_completion(_with_job(request, _Request, job), stop_words)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             log.info("client went away; its generation stopped")
         except Exception as e:  # after the reply started: end it, keep serving
@@ -1100,10 +1301,7 @@ class MTPHandler(lm_server.APIHandler):
                 error = RequestError(500, one_line(e), "server_error")
                 self.wfile.write(b"data: " + error.body() + b"\n\n")
         finally:
-            self.response_generator = self._generator
-            responses = getattr(self, "_responses", None)
-            if responses is not None:
-                responses.close()  # counted out of the in-flight requests now
+            self.response_generator.release(job.responses)
 
     def generate_response(self, text, finish_reason, *args, **kwargs):
         response = super().generate_response(text, finish_reason, *args, **kwargs)
@@ -1115,14 +1313,13 @@ class MTPHandler(lm_server.APIHandler):
         return self._add_mtp(super().completion_usage_response(*args, **kwargs))
 
     def _add_mtp(self, response: dict) -> dict:
-        ctx = getattr(self, "_ctx", None)
-        if ctx is None:
+        job = self._job
+        if job is None or job.responses.ctx is None:
             return response
-        if hasattr(ctx, "mtp"):
-            if ctx.mtp is not None:
-                response["mtp"] = mtp_block(ctx.mtp)
-        else:  # served in mlx-lm's batch, plainly
+        if not job.alone:  # served in mlx-lm's batch, plainly
             response["mtp"] = {"num_draft_tokens": 0, "batched": True}
+        elif job.mtp is not None:
+            response["mtp"] = mtp_block(job.mtp)
         return response
 
 
@@ -1143,34 +1340,33 @@ def mtp_block(stats) -> dict:
     }
 
 
-class _Sink:
-    """Where mlx-lm's own error replies go once an OpenAI-style one was sent."""
-
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
-
-class _Replay:
-    """The request body, already read, for mlx-lm's handler to read again."""
-
-    def __init__(self, data: bytes):
-        self._io = io.BytesIO(data)
-
-    def read(self, n=-1):
-        return self._io.read(n)
-
-    def close(self) -> None:
-        self._io.close()
-
-
 # --- the server ----------------------------------------------------------------------
 
 
+SERVER_MAX_TOKENS = 512  # a reply's tokens when the request does not say
+
+# The decode options `server_args` takes, as the server's defaults (a request may set
+# its sampling, drafting and max_tokens fields, `request_options`); any other is
+# `DecodeOptions`' default.
+SERVER_DECODE = (
+    "num_draft_tokens",
+    "max_draft_tokens",
+    "draft_source",
+    "lookup_tokens",
+    "draft_vocab",
+    "temp",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "prefill_step_size",
+)
+
+
 def server_args(**options) -> argparse.Namespace:
-    """The namespace mlx-lm's server pieces read, from `serve`'s options."""
+    """The namespace mlx-lm's server pieces read, from `serve`'s options: the server's
+    `SERVER_DECODE` options as ``decode``, a checked `DecodeOptions` (an `MTPError`
+    naming a bad one), and the rest as they are."""
     defaults = dict(
         model=None,
         draft_model=None,
@@ -1178,19 +1374,9 @@ def server_args(**options) -> argparse.Namespace:
         host="127.0.0.1",
         port=8080,
         allowed_origins=[],  # besides pages of this machine (`local_origin`)
-        num_draft_tokens="auto",  # the server's default; mlx-lm's field is 0
-        max_draft_tokens=4,
-        draft_source="auto",
-        lookup_tokens=8,
-        draft_vocab="auto",
         trust_remote_code=False,
         chat_template="",
         use_default_chat_template=False,
-        temp=0.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        max_tokens=512,
         max_tokens_limit=32768,
         max_body_bytes=8 << 20,
         request_timeout=30.0,  # seconds for a request to arrive, and idle in a reply
@@ -1198,25 +1384,33 @@ def server_args(**options) -> argparse.Namespace:
         chat_template_args={},
         decode_concurrency=32,  # mlx-lm's batched decoding, when requests overlap
         prompt_concurrency=8,
-        prefill_step_size=2048,
         prompt_cache_size=8,
         prompt_cache_bytes=None,
         allow_missing_heads=False,
-        kv_bits=None,
-        kv_group_size=64,
-        quantized_kv_start=5000,
         pipeline=False,
         api_key=env_keys(),  # a key, or a list of keys (one per client)
     )
+    decode = {k: options.pop(k) for k in SERVER_DECODE if k in options}
     unknown = set(options) - set(defaults)
     if unknown:
         raise TypeError(f"unknown server options: {', '.join(sorted(unknown))}")
-    args = {**defaults, **options}
-    # mlx-lm's handler validates its own num_draft_tokens (an int): ours, "auto" or
-    # an int, is read by `MTPHandler` from the request or this default.
-    args["draft_tokens"], args["num_draft_tokens"] = args["num_draft_tokens"], 0
-    args["api_key"] = api_keys(args["api_key"])
-    return argparse.Namespace(**args)
+    args = argparse.Namespace(**{**defaults, **options})
+    args.api_key = api_keys(args.api_key)
+    args.decode = DecodeOptions(max_tokens=SERVER_MAX_TOKENS).replace(**decode)
+    args.decode.check()
+    _for_mlx_lm(args)
+    return args
+
+
+def _for_mlx_lm(args: argparse.Namespace) -> None:
+    """The names mlx-lm's server reads from the namespace, from ``args.decode``: its
+    handler the defaults of a request's sampling fields and max_tokens, and its own
+    ``num_draft_tokens``, an integer it checks (0: this server's is the decode
+    options'); its batch the prompt's chunk size."""
+    decode = args.decode
+    args.temp, args.top_p, args.top_k = decode.temp, decode.top_p, decode.top_k
+    args.min_p, args.max_tokens = decode.min_p, decode.max_tokens
+    args.prefill_step_size, args.num_draft_tokens = decode.prefill_step_size, 0
 
 
 def env_keys() -> tuple:

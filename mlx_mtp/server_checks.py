@@ -4,6 +4,8 @@ HTTP status and an OpenAI-style error body) for the client.
 
 - the sampling settings and seed, by the rules of the CLI and the MTP loop
   (`check_sampling`), the same on every path;
+- a request's decode options: the server's, then the request's fields
+  (`request_options`, checked by `DecodeOptions.check`);
 - the shape of chat requests: messages, content parts (no images: no URL is ever
   fetched), tool calls, ``tools``, template arguments (`check_chat_fields`), and any
   JSON nested too deeply or holding text that is not Unicode (`check_json`);
@@ -14,7 +16,6 @@ HTTP status and an OpenAI-style error body) for the client.
 - which API key a request presents (`key_owner`).
 """
 
-import argparse
 import hmac
 import ipaddress
 import json
@@ -22,6 +23,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from .errors import MTPError, one_line
+from .options import DecodeOptions
 from .sampling import SamplingError, SamplingParams, check_seed
 
 
@@ -56,13 +58,14 @@ SAMPLING_FIELDS = {
 _FIELD_OF = {name: field for field, name in SAMPLING_FIELDS.items()}
 
 
-def check_sampling(body: dict, defaults: argparse.Namespace, vocab_size: int) -> None:
+def check_sampling(body: dict, defaults: DecodeOptions, vocab_size: int) -> None:
     """400, naming the field, for sampling settings (``temperature``, ``top_p``,
     ``top_k``, ``min_p``, ``seed``) that `SamplingParams` or `check_seed` refuse: the
     rules of the CLI and the MTP loop, applied to every request before it is queued,
-    as mlx-lm's batched path checks none of them. ``defaults`` (the server's options)
-    stand for the fields the body lacks. A ``top_k`` of at least ``vocab_size``
-    keeps every token, as 0 does, and goes on as 0: mlx-lm's batch reads it so too."""
+    as mlx-lm's batched path checks none of them. ``defaults`` (the server's decode
+    options) stand for the fields the body lacks. A ``top_k`` of at least
+    ``vocab_size`` keeps every token, as 0 does, and goes on as 0: mlx-lm's batch
+    reads it so too."""
     values = {
         name: body.get(field, getattr(defaults, name))
         for field, name in SAMPLING_FIELDS.items()
@@ -78,10 +81,53 @@ def check_sampling(body: dict, defaults: argparse.Namespace, vocab_size: int) ->
 
 def sampling_request_error(e: SamplingError) -> RequestError:
     """A `SamplingError` as a 400 naming the request's field."""
-    field, message = _FIELD_OF.get(e.name, e.name), one_line(e)
-    if message.startswith(e.name):
-        message = field + message[len(e.name) :]
+    return option_error(e, e.name, _FIELD_OF.get(e.name, e.name))
+
+
+def option_error(e: MTPError, name: str, field: str) -> RequestError:
+    """The error of the decode option ``name`` as a 400 naming the request's
+    ``field``, in the message too."""
+    message = one_line(e)
+    if message.startswith(name):
+        message = field + message[len(name) :]
     return bad_request(message, field)
+
+
+# mlx-mtp's own request fields, each the `DecodeOptions` field of its name: taken out
+# of the body (mlx-lm's handler reads the rest).
+DRAFTING_FIELDS = ("num_draft_tokens", "draft_source", "draft_vocab")
+
+
+def request_options(body: dict, defaults: DecodeOptions) -> DecodeOptions:
+    """The decode options of a request: ``defaults`` (the server's), then the
+    request's own fields: the sampling settings and ``seed`` (checked already by
+    `check_sampling`), ``max_completion_tokens`` or else ``max_tokens``, and
+    `DRAFTING_FIELDS`, which are taken out of ``body``. A value `DecodeOptions.check`
+    refuses is a 400 naming the field; ``draft_vocab`` is given as
+    `mlx_mtp.draft_vocab.parse` reads it."""
+    from .draft_vocab import parse
+
+    changes = {}  # option -> (field, value)
+    for field, name in SAMPLING_FIELDS.items():
+        if field in body:
+            changes[name] = (field, body[field])
+    if body.get("seed") is not None:
+        changes["seed"] = ("seed", body["seed"])
+    for field in ("max_tokens", "max_completion_tokens"):  # the latter wins
+        if body.get(field) is not None:
+            changes["max_tokens"] = (field, body[field])
+    for field in DRAFTING_FIELDS:
+        if field in body:
+            changes[field] = (field, body.pop(field))
+    options = defaults
+    for name, (field, value) in changes.items():
+        try:
+            if name == "draft_vocab":
+                value = parse(value)
+            options = options.replace(**{name: value}).check()
+        except MTPError as e:  # ``defaults`` are valid: this field is not
+            raise option_error(e, name, field) from None
+    return options
 
 
 def key_owner(keys, authorization: str) -> Optional[int]:

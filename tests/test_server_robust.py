@@ -1,8 +1,10 @@
 """``mlx-mtp serve`` under bad requests, faults and signals: sampling settings are
-checked alike on the MTP path and mlx-lm's batched path; a request that fails, or a
-generation loop that fails, costs only the requests it touched, and the server serves
-the next one; SIGINT and SIGTERM end open streams with ``[DONE]`` and exit cleanly;
-each API key has its own prompt cache; round costs are measured before serving."""
+checked alike on the MTP path and mlx-lm's batched path; each request decodes with
+its own checked `DecodeOptions`; a request that fails, or a generation loop that
+fails, costs only the requests it touched, and the server serves the next one; SIGINT
+and SIGTERM end open streams with ``[DONE]`` and exit cleanly; each API key has its
+own prompt cache; round costs are measured before serving; an mlx-lm whose server
+changed is refused at start."""
 
 import http.client
 import json
@@ -18,6 +20,8 @@ import pytest
 
 from mlx_mtp import generate as mtp_generate
 from mlx_mtp import server as server_module
+from mlx_mtp.errors import MTPError
+from mlx_mtp.options import DecodeOptions
 from mlx_mtp.server import Server, server_args
 
 MESSAGES = [{"role": "user", "content": "Write a function."}]
@@ -228,6 +232,86 @@ def test_top_k_of_the_vocabulary_or_more_keeps_every_token(served, monkeypatch):
     assert_serving(served)
 
 
+# --- decode options ------------------------------------------------------------------
+
+
+def test_the_server_defaults_are_decode_options():
+    """`server_args` keeps the server's defaults as one checked `DecodeOptions`
+    (DecodeOptions' own, but 512 tokens a reply), and gives mlx-lm's handler the
+    names it reads from them."""
+    assert server_args().decode == DecodeOptions(max_tokens=512)
+    args = server_args(
+        num_draft_tokens=3, draft_source="heads", lookup_tokens=5, temp=0.7, top_k=9
+    )
+    assert args.decode == DecodeOptions(
+        max_tokens=512,
+        num_draft_tokens=3,
+        draft_source="heads",
+        lookup_tokens=5,
+        temp=0.7,
+        top_k=9,
+    )
+    assert (args.temp, args.top_k, args.max_tokens) == (0.7, 9, 512)
+    assert args.num_draft_tokens == 0  # mlx-lm's own field: an integer it checks
+    with pytest.raises(MTPError, match="^lookup_tokens"):
+        server_args(lookup_tokens=0)
+    with pytest.raises(TypeError, match="kv_bits"):  # never applied: not taken
+        server_args(kv_bits=4)
+
+
+def recording(monkeypatch) -> list:
+    """The `DecodeOptions` each request hands the MTP loop, in order."""
+    seen, real = [], server_module.stream_generate
+
+    def record(model, tokenizer, prompt, **kw):
+        seen.append(kw["options"])
+        return real(model, tokenizer, prompt, **kw)
+
+    monkeypatch.setattr(server_module, "stream_generate", record)
+    return seen
+
+
+def test_each_request_decodes_with_its_own_options(served, monkeypatch):
+    """One `DecodeOptions` per request, the server's then the request's fields, is
+    what the MTP loop decodes with; a bad field is a 400 naming it, before anything
+    is queued."""
+    single(served.generator, monkeypatch)
+    seen = recording(monkeypatch)
+    fields = dict(temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=3)
+    fields.update(num_draft_tokens=2, draft_source="lookup", draft_vocab="64")
+    body = {"messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 5}
+    status, reply = post(served, {**body, **fields})
+    assert status == 200, reply
+    assert seen == [
+        served.args.decode.replace(
+            max_tokens=5,
+            temp=0.5,
+            top_p=0.9,
+            top_k=7,
+            min_p=0.05,
+            seed=3,
+            num_draft_tokens=2,
+            draft_source="lookup",
+            draft_vocab=64,
+        )
+    ]
+    assert reply["mtp"]["num_draft_tokens"] == 2
+    for field, value in (
+        ("num_draft_tokens", 17),
+        ("num_draft_tokens", "lots"),
+        ("draft_source", "ngrams"),
+        ("draft_vocab", 0),
+        ("max_completion_tokens", "many"),
+        ("max_completion_tokens", 0),
+        ("max_tokens", -1),
+    ):
+        status, reply = post(served, {"messages": MESSAGES, field: value})
+        error = reply["error"]
+        assert status == 400 and error["param"] == field, (field, value, reply)
+        assert error["message"].startswith(field), error
+    assert len(seen) == 1  # none of them was queued
+
+
 # --- faults --------------------------------------------------------------------------
 
 FAULT = "injected fault"
@@ -242,7 +326,7 @@ def inject_fault(path, monkeypatch):
         def failing(model, tokenizer, prompt, **kw):
             with closing(real(model, tokenizer, prompt, **kw)) as steps:
                 for i, step in enumerate(steps):
-                    if kw["temp"] == 0.5 and i == 2:
+                    if kw["options"].temp == 0.5 and i == 2:
                         raise RuntimeError(FAULT)
                     yield step
 
@@ -365,32 +449,94 @@ def test_each_api_key_has_its_own_prompt_cache(path, keyed, monkeypatch):
 
 
 def test_round_costs_are_ready_before_serving(model_path, monkeypatch):
-    """The costs "auto" drafts with are read or measured when the server starts, not
-    by the first request on the generation thread."""
+    """The costs "auto" drafts with are read or measured when the server starts, for
+    every k and draft vocabulary a request may ask for, never by a request on the
+    generation thread: a request that would need others (a number of draft tokens
+    not measured, with an "auto" k or source) is a 400 naming ``draft_vocab``."""
     from mlx_mtp import draft_length
 
     server = Server(server_args(model=model_path, port=0))
     try:
-        assert server.generator.model_provider.model.round_costs is not None
+        model = server.generator.model_provider.model
+        assert model.round_costs is not None
+        unmeasured = DecodeOptions(draft_vocab=100)
+        assert server_module.times_costs(model, unmeasured)
+        assert not server_module.times_costs(model, unmeasured.replace(**FIXED_HEADS))
+        timed = []
 
         def no_timing(*a, **kw):
+            timed.append(a)
             raise AssertionError("round costs timed while serving")
 
         monkeypatch.setattr(draft_length, "measure_costs", no_timing)
         server.start()
+        single(server.generator, monkeypatch)  # every request through the MTP loop
+        for extra in (
+            {},
+            {"num_draft_tokens": 12},  # draft_source "auto" weighs k = 12
+            {"num_draft_tokens": 16, "draft_vocab": "full"},
+            {"draft_vocab": "full"},
+            {"draft_vocab": 64},  # one of "auto"'s
+            {"draft_vocab": 100, **FIXED_HEADS},
+            {"draft_vocab": 100, "num_draft_tokens": 3, "draft_source": "lookup"},
+        ):
+            body = {"messages": MESSAGES, "max_tokens": 4, **extra}
+            status, reply = post(server, body)
+            assert status == 200 and reply["mtp"]["rounds"], (extra, reply)
+        status, reply = post(server, {"messages": MESSAGES, "draft_vocab": 100})
+        assert status == 400 and reply["error"]["param"] == "draft_vocab", reply
+        assert "--draft-vocab 100" in reply["error"]["message"]
+        assert not timed
         assert_serving(server)
     finally:
         server.close()
 
 
+FIXED_HEADS = {"num_draft_tokens": 2, "draft_source": "heads"}
+
+
+def test_an_mlx_lm_whose_server_changed_is_refused_at_start(monkeypatch):
+    """The private members of mlx_lm.server the server overrides or calls are
+    checked at import: one whose parameters changed, or that is gone, makes ``serve``
+    fail at start in one line, never a request."""
+    from click.testing import CliRunner
+    from mlx_lm import server as lm_server
+
+    from mlx_mtp.cli import main
+
+    server_module.check_mlx_lm()  # the installed mlx-lm passes
+
+    def tokenize(self, tokenizer, request):  # mlx-lm's, less a parameter
+        raise AssertionError("never called")
+
+    with monkeypatch.context() as m:
+        m.setattr(lm_server.ResponseGenerator, "_tokenize", tokenize)
+        with pytest.raises(MTPError) as e:
+            server_module.check_mlx_lm()
+        assert str(e.value) == (
+            "mlx-mtp serve needs mlx-lm 0.32.x (0.32.2 or later): "
+            "mlx_lm.server.ResponseGenerator._tokenize has changed (its parameters "
+            "are (self, tokenizer, request), not (self, tokenizer, request, args)) "
+            f"in the installed mlx-lm {server_module.mlx_lm.__version__}"
+        )
+        m.delitem(sys.modules, "mlx_mtp.server")  # `serve` imports it again
+        r = CliRunner().invoke(main, ["serve", "--model", "x"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1, r.output
+    assert "ResponseGenerator._tokenize has changed" in r.output
+    with monkeypatch.context() as m:
+        m.delattr(lm_server, "_make_sampler")
+        with pytest.raises(MTPError, match=r"mlx_lm\.server\._make_sampler is gone"):
+            server_module.check_mlx_lm()
+
+
 SERVE = """
 import sys
 from mlx_mtp import server
-load = server.MTPModelProvider._load
-def endless(self, *a, **kw):  # EOS never comes: only a signal ends the reply
-    load(self, *a, **kw)
+load = server.MTPModelProvider._load_served
+def endless(self):  # EOS never comes: only a signal ends the reply
+    load(self)
     self.tokenizer._eos_token_ids = {-1}
-server.MTPModelProvider._load = endless
+server.MTPModelProvider._load_served = endless
 from mlx_mtp.cli import run
 run(sys.argv[1:])
 """
