@@ -54,12 +54,13 @@ from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from queue import Empty
+from queue import Empty, Queue
 from typing import List, Optional
 
 import mlx.core as mx
 import mlx_lm
 from mlx_lm import server as lm_server
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from . import draft_vocab
@@ -274,7 +275,7 @@ class MTPModelProvider(lm_server.ModelProvider):
         self.processor = None
         self.draft_model = None
         self.is_batchable = all(
-            hasattr(c, "merge") for c in lm_server.make_prompt_cache(model.trunk)
+            hasattr(c, "merge") for c in make_prompt_cache(model.trunk)
         )
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
@@ -354,7 +355,7 @@ def _as_request_error(e: Exception) -> RequestError:
     return RequestError(500, one_line(e), "server_error")
 
 
-class _Responses(lm_server.Queue):
+class _Responses(Queue):
     """One request's response queue, which knows its request: ``ctx`` once the
     generation put it, ``taken`` once the generation loop took the request, and
     ``ended`` once None (the end) or an exception was put; nothing is put after."""
@@ -473,7 +474,7 @@ def _streamed(replies: _Replies):
         raise _Refusal(_as_request_error(e), streaming=True) from None
 
 
-class _OwnedPromptCache(lm_server.LRUPromptCache):
+class _OwnedPromptCache(LRUPromptCache):
     """mlx-lm's prompt cache of the batched path, kept apart per API key: entries
     are filed under (model, ``owner``), the owner of the batch being served
     (`MTPResponseGenerator._is_batchable` keeps a batch to one owner's requests)."""
