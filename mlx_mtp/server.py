@@ -681,11 +681,8 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         (``max_tokens`` capped to the context by `_tokenize`), putting on the job's
         queue its context once the prefill went well, a `Response` per token, then
         None."""
-        tokenizer, owner, rqueue = (
-            self.model_provider.tokenizer,
-            job.owner,
-            job.responses,
-        )
+        tokenizer, owner = self.model_provider.tokenizer, job.owner
+        rqueue = job.responses
         steps = stream_generate(
             self.model_provider.model,
             tokenizer,
