@@ -16,15 +16,19 @@ from mlx_mtp import distributed
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import source_fingerprint
 from mlx_mtp.models import FAMILIES, get_family, module_of
-from mlx_mtp.models.family import Family, define
+from mlx_mtp.models.family import DeclaredByKeys, Family, define
 from mlx_mtp.testing import fixtures
 
 MODELS = Path(__file__).resolve().parents[1] / "mlx_mtp" / "models"
 
 
 def _hooks(name: str) -> dict:
+    """A family's hooks; the default layer count stands for "by MTP_CONFIG_KEYS"."""
     family = get_family({"model_type": name})
-    return {h: getattr(family, h) for h in Family.hooks()}
+    hooks = {h: getattr(family, h) for h in Family.hooks()}
+    if isinstance(hooks["declared_mtp_layers"], DeclaredByKeys):
+        hooks["declared_mtp_layers"] = "by MTP_CONFIG_KEYS"
+    return hooks
 
 
 def test_a_misspelt_hook_is_an_error_naming_the_closest():
@@ -120,6 +124,17 @@ DERIVED = {
 def test_a_derived_family_changes_only_what_it_says(name, base):
     ours, theirs = _hooks(name), _hooks(base)
     assert {h for h in ours if ours[h] != theirs[h]} == DERIVED[name, base]
+
+
+def test_the_default_layer_count_follows_the_familys_keys():
+    """Counted from the first of MTP_CONFIG_KEYS set (in the config or its
+    text_config), also in a derived family that changes the keys."""
+    deepseek = get_family({"model_type": "deepseek_v3"})
+    assert deepseek.declared_mtp_layers({"num_nextn_predict_layers": 2}) == 2
+    derived = deepseek.derive(MTP_CONFIG_KEYS=("mtp_layers", "other"))
+    assert derived.declared_mtp_layers({"num_nextn_predict_layers": 2}) == 0
+    assert derived.declared_mtp_layers({"text_config": {"other": 3}}) == 3
+    assert derived.declared_mtp_layers({"mtp_layers": 1, "other": 3}) == 1
 
 
 def test_make_layer_takes_the_config():

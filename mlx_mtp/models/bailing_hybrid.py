@@ -52,10 +52,6 @@ def fix_config(config: dict) -> dict:
     return {}
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers") or 0)
-
-
 def split_weights(weights: dict, config: dict):
     """Split into (trunk, mtp); check and drop the layers' copies of embedding /
     head."""
@@ -106,7 +102,6 @@ FAMILY = define(
     MASK_AS_ARRAY=True,  # MLA adds the mask into its own scores
     EMBEDDING_KEY=EMBEDDING_KEY,
     fix_config=fix_config,
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=deepseek_v3.mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

@@ -31,10 +31,6 @@ LAYOUT = Layout(
 )
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers") or 0)
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     """The MTP layer index a tensor belongs to, or None for trunk tensors."""
     m = re.match(r"model\.layers\.(\d+)\.", key)
@@ -75,7 +71,6 @@ FAMILY = define(
     MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
     MASK_FIRST_POSITION=True,
     MASK_AS_ARRAY=True,  # MLA attention adds the mask into its own scores
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

@@ -36,10 +36,6 @@ PATTERN = re.compile(
 )
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers") or 0)
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     m = PATTERN.fullmatch(key)
     return int(m[2]) if m else None
@@ -77,7 +73,6 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
 FAMILY = define(
     LAYOUT=LAYOUT,
     MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

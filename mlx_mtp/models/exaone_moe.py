@@ -19,10 +19,6 @@ from .family import define
 from .mtp import MTPLayer
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers") or 0)
-
-
 def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     """Qwen3-Next's mapping of ``mtp.*``, without its ``(1 + w)`` shift."""
     return qwen3_next.sanitize(weights, config, trunk, raw=False)
@@ -58,7 +54,6 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
 FAMILY = define(
     LAYOUT=qwen3_next.LAYOUT,
     MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=qwen3_next.mtp_layer_of,
     split_weights=qwen3_next.split_weights,
     sanitize=sanitize,

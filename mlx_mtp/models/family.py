@@ -31,7 +31,6 @@ Required:
   (read by the family's own code, by the fixtures and by the converter's checks);
 - ``MTP_CONFIG_KEYS``: the config keys that declare the MTP layers, most usual first
   (empty when released configs do not count them: the checkpoint's tensors do);
-- ``declared_mtp_layers(config) -> int``: how many MTP layers the config declares;
 - ``mtp_layer_of(key, config) -> Optional[int]``: the MTP layer a checkpoint tensor
   belongs to (None: a trunk tensor);
 - ``split_weights(weights, config) -> (trunk, mtp)``: the checkpoint's tensors, split
@@ -44,6 +43,8 @@ Required:
 
 Optional (default in brackets):
 
+- ``declared_mtp_layers(config) -> int`` [the first of ``MTP_CONFIG_KEYS`` set in the
+  config or its ``text_config``, else 0]: how many MTP layers the config declares;
 - ``MASK_FIRST_POSITION`` [False]: zero the embedding of an MTP layer's first row at
   position 0 (vLLM's convention for DeepSeek, GLM and MiMo);
 - ``MASK_AS_ARRAY`` [False]: the block's attention takes its causal mask as an array;
@@ -130,6 +131,21 @@ def always_raw(weights: dict, config: dict) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class DeclaredByKeys:
+    """The default ``declared_mtp_layers``: the first of ``keys`` set in the config
+    or its ``text_config`` (0 when none is)."""
+
+    keys: Tuple[str, ...]
+
+    def __call__(self, config: dict) -> int:
+        for part in (config, config.get("text_config") or {}):
+            for key in self.keys:
+                if part.get(key):
+                    return int(part[key])
+        return 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Family:
     """A family's hooks, with the documented defaults filled in (build one with
@@ -138,11 +154,11 @@ class Family:
     name: str = ""
     LAYOUT: Layout
     MTP_CONFIG_KEYS: Tuple[str, ...]
-    declared_mtp_layers: Callable[[dict], int]
     mtp_layer_of: Callable[[str, dict], Optional[int]]
     split_weights: Callable[[dict, dict], tuple]
     sanitize: Callable[..., dict]
     make_layer: Callable[[Any, int, dict], Any]
+    declared_mtp_layers: Optional[Callable[[dict], int]] = None
     MASK_FIRST_POSITION: bool = False
     MASK_AS_ARRAY: bool = False
     EMBEDDING_KEY: str = "model.embed_tokens.weight"
@@ -157,6 +173,15 @@ class Family:
     embed: Callable = trunk_embed
     final_norm: Callable = trunk_final_norm
     fix_config: Callable[[dict], dict] = no_fixes
+
+    def __post_init__(self):
+        # The default count follows MTP_CONFIG_KEYS, also in a derived family that
+        # changes them.
+        if self.declared_mtp_layers is None or isinstance(
+            self.declared_mtp_layers, DeclaredByKeys
+        ):
+            keys = DeclaredByKeys(tuple(self.MTP_CONFIG_KEYS))
+            object.__setattr__(self, "declared_mtp_layers", keys)
 
     @classmethod
     def hooks(cls) -> Tuple[str, ...]:

@@ -70,10 +70,6 @@ def fix_config(config: dict) -> dict:
     return {k: v for k, v in hf_text_config(config).items() if k not in config}
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return 0
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     return None
 
@@ -128,11 +124,10 @@ def final_norm(trunk):
 
 FAMILY = define(
     LAYOUT=Layout(prefix=lambda config, j: "", fusion={}),
-    MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    MTP_CONFIG_KEYS=(),  # no MTP layers: Gemma 4 drafts with an assistant
     EMBEDDING_KEY="model.language_model.embed_tokens.weight",
     FINAL_NORM_KEY="model.language_model.norm.weight",
     fix_config=fix_config,
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

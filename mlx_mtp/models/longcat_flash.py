@@ -41,10 +41,6 @@ COPY = "model.mtp.embed_tokens.weight"
 FUSION_PARTS = ("enorm.m", "hnorm.m", "eh_proj")
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return 0
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     m = re.match(r"model\.mtp\.layers\.(\d+)\.", key)
     if m:
@@ -117,7 +113,6 @@ FAMILY = define(
     LAYOUT=LAYOUT,
     MTP_CONFIG_KEYS=(),  # the tensors count the MTP layers
     MASK_AS_ARRAY=True,  # MLA adds the mask into its own scores
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

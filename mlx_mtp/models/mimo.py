@@ -26,10 +26,6 @@ LAYOUT = Layout(
 )
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers") or 0)
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     m = re.match(r"model\.mtp_layers\.(\d+)\.", key)
     return int(m[1]) if m else None
@@ -55,7 +51,6 @@ FAMILY = define(
     LAYOUT=LAYOUT,
     MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
     MASK_FIRST_POSITION=True,
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

@@ -33,10 +33,6 @@ LAYOUT = Layout(
 )
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return 0
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     m = re.match(r"model\.mtp\.layers\.(\d+)\.", key)
     return int(m[1]) if m else None
@@ -66,7 +62,6 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
 FAMILY = define(
     LAYOUT=LAYOUT,
     MTP_CONFIG_KEYS=(),  # released configs do not count the MTP layers
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

@@ -75,10 +75,6 @@ LAYOUT = Layout(
 )
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers") or 0)
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     """The MTP step a tensor belongs to (sub-layer index // P), None for the trunk."""
     m = re.match(r"mtp\.layers\.(\d+)\.", key)
@@ -167,7 +163,6 @@ FAMILY = define(
     MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
     EMBEDDING_KEY="backbone.embeddings.weight",
     FINAL_NORM_KEY="backbone.norm_f.weight",
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

@@ -47,7 +47,7 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
 # Qwen3-Next's layout, split, sanitize and Gated-DeltaNet capture, on a trunk nested
 # under model.language_model. (mlx-lm's ``trunk.model`` reaches into it)
 FAMILY = qwen3_next.FAMILY.derive(
-    MTP_CONFIG_KEYS=("mtp_num_hidden_layers",),
+    MTP_CONFIG_KEYS=("mtp_num_hidden_layers", "num_nextn_predict_layers"),
     EMBEDDING_KEY="model.language_model.embed_tokens.weight",
     FINAL_NORM_KEY="model.language_model.norm.weight",
     is_raw=is_raw,

@@ -40,18 +40,6 @@ SHIFTED = (
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
-def text_config(config: dict) -> dict:
-    return config.get("text_config", config)
-
-
-def declared_mtp_layers(config: dict) -> int:
-    for c in (config, text_config(config)):
-        for key in MTP_CONFIG_KEYS:
-            if c.get(key):
-                return int(c[key])
-    return 0
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     """Layer j for ``mtp.layers.{j}.*``, 0 for the shared fusion tensors, else None."""
     if not key.startswith("mtp."):
@@ -159,7 +147,6 @@ FAMILY = define(
     LAYOUT=LAYOUT,
     MTP_CONFIG_KEYS=MTP_CONFIG_KEYS,
     ZERO_CENTRED_NORMS=True,
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     is_raw=is_raw,

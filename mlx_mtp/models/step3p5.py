@@ -49,10 +49,6 @@ RENAMED = (
 )
 
 
-def declared_mtp_layers(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers") or 0)
-
-
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     m = re.match(r"model\.layers\.(\d+)\.", key)
     if m and int(m[1]) >= config["num_hidden_layers"]:
@@ -133,7 +129,6 @@ FAMILY = define(
     LAYOUT=LAYOUT,
     MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
     ZERO_CENTRED_NORMS=True,
-    declared_mtp_layers=declared_mtp_layers,
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     is_raw=is_raw,
