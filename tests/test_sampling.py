@@ -90,7 +90,9 @@ def fails_exactness(model, params, k, n=600) -> bool:
 def sampling_after_prompt_fails(model, prompt, vocab, k, n=600, **options) -> bool:
     """The chi-square test on the first three tokens sampled (temperature 1) after
     ``prompt``, against the model's exact distributions, over a ``vocab``-token
-    vocabulary (``options``: more `mtp_generate_step` arguments)."""
+    vocabulary (``options``: more `mtp_generate_step` arguments; the heads draft
+    unless they say otherwise)."""
+    options = {"draft_source": "heads", "draft_vocab": None, **options}
     V, params = vocab, SamplingParams(temp=1.0)
     first = model(mx.array([prompt + [x] for x in range(V)]))  # (V, L + 1, V)
     p1 = np.array(mx.softmax(first[0, -2]))

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from mlx_mtp.cache import KVQuantization, WindowCache, make_caches
 from mlx_mtp.cli import main
+from mlx_mtp.draft_length import DraftPolicy
 from mlx_mtp.errors import MTPError, RollbackError
 from mlx_mtp.loading import load, load_model
 from mlx_mtp.speculative import Session, mtp_generate_step
@@ -145,8 +146,9 @@ def test_the_window_matters(sliding, model, tmp_path):
 
 
 def greedy_identity(model, prompts, n=120, ks=(1, 2, 3, 4), policies=()):
-    """Assert that every k, a random-k policy and ``policies`` decode each prompt as
-    plain decoding does; returns the accepted-count histograms per k, summed."""
+    """Assert that every k, a random-k policy and ``policies`` (`DraftPolicy` objects
+    or ``num_draft_tokens`` values) decode each prompt as plain decoding does; returns
+    the accepted-count histograms per k, summed."""
     hist = {}
     for prompt in prompts:
         expected = plain(model, prompt, n)
@@ -165,10 +167,13 @@ def greedy_identity(model, prompts, n=120, ks=(1, 2, 3, 4), policies=()):
             h = hist.setdefault(k, [0] * (k + 1))
             hist[k] = [a + b for a, b in zip(h, outs[-1].stats.accepted_histogram)]
         for policy in (RandomLength([0, 1, 2, 3, 4], seed=len(prompt)), *policies):
+            chosen = {"num_draft_tokens": policy}
+            if isinstance(policy, DraftPolicy):
+                chosen = {"policy": policy}
             outs = mtp_generate_step(
                 prompt,
                 model,
-                policy=policy,
+                **chosen,
                 max_tokens=n,
                 draft_source="heads",
                 draft_vocab=None,
