@@ -127,7 +127,7 @@ def test_chat_command(checkpoint):
 
 
 @pytest.mark.parametrize("family", ["mimo", "step3p5", "mimo_v2_flash"])
-@pytest.mark.parametrize("k", [2, 3, "auto"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, "auto"])
 def test_every_mtp_cache_reaches_the_frontier_after_turns_ending_at_max_tokens(
     family, k, loaded
 ):
@@ -140,5 +140,7 @@ def test_every_mtp_cache_reaches_the_frontier_after_turns_ending_at_max_tokens(
         out = turn(model, session, ids, n, k)
         assert out == plain_greedy(model, history + ids, n)
         history += ids + out
+        depth = session.state.depth  # layers in use: k = 1 drafts with the first
         offsets = [c.offset for c in session.caches.mtp]
-        assert offsets == [session.state.frontier] * model.num_mtp_layers
+        assert offsets[:depth] == [session.state.frontier] * depth
+        assert offsets[depth:] == [0] * (model.num_mtp_layers - depth)
