@@ -1,4 +1,5 @@
-"""Gemma 4 assistants beside their target: whether a pair fits, and an assistant's files.
+"""Gemma 4 assistants beside their target: whether a pair fits, and an assistant's
+files.
 
 An assistant is read from one of three places:
 
@@ -49,7 +50,8 @@ def check_config(config: dict, where) -> None:
     if not is_assistant(config):
         raise MTPError(
             f"{where} is not a Gemma 4 assistant (model_type "
-            f"{config.get('model_type')!r}; expected one of {', '.join(ASSISTANT_TYPES)})"
+            f"{config.get('model_type')!r}; expected one of "
+            f"{', '.join(ASSISTANT_TYPES)})"
         )
     text = config.get("text_config")
     if not isinstance(text, dict) or not isinstance(
@@ -78,8 +80,8 @@ def check_pair(
     a_type, t_type = assistant_config["model_type"], target_config.get("model_type")
     if t_type not in TARGET_TYPES[a_type]:
         raise MTPError(
-            f"{where} is a {a_type}, which drafts for {' or '.join(TARGET_TYPES[a_type])} "
-            f"targets; this target is {t_type!r}"
+            f"{where} is a {a_type}, which drafts for "
+            f"{' or '.join(TARGET_TYPES[a_type])} targets; this target is {t_type!r}"
         )
     target = target_text_config(target_config)
     hidden = target.get("hidden_size")

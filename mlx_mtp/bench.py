@@ -169,8 +169,8 @@ def bench(
     vocabs: Sequence[Union[int, str, None]] = (None,),
 ) -> dict:
     """Run the benchmark; returns {"rows": [...], "costs": {...}} (see the module's
-    docstring). ``sources``: the draft sources to run each k with ("heads", "lookup", "auto");
-    the ideal speedup is reported for heads drafts only. ``vocabs``: the draft
+    docstring). ``sources``: the draft sources to run each k with ("heads", "lookup",
+    "auto"); the ideal speedup is reported for heads drafts only. ``vocabs``: the draft
     vocabularies to run heads drafts with (None: the heads' own rows; "full", a
     number of tokens, "auto": see `mlx_mtp.draft_vocab`)."""
     ks = [k for k in ks if k == 0 or model.num_mtp_layers]

@@ -1005,7 +1005,8 @@ def train_heads(model, data, mlx_path, **options):
 @click.option(
     "--chat-template-args",
     default="{}",
-    help="JSON object passed to the chat template (e.g. '{\"enable_thinking\": false}').",
+    help="JSON object passed to the chat template "
+    "(e.g. '{\"enable_thinking\": false}').",
 )
 @TRUST_REMOTE_CODE
 @friendly_errors

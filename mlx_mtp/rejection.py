@@ -1,11 +1,11 @@
 """Acceptance of drafted tokens: greedy matching and exact speculative sampling.
 
-Speculative sampling follows Leviathan et al. 2023, "Fast Inference from Transformers via
-Speculative Decoding" (arXiv:2211.17192), with the names vLLM's rejection sampler uses:
-draft token x_j ~ q_j is *accepted* with probability min(1, p_j(x_j) / q_j(x_j)); at the
-first rejection a *recovered* token is drawn from norm(max(0, p_j - q_j)); when all k
-drafts are accepted a *bonus* token is drawn from p_k. The emitted tokens are then
-distributed exactly as plain sampling from p.
+Speculative sampling follows Leviathan et al. 2023, "Fast Inference from Transformers
+via Speculative Decoding" (arXiv:2211.17192), with the names vLLM's rejection sampler
+uses: draft token x_j ~ q_j is *accepted* with probability min(1, p_j(x_j) / q_j(x_j));
+at the first rejection a *recovered* token is drawn from norm(max(0, p_j - q_j)); when
+all k drafts are accepted a *bonus* token is drawn from p_k. The emitted tokens are
+then distributed exactly as plain sampling from p.
 
 Both functions are model-free and lazy: they return arrays, and the caller evaluates
 them together with the rest of the round (one host sync per round).

@@ -38,8 +38,8 @@ distribution after x is about the mixture p(pi(x)) = --follow (0.7), the rest sp
   y != x);
 - ``lm_head`` row y is ``alpha_y * d_{pi^-1(y)} + beta_y * u``, with
   ``alpha_y n = lead - log Z(y) + (alpha_y s)^2 / 2`` and
-  ``beta_y m = log Z(y) - (alpha_y s)^2 / 2 - alpha_y c·d_{pi^-1(y)}`` (c: the mean of h
-  off u, a nearly constant vector the damped layers add): the successor gets the logit
+  ``beta_y m = log Z(y) - (alpha_y s)^2 / 2 - alpha_y c·d_{pi^-1(y)}`` (c: the mean of
+  h off u, a nearly constant vector the damped layers add): the successor gets the logit
   ``lead``, every other token log Z(y) plus cross-term noise of std alpha_y s (about
   (lead - log Z(y)) / sqrt(H): 0.1 for the top tokens, 0.5 for the rarest at
   H = 1024; the -(alpha_y s)^2 / 2 keeps its mean over contexts Zipf);
@@ -191,8 +191,8 @@ def zipf_stats(parts: dict, h: mx.array, tokens: mx.array) -> dict:
     """Statistics of post-norm hidden states ``h`` (N, H) at ``tokens`` (N,): m = mean
     h·u; the mean of h off u, c (the damped layers add a nearly constant vector; its
     products with the directions, kept in ``parts["const"]``, would raise some tokens
-    everywhere, so `zipf_coefficients` cancels them through u); n = mean (h - c)·d_x and
-    s = rms of (h - c)·d_y over y != x."""
+    everywhere, so `zipf_coefficients` cancels them through u); n = mean (h - c)·d_x
+    and s = rms of (h - c)·d_y over y != x."""
     hu = h @ parts["u"]
     mean = h.mean(0)
     c = mean - (mean @ parts["u"]) * parts["u"]

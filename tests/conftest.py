@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints in each family's Hugging Face layout, built once."""
+"""Shared fixtures: tiny checkpoints in each family's Hugging Face layout, built
+once."""
 
 import mlx.core as mx
 import pytest

@@ -15,8 +15,9 @@ trunk we must match). It must not import mlx or mlx_lm.
   ``router_bias``, weights normalised and scaled by ``moe_router_scaling_factor``;
   SwiGLU experts clamped at ``swiglu_limits[i]`` and a shared expert clamped at
   ``swiglu_limits_shared[i]`` (a dense MLP uses the latter too).
-- MTP layer j is layer index L + j of these lists, under ``model.layers.{L+j}.transformer.``:
-  ``x = eh_proj([enorm(e), hnorm(h)])``, the decoder layer, ``shared_head.norm``.
+- MTP layer j is layer index L + j of these lists, under
+  ``model.layers.{L+j}.transformer.``: ``x = eh_proj([enorm(e), hnorm(h)])``, the
+  decoder layer, ``shared_head.norm``.
   No embedding is zeroed at position 0; the head is the trunk's ``lm_head``.
 """
 

@@ -47,7 +47,8 @@ def held_positions(caches) -> int:
 
 
 def fresh_caches(model, tokens):
-    """Trunk caches of a prefill of ``tokens``, and MTP caches of a teacher-forced pass."""
+    """Trunk caches of a prefill of ``tokens``, and MTP caches of a teacher-forced
+    pass."""
     caches = make_caches(model)
     seq = mx.array(tokens)[None]
     h = model.hidden(seq, caches.trunk)

@@ -20,7 +20,8 @@ from mlx_mtp.errors import MissingHeadsError, UnsupportedModelError
 
 @pytest.fixture
 def broken(checkpoint, tmp_path):
-    """``broken(family, edit_weights=None, edit_config=None) -> path`` of a damaged copy."""
+    """``broken(family, edit_weights=None, edit_config=None) -> path``: a damaged
+    copy."""
 
     def make(family, edit_weights=None, edit_config=None):
         out = tmp_path / "broken"

@@ -160,7 +160,8 @@ def test_tokenizer_round_trips(checkpoints, family):
     tok = load_tokenizer(path)
     config = json.loads((path / "config.json").read_text())
     gen = json.loads((path / "generation_config.json").read_text())
-    for text in ["Hello world!", "def add(a, b):\n    return a + b\n", "héllo ✓ 日本"]:
+    texts = ["Hello world!", "def add(a, b):\n    return a + b\n", "héllo ✓ 日本"]
+    for text in texts:
         ids = tok.encode(text)
         assert max(ids) < V
         assert tok.decode(ids) == text

@@ -89,9 +89,9 @@ def test_rollback_parity_after_partial_round(family, loaded):
 
 def mlx_conversion(src, dst, shift_heads=True):
     """Write what a correct converter writes: mlx-lm's sanitized trunk (norms shifted,
-    conv weights transposed, experts stacked) plus the ``mtp.*`` tensors with their norms
-    shifted too (or, with ``shift_heads=False``, left raw: the bug of shifting twice on
-    load would then be invisible, so that is the negative control's input)."""
+    conv weights transposed, experts stacked) plus the ``mtp.*`` tensors with their
+    norms shifted too (or, with ``shift_heads=False``, left raw: the bug of shifting
+    twice on load would then be invisible, so that is the negative control's input)."""
     trunk, _ = mlx_lm_load_model(src, lazy=False)
     weights = dict(tree_flatten(trunk.parameters()))
     raw = mx.load(str(src / "model.safetensors"))
@@ -154,7 +154,7 @@ def test_raw_heads_are_shifted_once(family, checkpoint):
         np.testing.assert_allclose(np.array(loaded_weight), np.array(raw[name] + 1.0))
 
 
-# --- the same mechanism on a Mamba-2 hybrid (mlx-lm's nemotron_h trunk) ----------------
+# --- the same mechanism on a Mamba-2 hybrid (mlx-lm's nemotron_h trunk) ------------
 
 
 @pytest.fixture(scope="module")

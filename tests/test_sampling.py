@@ -2,8 +2,9 @@
 
 The statistical test draws the first three tokens many times from a 16-token model and
 compares the joint distribution of the first two, and the marginal of the third, with
-the exact ones computed from the trunk, by chi-square tests at significance 1e-4. Negative controls run the same test with wrong
-acceptance rules and require it to fail, so the test has the power it claims.
+the exact ones computed from the trunk, by chi-square tests at significance 1e-4.
+Negative controls run the same test with wrong acceptance rules and require it to fail,
+so the test has the power it claims.
 """
 
 import math
@@ -154,7 +155,8 @@ def test_mtp_sampling_matches_target(small_model, k, params):
 
 @pytest.fixture(scope="module")
 def small_hybrid(checkpoint):
-    """A 16-token Qwen3.5 (Gated-DeltaNet) model: rejections roll recurrent state back."""
+    """A 16-token Qwen3.5 (Gated-DeltaNet) model: rejections roll recurrent state
+    back."""
     path = checkpoint("qwen3_5", vocab_size=VOCAB, tokenizer=False, seed=1)
     return load_model(str(path))[0]
 
@@ -174,7 +176,8 @@ def accept_always(draft_tokens, draft_logprobs, target_logprobs, key):
 
 
 def resample_from_target(draft_tokens, draft_logprobs, target_logprobs, key):
-    """Wrong rule: correct acceptance, but recover from p instead of norm(max(0, p-q))."""
+    """Wrong rule: correct acceptance, but recover from p instead of
+    norm(max(0, p - q))."""
     result = accept_stochastic(draft_tokens, draft_logprobs, target_logprobs, key)
     token = sample(target_logprobs[result.num_accepted], mx.random.split(key)[1])
     return AcceptResult(result.num_accepted, token)

@@ -426,7 +426,8 @@ def test_sigterm_and_sighup_stop_a_conversion_cleanly(command, sources, tmp_path
 
 
 def with_heads_as(src, dst, prefix, cast):
-    """A copy of checkpoint ``src`` whose tensors under ``prefix`` go through ``cast``."""
+    """A copy of checkpoint ``src`` whose tensors under ``prefix`` go through
+    ``cast``."""
     shutil.copytree(src, dst)
     for f in dst.glob("*.safetensors"):
         weights = mx.load(str(f))
