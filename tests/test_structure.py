@@ -179,3 +179,16 @@ def test_every_family_module_has_the_interface():
     broken.LAYOUT = get_family({"model_type": "mimo"}).LAYOUT
     with pytest.raises(TypeError, match="defines no FAMILY"):
         Family.from_module(broken)
+
+
+def test_lines_fit_88_columns():
+    """black's line length, for what black does not wrap (docstrings, comments)."""
+    paths = [*ROOT.glob("mlx_mtp/**/*.py"), *ROOT.glob("convert/**/*.py")]
+    paths += [*ROOT.glob("tests/**/*.py"), *ROOT.glob("scripts/**/*.py")]
+    long = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in paths
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if len(line) > 88
+    ]
+    assert not long, "lines over 88 columns:\n" + "\n".join(long)
