@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from .defaults import MAX_DRAFT_TOKENS, MIN_KV_SIZE
+from .defaults import MAX_DRAFT_TOKENS, MIN_KV_SIZE, SERVER_MAX_TOKENS
 from .options import DRAFT_SOURCES, DecodeOptions
 
 DEFAULTS = DecodeOptions()  # the decode flags' defaults
@@ -973,7 +973,7 @@ def train_heads(model, data, mlx_path, **options):
 @click.option(
     "--max-tokens",
     type=click.IntRange(min=1),
-    default=512,
+    default=SERVER_MAX_TOKENS,
     show_default=True,
     help="Tokens per reply when a request does not say.",
 )

@@ -6,3 +6,4 @@ MAX_DRAFT_TOKENS = 16  # drafts per round at most; far past any break-even accep
 DEFAULT_LOOKUP_TOKENS = 8  # the longest draft found in the context (prompt lookup)
 SINK_TOKENS = 4  # first positions mlx-lm's rotating cache (max_kv_size) always keeps
 MIN_KV_SIZE = SINK_TOKENS + 1  # the smallest max_kv_size: the sinks and one more
+SERVER_MAX_TOKENS = 512  # a server reply's tokens when the request does not say

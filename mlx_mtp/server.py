@@ -64,7 +64,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from . import draft_vocab
-from .defaults import MAX_DRAFT_TOKENS
+from .defaults import MAX_DRAFT_TOKENS, SERVER_MAX_TOKENS
 from .draft_length import model_costs
 from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
@@ -1147,11 +1147,9 @@ class MTPHandler(lm_server.APIHandler):
             raise bad_request("model must be a string", "model")
         provider.load(name)  # a RequestError for any other model
         body["model"] = provider.served  # replies name the served model
-        for field, neutral in UNSUPPORTED.items():
-            if field in body and body[field] not in neutral:
-                raise bad_request(
-                    f"{field} is not supported by mlx-mtp's decoding", field
-                )
+        for name, neutral in UNSUPPORTED.items():
+            if name in body and body[name] not in neutral:
+                raise bad_request(f"{name} is not supported by mlx-mtp's decoding", name)
         check_sampling(body, args.decode, provider.model.args.vocab_size)
         chat = self.path != "/v1/completions"
         need = "messages" if chat else "prompt"
@@ -1341,7 +1339,6 @@ def mtp_block(stats) -> dict:
 # --- the server ----------------------------------------------------------------------
 
 
-SERVER_MAX_TOKENS = 512  # a reply's tokens when the request does not say
 
 # The decode options `server_args` takes, as the server's defaults (a request may set
 # its sampling, drafting and max_tokens fields, `request_options`); any other is
