@@ -26,6 +26,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_mtp import load  # noqa: E402
 from mlx_mtp.distributed import Sync, world  # noqa: E402
 from mlx_mtp.speculative import mtp_generate_step  # noqa: E402
+from mlx_mtp.testing import HEADS
 
 PROMPT = list(range(3, 67))  # 64 tokens
 
@@ -48,12 +49,7 @@ def plain(model, n: int):
 def mtp(model, n: int, k):
     stats = None
     for out in mtp_generate_step(
-        PROMPT,
-        model,
-        num_draft_tokens=k,
-        max_tokens=n,
-        draft_source="heads",
-        draft_vocab=None,
+        PROMPT, model, HEADS, num_draft_tokens=k, max_tokens=n
     ):
         stats = out.stats
     return stats

@@ -18,6 +18,7 @@ from mlx_mtp import load
 from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.stats import MTPStats
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import (
     FAMILIES,
     write_checkpoint,
@@ -60,12 +61,11 @@ def run(model, ids, k, n, params, seed=0):
         mtp_generate_step(
             ids,
             model,
+            HEADS,
             num_draft_tokens=k,
             **asdict(params),
             max_tokens=n,
             seed=seed,
-            draft_source="heads",
-            draft_vocab=None,
         )
     )
     return [o.token for o in outs], outs[-1].stats

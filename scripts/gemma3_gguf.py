@@ -72,6 +72,7 @@ def main():
     from mlx_mtp.loading import load
     from mlx_mtp.paths import home
     from mlx_mtp.speculative import mtp_generate_step
+    from mlx_mtp.testing import HEADS
 
     work = args.work or home() / "gemma3-270m"
     work.mkdir(parents=True, exist_ok=True)
@@ -109,12 +110,7 @@ def main():
         tic = time.perf_counter()
         outs = list(
             mtp_generate_step(
-                ids,
-                model,
-                num_draft_tokens=k,
-                max_tokens=args.tokens,
-                draft_source="heads",
-                draft_vocab=None,
+                ids, model, HEADS, num_draft_tokens=k, max_tokens=args.tokens
             )
         )
         runs[k] = [o.token for o in outs]

@@ -13,6 +13,7 @@ from mlx_mtp import load
 from mlx_mtp.distributed import world
 from mlx_mtp.errors import MTPError
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 
 PROMPT = "def forward(self, x):"
 TOKENS = 16
@@ -40,24 +41,12 @@ def decode(model, tokenizer) -> dict:
     out = {"sharding": model.sharding, "ranks": world().size()}
     for k in (0, 1, 2, 3, "auto"):
         steps = mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=k,
-            max_tokens=TOKENS,
-            draft_source="heads",
-            draft_vocab=None,
+            ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS
         )
         out[f"greedy-{k}"] = [o.token for o in steps]
     for k in (0, 2):
         steps = mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=k,
-            max_tokens=TOKENS,
-            temp=1.0,
-            seed=7,
-            draft_source="heads",
-            draft_vocab=None,
+            ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS, temp=1.0, seed=7
         )
         out[f"sampled-{k}"] = [o.token for o in steps]
     return out

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from mlx_mtp.cli import main
 from mlx_mtp.loading import load_model
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -113,23 +114,11 @@ def test_synthetic_model_lands_near_its_acceptance(tmp_path, draft_vocab):
     for _ in range(3):
         prompt = rng.integers(0, 1024, 16).tolist()
         outs = list(
-            mtp_generate_step(
-                prompt,
-                model,
-                num_draft_tokens=1,
-                max_tokens=96,
-                draft_source="heads",
-                draft_vocab=None,
-            )
+            mtp_generate_step(prompt, model, HEADS, num_draft_tokens=1, max_tokens=96)
         )
         accepted.append(outs[-1].stats.acceptance_rate)
         plain = mtp_generate_step(
-            prompt,
-            model,
-            num_draft_tokens=0,
-            max_tokens=96,
-            draft_source="heads",
-            draft_vocab=None,
+            prompt, model, HEADS, num_draft_tokens=0, max_tokens=96
         )
         assert [o.token for o in outs] == [o.token for o in plain]
     assert abs(np.mean(accepted) - 0.6) < 0.12

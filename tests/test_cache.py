@@ -10,6 +10,7 @@ from mlx_mtp.cache import Caches, check_rollback, make_caches, mtp_caches
 from mlx_mtp.draft_length import DraftPolicy
 from mlx_mtp.errors import RollbackError
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import FAMILIES
 
 
@@ -78,12 +79,11 @@ def test_caches_equal_fresh_prefill_after_close(family, stop_after, policy, load
     steps = mtp_generate_step(
         prompt,
         model,
+        HEADS,
         num_draft_tokens=3,
         policy=None if policy == "fixed" else PlainRuns(3),
         max_tokens=64,
         caches=caches,
-        draft_source="heads",
-        draft_vocab=None,
     )
     seen = [o for _, o in zip(range(stop_after), steps)]
     steps.close()
@@ -109,13 +109,7 @@ def test_mtp_cache_keeps_up_over_a_long_run(loaded):
     caches = make_caches(model)
     outs = list(
         mtp_generate_step(
-            prompt,
-            model,
-            num_draft_tokens=2,
-            max_tokens=96,
-            caches=caches,
-            draft_source="heads",
-            draft_vocab=None,
+            prompt, model, HEADS, num_draft_tokens=2, max_tokens=96, caches=caches
         )
     )
     committed = len(prompt) + len(outs)
@@ -136,14 +130,7 @@ def test_loop_refuses_before_decoding(loaded):
     model, _ = loaded("mimo")
     caches = Caches(trunk=[ArraysCache(2) for _ in model.layers], mtp=mtp_caches(model))
     with pytest.raises(RollbackError):  # when called, before anything runs
-        mtp_generate_step(
-            [1, 2, 3],
-            model,
-            num_draft_tokens=2,
-            caches=caches,
-            draft_source="heads",
-            draft_vocab=None,
-        )
+        mtp_generate_step([1, 2, 3], model, HEADS, num_draft_tokens=2, caches=caches)
     assert all(c.offset == 0 for c in caches.mtp)
 
 
@@ -159,14 +146,7 @@ def test_quantized_kv_equals_fresh_prefill_after_rejections(checkpoint):
     caches = make_caches(model)
     kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
     steps = mtp_generate_step(
-        prompt,
-        model,
-        num_draft_tokens=3,
-        max_tokens=64,
-        caches=caches,
-        **kv,
-        draft_source="heads",
-        draft_vocab=None,
+        prompt, model, HEADS, num_draft_tokens=3, max_tokens=64, caches=caches, **kv
     )
     seen = [o for _, o in zip(range(30), steps)]
     steps.close()

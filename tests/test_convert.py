@@ -19,6 +19,7 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import quantize_heads
 from mlx_mtp.loading import load_model
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import FAMILIES
 
 PROMPT = [5, 77, 301, 12, 9, 140, 88, 2]
@@ -34,12 +35,7 @@ def greedy(model, k):
     return [
         o.token
         for o in mtp_generate_step(
-            PROMPT,
-            model,
-            num_draft_tokens=k,
-            max_tokens=N,
-            draft_source="heads",
-            draft_vocab=None,
+            PROMPT, model, HEADS, num_draft_tokens=k, max_tokens=N
         )
     ]
 
@@ -78,14 +74,7 @@ def test_round_trip_greedy_identity(family, precision, checkpoint, tmp_path):
     expected = greedy(reference, 0)
     assert greedy(converted, 0) == expected  # the conversion is faithful
     stats = list(
-        mtp_generate_step(
-            PROMPT,
-            converted,
-            num_draft_tokens=2,
-            max_tokens=N,
-            draft_source="heads",
-            draft_vocab=None,
-        )
+        mtp_generate_step(PROMPT, converted, HEADS, num_draft_tokens=2, max_tokens=N)
     )
     assert [o.token for o in stats] == expected  # and MTP decoding on it is exact
     assert stats[-1].stats.accepted > 0

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 
 from .distributed_worker import PROMPT, TOKENS
 
@@ -62,24 +63,12 @@ def single_process(model, tokenizer):
     out = {}
     for k in (0, 1, 2, 3, "auto"):
         steps = mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=k,
-            max_tokens=TOKENS,
-            draft_source="heads",
-            draft_vocab=None,
+            ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS
         )
         out[f"greedy-{k}"] = [o.token for o in steps]
     for k in (0, 2):
         steps = mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=k,
-            max_tokens=TOKENS,
-            temp=1.0,
-            seed=7,
-            draft_source="heads",
-            draft_vocab=None,
+            ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS, temp=1.0, seed=7
         )
         out[f"sampled-{k}"] = [o.token for o in steps]
     return out

@@ -16,6 +16,7 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load_model
 from mlx_mtp.resolve import draft_policy
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 
 from .test_greedy import NUM_TOKENS, PROMPTS, plain_greedy
 
@@ -100,14 +101,7 @@ def test_greedy_identity_when_k_changes_every_round(family, loaded):
         ids = tokenizer.encode(prompt)
         policy = RandomLength(allowed, seed=i)
         outs = list(
-            mtp_generate_step(
-                ids,
-                model,
-                policy=policy,
-                max_tokens=NUM_TOKENS,
-                draft_source="heads",
-                draft_vocab=None,
-            )
+            mtp_generate_step(ids, model, HEADS, policy=policy, max_tokens=NUM_TOKENS)
         )
         assert [o.token for o in outs] == plain_greedy(model, ids, NUM_TOKENS)
         assert policy.seen == set(allowed)
@@ -119,15 +113,7 @@ def test_greedy_identity_auto(loaded):
     model, tokenizer = loaded("deepseek_v3", predictable=True)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        outs = list(
-            mtp_generate_step(
-                ids,
-                model,
-                max_tokens=NUM_TOKENS,
-                draft_source="heads",
-                draft_vocab=None,
-            )
-        )
+        outs = list(mtp_generate_step(ids, model, HEADS, max_tokens=NUM_TOKENS))
         assert [o.token for o in outs] == plain_greedy(model, ids, NUM_TOKENS)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from mlx_mtp.cache import ListCache, make_caches
 from mlx_mtp.speculative import Session, mtp_generate_step
+from mlx_mtp.testing import HEADS
 
 from .test_greedy import plain_greedy
 from .test_numerics import SEQ, teacher_forced
@@ -36,13 +37,7 @@ def test_caches_are_lists_and_sessions_go_on(loaded):
     for text in ("def forward(self, x):", " return"):
         ids = tokenizer.encode(text)
         steps = mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=3,
-            max_tokens=20,
-            session=session,
-            draft_source="heads",
-            draft_vocab=None,
+            ids, model, HEADS, num_draft_tokens=3, max_tokens=20, session=session
         )
         out = [o.token for o in steps]
         assert out == plain_greedy(model, history + ids, 20)

@@ -10,6 +10,7 @@ import numpy as np
 from mlx_mtp import load
 from mlx_mtp.cache import WindowCache, make_caches
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_checkpoint
 
 from .numpy_reference import reference_logits
@@ -45,12 +46,5 @@ def test_sliding_mtp_layer(tmp_path):
     ids = tokenizer.encode("def forward(self, x):")
     expected = plain_greedy(model, ids, 40)
     for k in (1, 3):
-        steps = mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=k,
-            max_tokens=40,
-            draft_source="heads",
-            draft_vocab=None,
-        )
+        steps = mtp_generate_step(ids, model, HEADS, num_draft_tokens=k, max_tokens=40)
         assert [o.token for o in steps] == expected

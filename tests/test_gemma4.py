@@ -14,6 +14,7 @@ from mlx_mtp.cache import WindowCache, assistant_kv, make_caches
 from mlx_mtp.loading import load_model
 from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import Session, mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
 
 W = 8  # the fixtures' sliding window: 120 tokens wrap it 15 times
@@ -74,25 +75,13 @@ def test_chunked_prefill_and_sessions(model):
     first, second = list(range(100, 120)), [11, 12, 13]
     session = Session()
     steps = mtp_generate_step(
-        first,
-        model,
-        num_draft_tokens=3,
-        session=session,
-        prefill_step_size=3,
-        draft_source="heads",
-        draft_vocab=None,
+        first, model, HEADS, num_draft_tokens=3, session=session, prefill_step_size=3
     )
     got = [next(steps).token for _ in range(37)]
     steps.close()
     assert got == plain(model, first, 37)
     steps = mtp_generate_step(
-        second,
-        model,
-        num_draft_tokens=2,
-        max_tokens=60,
-        session=session,
-        draft_source="heads",
-        draft_vocab=None,
+        second, model, HEADS, num_draft_tokens=2, max_tokens=60, session=session
     )
     assert [o.token for o in steps] == plain(model, first + got + second, 60)
 

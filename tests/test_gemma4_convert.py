@@ -20,6 +20,7 @@ from mlx_mtp.convert.check import assistant_predictions
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load_model
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_llama
 from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
 
@@ -38,14 +39,7 @@ def pair(tmp_path_factory):
 
 
 def tokens(model, k):
-    steps = mtp_generate_step(
-        PROMPT,
-        model,
-        num_draft_tokens=k,
-        max_tokens=N,
-        draft_source="heads",
-        draft_vocab=None,
-    )
+    steps = mtp_generate_step(PROMPT, model, HEADS, num_draft_tokens=k, max_tokens=N)
     return [o.token for o in steps]
 
 

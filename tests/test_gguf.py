@@ -16,6 +16,7 @@ from mlx_mtp.errors import DiskFullError, MTPError
 from mlx_mtp.heads import source_fingerprint
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_llama
 
 from .gguf_writer import (
@@ -127,14 +128,7 @@ def to_gguf(hf, path, quantize=False, extra=None):
 def greedy(model, ids, k, n=40):
     return [
         o.token
-        for o in mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=k,
-            max_tokens=n,
-            draft_source="heads",
-            draft_vocab=None,
-        )
+        for o in mtp_generate_step(ids, model, HEADS, num_draft_tokens=k, max_tokens=n)
     ]
 
 

@@ -5,6 +5,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import FAMILIES
 
 NUM_TOKENS = 64
@@ -18,14 +19,7 @@ def plain_greedy(model, prompt, n):
 
 def mtp_greedy(model, prompt, n, k):
     outs = list(
-        mtp_generate_step(
-            prompt,
-            model,
-            num_draft_tokens=k,
-            max_tokens=n,
-            draft_source="heads",
-            draft_vocab=None,
-        )
+        mtp_generate_step(prompt, model, HEADS, num_draft_tokens=k, max_tokens=n)
     )
     return [o.token for o in outs], outs[-1].stats
 
@@ -92,13 +86,7 @@ def test_long_prompt_chunked_prefill(loaded):
     ids = tokenizer.encode("def f(x):\n    return x * 2\n" * 12)
     expected = plain_greedy(model, ids, 24)
     steps = mtp_generate_step(
-        ids,
-        model,
-        num_draft_tokens=2,
-        max_tokens=24,
-        prefill_step_size=16,
-        draft_source="heads",
-        draft_vocab=None,
+        ids, model, HEADS, num_draft_tokens=2, max_tokens=24, prefill_step_size=16
     )
     assert [o.token for o in steps] == expected
 
@@ -110,13 +98,12 @@ def test_drafting_params_do_not_matter_for_greedy(loaded):
     outs = mtp_generate_step(
         ids,
         model,
+        HEADS,
         num_draft_tokens=2,
         temp=0.0,
         top_p=0.5,
         top_k=3,
         max_tokens=32,
-        draft_source="heads",
-        draft_vocab=None,
     )
     assert [o.token for o in outs] == plain_greedy(model, ids, 32)
 
@@ -149,12 +136,11 @@ def test_greedy_identity_with_quantized_kv(checkpoint):
                 mtp_generate_step(
                     ids,
                     model,
+                    HEADS,
                     num_draft_tokens=k,
                     max_tokens=NUM_TOKENS,
                     **kv,
                     caches=caches,
-                    draft_source="heads",
-                    draft_vocab=None,
                 )
             )
             assert [o.token for o in outs] == expected, (prompt, k)
@@ -170,12 +156,6 @@ def test_plain_path_with_rotating_window(loaded):
     steps = generate_step(mx.array(ids), model.trunk, max_tokens=48, max_kv_size=16)
     expected = [int(t) for t, _ in steps]
     outs = mtp_generate_step(
-        ids,
-        model,
-        num_draft_tokens=0,
-        max_tokens=48,
-        max_kv_size=16,
-        draft_source="heads",
-        draft_vocab=None,
+        ids, model, HEADS, num_draft_tokens=0, max_tokens=48, max_kv_size=16
     )
     assert [o.token for o in outs] == expected

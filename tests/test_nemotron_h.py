@@ -13,6 +13,7 @@ from mlx_mtp import load
 from mlx_mtp.errors import MissingHeadsError, UnsupportedModelError
 from mlx_mtp.models.nemotron_h import step_pattern
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_checkpoint
 
 from .test_greedy import plain_greedy
@@ -84,14 +85,7 @@ def test_three_sub_layer_step_decodes_exactly(tmp_path):
     ids = tokenizer.encode("def forward(self, x):")
     expected = plain_greedy(model, ids, 32)
     for k in (1, 3):
-        steps = mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=k,
-            max_tokens=32,
-            draft_source="heads",
-            draft_vocab=None,
-        )
+        steps = mtp_generate_step(ids, model, HEADS, num_draft_tokens=k, max_tokens=32)
         assert [o.token for o in steps] == expected
 
 

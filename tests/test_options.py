@@ -12,6 +12,7 @@ from mlx_mtp.generate import stream_generate
 from mlx_mtp.options import DecodeOptions
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.stats import MTPStats
+from mlx_mtp.testing import HEADS
 
 # CLI flags of generate and chat whose parameter is an option of the same name
 CLI_COMMANDS = ("generate", "chat")
@@ -118,12 +119,7 @@ def test_a_scripted_policy_drives_the_loop(loaded):
     model, tokenizer = loaded("deepseek_v3", predictable=True)
     policy = Recorder(2)
     steps = mtp_generate_step(
-        tokenizer.encode("def f(x):"),
-        model,
-        policy=policy,
-        max_tokens=12,
-        draft_source="heads",
-        draft_vocab=None,
+        tokenizer.encode("def f(x):"), model, HEADS, policy=policy, max_tokens=12
     )
     tokens = [o.token for o in steps]
     assert len(tokens) == 12

@@ -10,6 +10,7 @@ from mlx_mtp.convert.train_heads import train_heads
 from mlx_mtp.loading import load
 from mlx_mtp.models import get_family
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_retrofitted
 
 from .test_train_heads import DATA, QUICK
@@ -54,14 +55,7 @@ def plain(model, prompt, n):
 
 def drafted(model, prompt, n, k):
     outs = list(
-        mtp_generate_step(
-            prompt,
-            model,
-            num_draft_tokens=k,
-            max_tokens=n,
-            draft_source="heads",
-            draft_vocab=None,
-        )
+        mtp_generate_step(prompt, model, HEADS, num_draft_tokens=k, max_tokens=n)
     )
     return [o.token for o in outs], outs[-1].stats
 

@@ -20,6 +20,7 @@ from mlx_mtp.loading import load_model
 from mlx_mtp.rejection import AcceptResult, accept_stochastic
 from mlx_mtp.sampling import SamplingParams, filtered_logprobs, sample
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 
 VOCAB = 16
 PROMPT = [3, 7]
@@ -65,13 +66,12 @@ def sample_tokens(model, params, k, n):
         steps = mtp_generate_step(
             PROMPT,
             model,
+            HEADS,
             num_draft_tokens=policy.max_k if policy else k,
             policy=policy,
             **asdict(params),
             max_tokens=(max(k) if isinstance(k, tuple) else k) + 2,
             seed=seed,
-            draft_source="heads",
-            draft_vocab=None,
         )
         out[seed] = [o.token for _, o in zip(range(3), steps)]
         steps.close()
@@ -196,12 +196,11 @@ def test_seed_reproducible(small_model):
         steps = mtp_generate_step(
             PROMPT,
             small_model,
+            HEADS,
             num_draft_tokens=3,
             **asdict(params),
             max_tokens=24,
             seed=seed,
-            draft_source="heads",
-            draft_vocab=None,
         )
         return [o.token for o in steps]
 

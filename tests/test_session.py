@@ -5,19 +5,14 @@ import pytest
 
 from mlx_mtp.errors import MTPError
 from mlx_mtp.speculative import Session, mtp_generate_step
+from mlx_mtp.testing import HEADS
 
 from .test_greedy import plain_greedy
 
 
 def turn(model, session, ids, n, k, stop_after=None):
     steps = mtp_generate_step(
-        ids,
-        model,
-        num_draft_tokens=k,
-        max_tokens=n,
-        session=session,
-        draft_source="heads",
-        draft_vocab=None,
+        ids, model, HEADS, num_draft_tokens=k, max_tokens=n, session=session
     )
     out = []
     for o in steps:
@@ -51,16 +46,7 @@ def test_session_keeps_its_draft_depth(loaded):
     with pytest.raises(MTPError, match="drafts with 2 MTP layer"):
         turn(model, session, tokenizer.encode(" again"), 4, 1)
     with pytest.raises(MTPError, match="rotating KV window"):
-        list(
-            mtp_generate_step(
-                [1, 2],
-                model,
-                session=Session(),
-                max_kv_size=8,
-                draft_source="heads",
-                draft_vocab=None,
-            )
-        )
+        list(mtp_generate_step([1, 2], model, HEADS, session=Session(), max_kv_size=8))
 
 
 def test_chat_turns_reuse_the_session(loaded):

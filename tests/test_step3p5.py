@@ -14,6 +14,7 @@ from mlx_mtp import load
 from mlx_mtp.cache import WindowCache, make_caches
 from mlx_mtp.errors import MissingHeadsError, UnsupportedModelError
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 
 from .test_greedy import plain_greedy
 
@@ -43,13 +44,7 @@ def test_chunked_prefill_past_the_window(loaded):
     expected = plain_greedy(model, ids, 24)
     for k in (1, 2):
         steps = mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=k,
-            max_tokens=24,
-            prefill_step_size=5,
-            draft_source="heads",
-            draft_vocab=None,
+            ids, model, HEADS, num_draft_tokens=k, max_tokens=24, prefill_step_size=5
         )
         assert [o.token for o in steps] == expected
 

@@ -14,6 +14,7 @@ from mlx_mtp.convert import check
 from mlx_mtp.convert.train_heads import TrainConfig, train_heads
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_llama
 
 STDLIB = Path(json.__file__).parent.parent  # CPython's own sources: offline text
@@ -67,25 +68,9 @@ def test_loss_goes_down_and_output_loads(trunk, tmp_path):
     model, tokenizer = load(str(out))
     assert model.num_mtp_layers == 1 and model.mtp.draft_vocab.shape == (96,)
     ids = tokenizer.encode("def wrap(text, width):")
-    outs = list(
-        mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=2,
-            max_tokens=32,
-            draft_source="heads",
-            draft_vocab=None,
-        )
-    )
+    outs = list(mtp_generate_step(ids, model, HEADS, num_draft_tokens=2, max_tokens=32))
     plain = list(
-        mtp_generate_step(
-            ids,
-            model,
-            num_draft_tokens=0,
-            max_tokens=32,
-            draft_source="heads",
-            draft_vocab=None,
-        )
+        mtp_generate_step(ids, model, HEADS, num_draft_tokens=0, max_tokens=32)
     )
     assert [o.token for o in outs] == [o.token for o in plain]  # exact, whatever heads
     vocab = np.array(model.mtp.draft_vocab)
@@ -197,12 +182,7 @@ def test_trains_heads_for_other_families(family, checkpoint, tmp_path):
         [
             o.token
             for o in mtp_generate_step(
-                prompt,
-                model,
-                num_draft_tokens=k,
-                max_tokens=24,
-                draft_source="heads",
-                draft_vocab=None,
+                prompt, model, HEADS, num_draft_tokens=k, max_tokens=24
             )
         ]
         for k in (0, 2)

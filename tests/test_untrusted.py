@@ -23,6 +23,7 @@ from mlx_mtp.loading import load
 from mlx_mtp.paths import home
 from mlx_mtp.server import Server, server_args
 from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_checkpoint
 
 PROMPT = "Write a function."
@@ -385,15 +386,7 @@ def test_max_kv_size_below_the_sinks_is_refused_by_the_api(folder):
         with pytest.raises(MTPError, match="max_kv_size must be"):
             list(stream_generate(model, tokenizer, PROMPT, 4, max_kv_size=size))
         with pytest.raises(MTPError, match="max_kv_size must be"):
-            list(
-                mtp_generate_step(
-                    [1, 2, 3],
-                    model,
-                    max_kv_size=size,
-                    draft_source="heads",
-                    draft_vocab=None,
-                )
-            )
+            list(mtp_generate_step([1, 2, 3], model, HEADS, max_kv_size=size))
     plain = generate(model, tokenizer, PROMPT, max_tokens=8, num_draft_tokens=0)
     assert generate(model, tokenizer, PROMPT, max_tokens=8, max_kv_size=64) == plain
     assert generate(model, tokenizer, PROMPT, max_tokens=8, max_kv_size=5)

@@ -16,12 +16,13 @@ from mlx_mtp.draft_length import DraftPolicy
 from mlx_mtp.errors import MTPError, RollbackError
 from mlx_mtp.loading import load, load_model
 from mlx_mtp.speculative import Session, mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_gemma3, write_gpt_oss, write_llama
 
 from .test_draft_length import RandomLength
 
 W = 8  # the fixture's window: 120 generated tokens wrap it 15 times
-HEADS, DIM = 2, 16
+KV_HEADS, DIM = 2, 16
 PROMPTS = ([5, 77, 301], list(range(40, 60)))  # shorter and longer than the window
 
 
@@ -34,7 +35,7 @@ def attend(q, keys, values, mask):
 
 def stream(n, seed=0):
     rng = np.random.default_rng(seed)
-    shape = (1, HEADS, n, DIM)
+    shape = (1, KV_HEADS, n, DIM)
     return [mx.array(rng.standard_normal(shape).astype(np.float32)) for _ in range(3)]
 
 
@@ -155,12 +156,7 @@ def greedy_identity(model, prompts, n=120, ks=(1, 2, 3, 4), policies=()):
         for k in ks:
             outs = list(
                 mtp_generate_step(
-                    prompt,
-                    model,
-                    num_draft_tokens=k,
-                    max_tokens=n,
-                    draft_source="heads",
-                    draft_vocab=None,
+                    prompt, model, HEADS, num_draft_tokens=k, max_tokens=n
                 )
             )
             assert [o.token for o in outs] == expected, (len(prompt), k)
@@ -170,14 +166,7 @@ def greedy_identity(model, prompts, n=120, ks=(1, 2, 3, 4), policies=()):
             chosen = {"num_draft_tokens": policy}
             if isinstance(policy, DraftPolicy):
                 chosen = {"policy": policy}
-            outs = mtp_generate_step(
-                prompt,
-                model,
-                **chosen,
-                max_tokens=n,
-                draft_source="heads",
-                draft_vocab=None,
-            )
+            outs = mtp_generate_step(prompt, model, HEADS, **chosen, max_tokens=n)
             assert [o.token for o in outs] == expected, (len(prompt), policy)
     return hist
 
@@ -195,13 +184,7 @@ def test_chunked_prefill_past_the_window(model):
     prompt = list(range(100, 120))
     expected = plain(model, prompt, 40)
     steps = mtp_generate_step(
-        prompt,
-        model,
-        num_draft_tokens=2,
-        max_tokens=40,
-        prefill_step_size=3,
-        draft_source="heads",
-        draft_vocab=None,
+        prompt, model, HEADS, num_draft_tokens=2, max_tokens=40, prefill_step_size=3
     )
     assert [o.token for o in steps] == expected
 
@@ -218,27 +201,14 @@ def test_early_close_and_sessions_equal_a_fresh_prefill(model):
     conversation exactly as plain decoding of it does."""
     first, second = PROMPTS[1], [11, 12, 13]
     session = Session()
-    steps = mtp_generate_step(
-        first,
-        model,
-        num_draft_tokens=3,
-        session=session,
-        draft_source="heads",
-        draft_vocab=None,
-    )
+    steps = mtp_generate_step(first, model, HEADS, num_draft_tokens=3, session=session)
     got = [next(steps).token for _ in range(37)]
     steps.close()  # early: the round in flight is dropped
     assert got == plain(model, first, 37)
     reply = [
         o.token
         for o in mtp_generate_step(
-            second,
-            model,
-            num_draft_tokens=3,
-            max_tokens=60,
-            session=session,
-            draft_source="heads",
-            draft_vocab=None,
+            second, model, HEADS, num_draft_tokens=3, max_tokens=60, session=session
         )
     ]
     assert reply == plain(model, first + got + second, 60)
@@ -312,12 +282,6 @@ def test_max_kv_size_drafts_exactly(checkpoint):
         expected = [int(t) for t, _ in steps]
         for k in (0, 1, 3):
             outs = mtp_generate_step(
-                prompt,
-                model,
-                num_draft_tokens=k,
-                max_tokens=100,
-                max_kv_size=16,
-                draft_source="heads",
-                draft_vocab=None,
+                prompt, model, HEADS, num_draft_tokens=k, max_tokens=100, max_kv_size=16
             )
             assert [o.token for o in outs] == expected, (len(prompt), k)
