@@ -18,6 +18,7 @@ from mlx_mtp.draft_vocab import FILE as RANKING
 from mlx_mtp.errors import MTPError
 from mlx_mtp.heads import quantize_heads
 from mlx_mtp.loading import load_model
+from mlx_mtp.models import get_family
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import FAMILIES
@@ -92,27 +93,25 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family,prefix",
+    "family",
     [
-        ("qwen3_5", "mtp."),
-        ("deepseek_v3", "model.layers.3."),
-        ("glm4_moe_lite", "model.layers.3."),
-        ("deepseek_v32", "model.layers.3."),
-        ("exaone_moe", "mtp."),
-        ("ernie4_5_moe", "model.mtp_"),
-        ("longcat_flash", "model.mtp."),
-        ("bailing_hybrid", "model.layers.4."),
-        ("bailing_moe_v3", "model.layers.4."),
-        ("mimo_v2_flash", "model.mtp."),
-        ("nemotron_h", "mtp."),
-        ("step3p5", ("model.layers.3.", "model.layers.4.")),
+        "qwen3_5",
+        "deepseek_v3",
+        "glm4_moe_lite",
+        "deepseek_v32",
+        "exaone_moe",
+        "ernie4_5_moe",
+        "longcat_flash",
+        "bailing_hybrid",
+        "bailing_moe_v3",
+        "mimo_v2_flash",
+        "nemotron_h",
+        "step3p5",
     ],
 )
-def test_graft_onto_conversion_without_heads(
-    family, prefix, checkpoint, tmp_path, caplog
-):
+def test_graft_onto_conversion_without_heads(family, checkpoint, tmp_path, caplog):
     src = checkpoint(family, predictable=True, num_shards=2)
-    plain_src = strip_heads(src, tmp_path / "plain-src", prefix)
+    plain_src = strip_heads(src, tmp_path / "plain-src")
     bare = convert(
         str(plain_src), tmp_path / "bare", quantize=True, q_bits=4, progress=False
     )
@@ -227,9 +226,9 @@ def test_cli_convert_and_bad_inputs(checkpoint, tmp_path):
     assert run_cli("convert", "--hf-path", src).exit_code == 2  # no output
 
 
-def strip_heads(src, dst, prefix):
-    """A copy of checkpoint ``src`` without its MTP tensors (names under ``prefix``, a
-    string or a tuple of them)."""
+def strip_heads(src, dst, prefix=None):
+    """A copy of checkpoint ``src`` without its MTP tensors: names under ``prefix`` (a
+    string or a tuple of them), or by default those its family's split finds."""
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix == ".json" and f.name != "model.safetensors.index.json":
@@ -237,7 +236,12 @@ def strip_heads(src, dst, prefix):
     weights = {}
     for f in src.glob("*.safetensors"):
         weights.update(mx.load(str(f)))
-    weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+    config = json.loads((src / "config.json").read_text())
+    layer_of = get_family(config).mtp_layer_of
+    if prefix is None:
+        weights = {k: v for k, v in weights.items() if layer_of(k, config) is None}
+    else:
+        weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
     mx.save_safetensors(str(dst / "model.safetensors"), weights, {"format": "pt"})
     return dst
 
