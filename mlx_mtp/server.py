@@ -1149,7 +1149,8 @@ class MTPHandler(lm_server.APIHandler):
         body["model"] = provider.served  # replies name the served model
         for name, neutral in UNSUPPORTED.items():
             if name in body and body[name] not in neutral:
-                raise bad_request(f"{name} is not supported by mlx-mtp's decoding", name)
+                message = f"{name} is not supported by mlx-mtp's decoding"
+                raise bad_request(message, name)
         check_sampling(body, args.decode, provider.model.args.vocab_size)
         chat = self.path != "/v1/completions"
         need = "messages" if chat else "prompt"
