@@ -134,7 +134,7 @@ def model_costs(model, max_k: int, vocabs: Sequence[int] = ()) -> RoundCosts:
         return costs
     sync = Sync(model.group)
     key = _cost_key(model)
-    stored = parse_costs(_stored_costs().get(key)) if key else None
+    stored = previous = parse_costs(_stored_costs().get(key)) if key else None
     has_heads = model.assistant is not None or model.num_mtp_layers > 0
     if not (stored and enough(stored)) or (has_heads and not stored.draft > 0):
         stored = None
@@ -142,13 +142,8 @@ def model_costs(model, max_k: int, vocabs: Sequence[int] = ()) -> RoundCosts:
         zeros = RoundCosts([0.0] * (max_k + 1), 0.0, dict.fromkeys(vocabs, 0.0))
         costs = stored or zeros
     else:  # every rank times the same passes (a sharded trunk's collectives match)
-        # Measured for what the default options need too, so that a later run with
-        # other options finds the same costs (a seeded run then drafts the same ks).
-        reach = max(max_k, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_LOOKUP_TOKENS)
-        sizes = set(vocabs)
-        if model.vocab_ranking is not None:
-            sizes.update(auto_sizes(model.args.vocab_size))
-        costs = measure_costs(model, reach, vocabs=sorted(sizes))
+        reach, sizes = _to_measure(model, max_k, vocabs, previous)
+        costs = measure_costs(model, reach, vocabs=sizes)
         if key and sync.rank == 0:
             _store_costs(key, costs)
     if sync.group is not None:  # rank 0's costs, so that every rank picks the same k
@@ -159,6 +154,22 @@ def model_costs(model, max_k: int, vocabs: Sequence[int] = ()) -> RoundCosts:
         costs = RoundCosts(shared[:n], shared[n], dict(zip(sizes, shared[n + 1 :])))
     model.round_costs = costs
     return costs
+
+
+def _to_measure(model, max_k: int, vocabs, previous: Optional[RoundCosts]):
+    """The longest k and the draft vocabulary sizes a new measurement covers: what is
+    asked, what the default options need, and what the stored entry it replaces held
+    (so that a later run with other options, or an earlier one's, finds the same
+    costs: a seeded run then drafts the same ks), within `MAX_DRAFT_VOCABS` sizes."""
+    reach = max(max_k, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_LOOKUP_TOKENS)
+    sizes = set(vocabs)
+    if model.vocab_ranking is not None:
+        sizes.update(auto_sizes(model.args.vocab_size))
+    if previous is not None:
+        reach = max(reach, len(previous.verify) - 1)
+        kept = sorted(set(previous.drafts) - sizes)
+        sizes.update(kept[: max(0, MAX_DRAFT_VOCABS - len(sizes))])
+    return reach, sorted(sizes)
 
 
 def _costs_file() -> Path:
