@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from mlx_mtp import MTPError, generate, load, stream_generate
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MissingHeadsError, UnsupportedModelError
+from mlx_mtp.testing.fixtures import FAMILIES
 
 
 @pytest.fixture
@@ -377,25 +378,10 @@ def test_bench_refuses_too_few_tokens_and_unwritable_json(checkpoint, tmp_path):
     assert time.time() - start < 5  # refused before the run
 
 
-NEW_FAMILIES = (
-    "glm4_moe_lite",
-    "nemotron_h",
-    "step3p5",
-    "mimo_v2_flash",
-    "deepseek_v32",
-    "glm_moe_dsa",
-    "exaone_moe",
-    "ernie4_5_moe",
-    "longcat_flash",
-    "bailing_hybrid",
-    "bailing_moe_v3",
-)
-
-
-@pytest.mark.parametrize("family", NEW_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_missing_or_misshapen_fusion_projection(family, broken, checkpoint):
-    """Every family added by the MTP-families issue: the MTP layer's fusion
-    projection missing, or of the wrong shape, is one clear error at load."""
+    """Every family: the MTP layer's fusion projection missing, or of the wrong
+    shape, is one clear error at load."""
     from mlx_mtp.models import get_family
 
     config = json.loads((checkpoint(family) / "config.json").read_text())
