@@ -869,6 +869,10 @@ class _Deadline:
         self._raw.close()
 
 
+# mlx-lm's handler attributes whose request field has another name
+HANDLER_FIELDS = {"requested_model": "model"}
+
+
 class MTPHandler(lm_server.APIHandler):
     """mlx-lm's handler with authentication, checks that keep web pages out (Origin,
     Host, Content-Type), bounded requests, OpenAI-style errors, the decode options
@@ -1263,10 +1267,16 @@ class MTPHandler(lm_server.APIHandler):
     # own form, a `_Refusal` is raised instead, which `do_POST` answers in OpenAI's.
 
     def validate_model_parameters(self) -> None:
+        """mlx-lm's checks of the fields it reads, each refusal a 400 whose ``param``
+        is the field (its messages start with the name it reads the field as)."""
         try:
             super().validate_model_parameters()
         except ValueError as e:
-            raise _Refusal(bad_request(str(e))) from None
+            message = str(e)
+            name = message.split(" ", 1)[0]
+            field = HANDLER_FIELDS.get(name, name)
+            param = field if field in self.body else None
+            raise _Refusal(bad_request(message, param)) from None
 
     def handle_chat_completions(self):
         """mlx-lm's, less its fetching of image URLs: `check_messages` refused image
@@ -1338,7 +1348,6 @@ def mtp_block(stats) -> dict:
 
 
 # --- the server ----------------------------------------------------------------------
-
 
 
 # The decode options `server_args` takes, as the server's defaults (a request may set

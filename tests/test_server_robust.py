@@ -607,3 +607,15 @@ def test_a_second_ctrl_c_quits_quietly(model_path):
         reader.result()
     except (http.client.HTTPException, OSError):
         pass  # a stream may be cut: the second Ctrl-C quits at once
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("stream", "yes"), ("logprobs", 1), ("top_logprobs", 50), ("model", 7)],
+)
+def test_mlx_lms_own_checks_name_the_field(served, field, value):
+    """The fields mlx-lm's handler checks itself are refused naming them too."""
+    status, reply = post(served, {"messages": MESSAGES, "max_tokens": 4, field: value})
+    assert status == 400, reply
+    assert reply["error"]["param"] == field, reply
+    assert_serving(served)
