@@ -89,7 +89,7 @@ def test_bench_with_sources_and_draft_vocabularies(checkpoint, tmp_path):
 def test_synthetic_model_lands_near_its_acceptance(tmp_path, draft_vocab):
     out = tmp_path / "syn"
     args = [
-        "--draft-vocab",
+        "--draft-vocab-size",
         str(draft_vocab),
         "--acceptance",
         "0.6",

@@ -273,7 +273,7 @@ def test_sampling_test_catches_a_draft_reported_as_unrestricted(ranked, monkeypa
 
 def test_convert_graft_and_quantization_keep_the_ranking(checkpoint, tmp_path):
     """convert (float, and 4-bit trunk with 8-bit heads) and graft store the ranking;
-    loading reads it back (no ranking on first use); --no-draft-vocab stores none."""
+    loading reads it back (no ranking on first use); --no-rank-vocab stores none."""
     from mlx_mtp.convert import convert, graft_heads
 
     src = checkpoint("qwen3_5", predictable=True)
@@ -301,7 +301,7 @@ def test_convert_graft_and_quantization_keep_the_ranking(checkpoint, tmp_path):
         )
         assert [o.token for o in steps] == plain_greedy(model, ids, 24)
     bare = tmp_path / "bare"
-    convert(str(src), str(bare), progress=False, draft_vocab=False)
+    convert(str(src), str(bare), progress=False, rank_vocab=False)
     assert "draft_vocab" not in json.loads((bare / "config.json").read_text())["mtp"]
     trunk_only = tmp_path / "trunk"
     convert(str(src), str(trunk_only), progress=False)
