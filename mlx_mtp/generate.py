@@ -76,9 +76,8 @@ def stream_generate(
         max_tokens: Tokens to generate (-1: until EOS; default: the options').
         options: The `mlx_mtp.options.DecodeOptions` (default: its defaults);
             ``fields``, option names as keywords (``temp=0.7``,
-            ``num_draft_tokens=2``, ...), override some of them. Drafting,
-            sampling (as in mlx-lm) and KV-cache options are described in
-            `mlx_mtp.speculative.mtp_generate_step`.
+            ``num_draft_tokens=2``, ...), override some of them. The drafting,
+            sampling (as in mlx-lm) and KV-cache options are described there.
         session: A `Session` to go on from (multi-turn chat): ``prompt`` is then what
             follows the tokens of earlier calls, whose caches are reused.
         on_prefill: Called with the session once the prompt is in its caches.

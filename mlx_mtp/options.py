@@ -18,16 +18,37 @@ DRAFT_SOURCES = ("heads", "lookup", "auto")
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """Everything a generation is decoded with (`mlx_mtp.speculative.mtp_generate_step`
-    says what each setting does).
+    """Everything a generation is decoded with; `check` says whether it is valid.
 
-    Drafting: ``num_draft_tokens`` (k: 0 is plain decoding; "auto" picks k in
-    0..``max_draft_tokens`` each round), ``draft_source`` ("heads", "lookup", "auto"),
-    ``lookup_tokens`` (the longest prompt-lookup draft), ``draft_vocab`` (the head
-    rows the MTP heads draft from: "auto", "full", a number of tokens, or None for the
-    heads' own). Sampling as in mlx-lm (``temp == 0`` is greedy) and ``seed``. The
-    prompt's chunk size, a rotating KV window (``max_kv_size``) and mlx-lm's KV-cache
-    quantization (``kv_bits`` and friends).
+    - ``num_draft_tokens``: drafts per round, k (0 runs plain decoding, the
+      baseline); "auto" picks k in 0..``max_draft_tokens`` each round from
+      the measured costs and the recent acceptance (`mlx_mtp.draft_length`);
+      ``max_draft_tokens`` is the largest k "auto" picks.
+    - ``temp``, ``top_p``, ``top_k``, ``min_p``, ``min_tokens_to_keep``:
+      sampling, as in mlx-lm; ``temp == 0`` is greedy. ``seed``: the seed of
+      the sampling keys (None draws one at random).
+    - ``max_tokens``: tokens to generate; -1 for no limit.
+    - ``prefill_step_size``: the prompt's chunk size.
+    - ``max_kv_size``: a rotating KV window for new caches (wrapped windows
+      roll back exactly, `mlx_mtp.cache.WindowCache`); not with a session.
+    - ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``: the trunk's
+      KV-cache quantization, as in mlx-lm.
+    - ``draft_source``: "heads" drafts with the MTP heads (or an
+      assistant); "lookup" drafts, each round where the context has one,
+      the continuation of the latest earlier occurrence of its last tokens
+      (`mlx_mtp.lookup`), up to ``lookup_tokens`` tokens, and falls back to
+      the heads otherwise (it works for a model without heads too); "auto"
+      drafts from whichever source (and lookup length) its measured
+      acceptance and the round costs say is fastest
+      (`mlx_mtp.draft_length.SourceChoice`). With ``num_draft_tokens=0``
+      "auto" decodes plainly and "lookup" drafts from the context only.
+    - ``draft_vocab``: the rows of the shared head the MTP heads draft from
+      (`mlx_mtp.draft_vocab`): None, their own (the whole head, or the draft
+      vocabulary heads were trained with); "full", the whole head; a number
+      n of tokens, the n the model is most expected to emit; or "auto", the
+      heads' own rows or one of a few sizes, round by round, whichever the
+      measured costs, acceptance and share of generated tokens inside say
+      is fastest. The target distribution is never restricted.
     """
 
     max_tokens: int = 256

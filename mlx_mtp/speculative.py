@@ -411,37 +411,9 @@ def mtp_generate_step(
     Args:
         prompt: Prompt token ids (list or 1-D ``mx.array``), not empty.
         model: An `mlx_mtp.models.base.Model`.
-        options: The `DecodeOptions` (default: its defaults); ``fields`` (option
-            names) override some of them. What they do:
-
-            - ``num_draft_tokens``: drafts per round, k (0 runs plain decoding, the
-              baseline); "auto" picks k in 0..``max_draft_tokens`` each round from
-              the measured costs and the recent acceptance (`mlx_mtp.draft_length`).
-            - ``temp``, ``top_p``, ``top_k``, ``min_p``, ``min_tokens_to_keep``:
-              sampling, as in mlx-lm; ``temp == 0`` is greedy. ``seed``: the seed of
-              the sampling keys (None draws one at random).
-            - ``max_tokens``: tokens to generate; -1 for no limit.
-            - ``prefill_step_size``: the prompt's chunk size.
-            - ``max_kv_size``: a rotating KV window for new caches (wrapped windows
-              roll back exactly, `mlx_mtp.cache.WindowCache`); not with a session.
-            - ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``: the trunk's
-              KV-cache quantization, as in mlx-lm.
-            - ``draft_source``: "heads" drafts with the MTP heads (or an
-              assistant); "lookup" drafts, each round where the context has one,
-              the continuation of the latest earlier occurrence of its last tokens
-              (`mlx_mtp.lookup`), up to ``lookup_tokens`` tokens, and falls back to
-              the heads otherwise (it works for a model without heads too); "auto"
-              drafts from whichever source (and lookup length) its measured
-              acceptance and the round costs say is fastest
-              (`mlx_mtp.draft_length.SourceChoice`). With ``num_draft_tokens=0``
-              "auto" decodes plainly and "lookup" drafts from the context only.
-            - ``draft_vocab``: the rows of the shared head the MTP heads draft from
-              (`mlx_mtp.draft_vocab`): None, their own (the whole head, or the draft
-              vocabulary heads were trained with); "full", the whole head; a number
-              n of tokens, the n the model is most expected to emit; or "auto", the
-              heads' own rows or one of a few sizes, round by round, whichever the
-              measured costs, acceptance and share of generated tokens inside say
-              is fastest. The target distribution is never restricted.
+        options: The `DecodeOptions` (default: its defaults; its docstring says
+            what each option does); ``fields``, option names as keywords, override
+            some of them.
         caches: Fresh caches to fill (default: new ones).
         session: Go on from earlier calls with this `Session` (``prompt`` is then what
             follows them); a new one is filled in.
