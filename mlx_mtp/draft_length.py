@@ -120,11 +120,14 @@ def time_round(
     return t, draft, drafts
 
 
-def model_costs(model, max_k: int, vocabs: Sequence[int] = ()) -> RoundCosts:
+def model_costs(
+    model, max_k: int, vocabs: Sequence[int] = (), on_measure=None
+) -> RoundCosts:
     """The model's round costs for k up to ``max_k`` (and draft steps from each draft
     vocabulary size in ``vocabs``): measured once per model files, device and MLX
     version, and kept in ``$MLX_MTP_HOME/costs.json``, so that a seeded sampled run
-    drafts the same ks, and so gives the same text, every time."""
+    drafts the same ks, and so gives the same text, every time. ``on_measure`` is
+    called before a measurement (a server says why its start takes a while)."""
 
     def enough(c) -> bool:
         return len(c.verify) > max_k and set(vocabs) <= set(c.drafts)
@@ -143,6 +146,8 @@ def model_costs(model, max_k: int, vocabs: Sequence[int] = ()) -> RoundCosts:
         costs = stored or zeros
     else:  # every rank times the same passes (a sharded trunk's collectives match)
         reach, sizes = _to_measure(model, max_k, vocabs, previous)
+        if on_measure is not None:
+            on_measure()
         costs = measure_costs(model, reach, vocabs=sizes)
         if key and sync.rank == 0:
             _store_costs(key, costs)

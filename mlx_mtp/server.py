@@ -46,6 +46,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -307,7 +308,15 @@ def warm_costs(model, defaults: DecodeOptions) -> None:
     for value in {"auto", "full", defaults.draft_vocab} - {None}:
         vocabs, _ = draft_vocabs(model, value)
         sizes.update(n for n in vocabs if n is not None)
-    model_costs(model, MAX_DRAFT_TOKENS, sorted(sizes))
+    model_costs(model, MAX_DRAFT_TOKENS, sorted(sizes), on_measure=_say_timing)
+
+
+def _say_timing() -> None:
+    sys.stderr.write(
+        f"timing the model's rounds for up to {MAX_DRAFT_TOKENS} drafts (once for "
+        "this model and machine)...\n"
+    )
+    sys.stderr.flush()
 
 
 def times_costs(model, options: DecodeOptions) -> bool:

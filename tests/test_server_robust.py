@@ -21,6 +21,7 @@ import pytest
 from mlx_mtp import generate as mtp_generate
 from mlx_mtp import server as server_module
 from mlx_mtp.errors import MTPError
+from mlx_mtp.loading import load
 from mlx_mtp.options import DecodeOptions
 from mlx_mtp.server import Server, server_args
 
@@ -493,6 +494,26 @@ def test_round_costs_are_ready_before_serving(model_path, monkeypatch):
 
 
 FIXED_HEADS = {"num_draft_tokens": 2, "draft_source": "heads"}
+
+
+def test_a_start_that_times_the_rounds_says_so(tmp_path, monkeypatch, capsys):
+    """Timing every k at start takes a while on a slow machine: the server says why
+    it is not serving yet, and only when it does time them."""
+    from mlx_mtp import draft_length
+    from mlx_mtp.testing.fixtures import write_checkpoint
+
+    model = load(str(write_checkpoint("deepseek_v3", tmp_path / "m")))[0]
+
+    def measure(model, max_k, reps=5, context=64, vocabs=()):
+        drafts = {v: 0.05 for v in vocabs}
+        return draft_length.RoundCosts([1.0] + [1.1] * max_k, 0.1, drafts)
+
+    monkeypatch.setattr(draft_length, "measure_costs", measure)
+    server_module.warm_costs(model, DecodeOptions())
+    assert "timing the model's rounds" in capsys.readouterr().err
+    model.round_costs = None  # a new server: the costs file has them
+    server_module.warm_costs(model, DecodeOptions())
+    assert capsys.readouterr().err == ""
 
 
 def test_an_mlx_lm_whose_server_changed_is_refused_at_start(monkeypatch):
