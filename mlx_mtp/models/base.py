@@ -227,7 +227,11 @@ class Model(nn.Module):
         """
         e = self.embed(tokens)  # (B, L, H)
         offset = cache.offset if cache is not None else 0
-        if offset == 0 and self.family.MASK_FIRST_POSITION:
+        if self.family.MASK_FIRST_POSITION and not isinstance(offset, int):
+            # rows of several streams: each row's own positions ``(B, L)``
+            keep = (offset[:, None] + mx.arange(e.shape[1])[None] > 0)[..., None]
+            e = mx.where(keep, e, mx.zeros_like(e))
+        elif self.family.MASK_FIRST_POSITION and offset == 0:
             keep = (mx.arange(e.shape[1]) > 0)[None, :, None]
             e = mx.where(keep, e, mx.zeros_like(e))
         layer = self.mtp.layers[j]

@@ -1,0 +1,393 @@
+"""Caches of several streams decoded together, each row rolled back on its own.
+
+A batched verify pass writes k+1 positions into every row; rows then accept different
+numbers of drafts. The caches here drop each row's rejected positions without touching
+the others':
+
+- `RaggedKVCache` holds every row's keys and values in one buffer written at a shared
+  index, and each entry's *position in its own row's sequence* (``pos``, -1 for an
+  entry no query may see: left padding, or a rejected draft). A row's rejected tail
+  becomes a hole; the attention mask is built from ``pos``, so a hole is never seen,
+  and RoPE reads each row's own next position (``offset``, one per row). Holes cost
+  only width: when they pile up, `compact` packs every row's entries to the right.
+  A sliding window is a mask on ``pos`` too (and `compact` drops what it no longer
+  needs), so one class serves full and sliding-window attention, and the MTP layers'
+  caches (whose rows are padded on the left when streams have different numbers of
+  pending rows: `pad`).
+- The trunk's recurrent layers keep a `mlx_mtp.cache.RecurrentCache` with B rows; its
+  per-position capture has every row's states, and `rewind_rows` puts back, per row,
+  the state at that row's accepted length.
+
+`to_batch` turns one stream's caches (as `mlx_mtp.cache.make_caches` makes them and the
+single-stream prefill fills them) into one-row batch caches, `join` stacks rows,
+`select` keeps some rows, and `to_single` gives one row's caches back (a `Session` to
+go on from later). `batch_support` says whether a model's caches can batch at all.
+"""
+
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, _BaseCache
+
+from .cache import Caches, RecurrentCache, WindowCache
+
+COMPACT_SLACK = 64  # holes of the widest row tolerated before `compact`
+
+
+class RaggedKVCache(_BaseCache):
+    """Keys and values of B rows in one ``(B, heads, T, D)`` buffer.
+
+    Attributes:
+        pos: ``(B, T)`` int32, the position of each entry in its row's sequence, or -1
+            for an entry no query sees.
+        offset: ``(B,)`` int32, each row's next position (what RoPE reads).
+        held: per row (host side), the number of entries with ``pos >= 0``.
+        window: the sliding window of the layer (None: full attention).
+    """
+
+    step = 256
+
+    def __init__(self, batch_size: int = 0, window: Optional[int] = None):
+        self.keys = self.values = None
+        self.pos = mx.zeros((batch_size, 0), dtype=mx.int32)
+        self.offset = mx.zeros((batch_size,), dtype=mx.int32)
+        self.held = [0] * batch_size
+        self.window = window
+        self._idx = 0
+        self._pad = None  # (B,) left padding of the next write (see `pad`)
+
+    @classmethod
+    def from_kv(cls, keys, values, positions: Sequence[int], window=None):
+        """One row holding ``keys``/``values`` ``(1, heads, n, D)`` at ``positions``."""
+        c = cls(1, window)
+        c.keys, c.values = keys, values
+        c.pos = mx.array([list(positions)], dtype=mx.int32)
+        c._idx = keys.shape[2] if keys is not None else 0
+        nxt = positions[-1] + 1 if len(positions) else 0
+        c.offset = mx.array([nxt], dtype=mx.int32)
+        c.held = [len(positions)]
+        return c
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.held)
+
+    def pad(self, padding: Sequence[int]) -> None:
+        """Left-pad the next write: row b's first ``padding[b]`` inputs are filler
+        (their entries get ``pos`` -1 and they take no position)."""
+        padding = mx.array(list(padding), dtype=mx.int32)
+        self._pad = padding
+        self.offset = self.offset - padding
+
+    def _new_pos(self, n: int) -> mx.array:
+        pos = self.offset[:, None] + mx.arange(n, dtype=mx.int32)[None]  # (B, n)
+        if self._pad is not None:
+            pos = mx.where(mx.arange(n)[None] < self._pad[:, None], -1, pos)
+        return pos
+
+    def _grow(self, keys, values) -> None:
+        B, H, n, Dk = keys.shape
+        if self.keys is not None and self._idx + n <= self.keys.shape[2]:
+            return
+        size = self.step * ((self._idx + n + self.step - 1) // self.step)
+        new_k = mx.zeros((B, H, size, Dk), keys.dtype)
+        new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
+        new_p = mx.full((B, size), -1, dtype=mx.int32)
+        if self._idx:
+            new_k[..., : self._idx, :] = self.keys[..., : self._idx, :]
+            new_v[..., : self._idx, :] = self.values[..., : self._idx, :]
+            new_p[:, : self._idx] = self.pos[:, : self._idx]
+        self.keys, self.values, self.pos = new_k, new_v, new_p
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append a pass's ``(B, heads, n, D)`` keys and values at the shared index;
+        returns every entry (`make_mask` says which each query sees)."""
+        n = keys.shape[2]
+        new_pos = self._new_pos(n)
+        self._grow(keys, values)
+        end = self._idx + n
+        self.keys[..., self._idx : end, :] = keys
+        self.values[..., self._idx : end, :] = values
+        self.pos[:, self._idx : end] = new_pos
+        pads = [0] * self.batch_size if self._pad is None else self._pad.tolist()
+        self.held = [h + n - p for h, p in zip(self.held, pads)]
+        self.offset = self.offset + n
+        self._idx, self._pad = end, None
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(
+        self, N: int, window_size: Optional[int] = None, return_array: bool = False
+    ) -> mx.array:
+        """``(B, 1, N, T + N)`` bool: query i of row b (at position ``offset + i``)
+        sees the entries of its row at positions <= its own (within the window), and
+        always its own slot (a padded query then attends to itself alone)."""
+        window = window_size or self.window
+        q = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]  # (B, N)
+        k = mx.concatenate([self.pos[:, : self._idx], self._new_pos(N)], axis=1)
+        k, qq = k[:, None, :], q[:, :, None]  # (B, 1, T + N), (B, N, 1)
+        mask = (k >= 0) & (k <= qq)
+        if window is not None:
+            mask = mask & (k > qq - window)
+        own = mx.arange(self._idx + N)[None] == (self._idx + mx.arange(N))[:, None]
+        return (mask | own[None])[:, None]
+
+    def rewind_rows(self, drop: Sequence[int]) -> None:
+        """Drop the last ``drop[b]`` entries of row b (written by the last pass)."""
+        common = min(drop) if drop else 0
+        self._idx -= common
+        rest = [d - common for d in drop]
+        self.offset = self.offset - mx.array(list(drop), dtype=mx.int32)
+        self.held = [h - d for h, d in zip(self.held, drop)]
+        if any(rest):
+            cols = mx.arange(self._idx)[None]
+            hole = cols >= (self._idx - mx.array(rest, dtype=mx.int32))[:, None]
+            self.pos[:, : self._idx] = mx.where(hole, -1, self.pos[:, : self._idx])
+        self.compact_if_needed()
+
+    def keep_below(self, limits: Sequence[int]) -> None:
+        """Keep only row b's entries at positions < ``limits[b]`` (an MTP layer's
+        cache falling back to its frontier); row b's next position is its limit."""
+        lim = mx.array(list(limits), dtype=mx.int32)
+        self.pos[:, : self._idx] = mx.where(
+            self.pos[:, : self._idx] >= lim[:, None], -1, self.pos[:, : self._idx]
+        )
+        self.offset = mx.minimum(self.offset, lim)
+        self.held = [min(h, x) for h, x in zip(self.held, limits)]
+        self.compact_if_needed()
+
+    def compact_if_needed(self) -> None:
+        if self._idx - max(self.held, default=0) > COMPACT_SLACK:
+            self.compact()
+
+    def compact(self) -> None:
+        """Pack every row's visible entries to the right of a buffer as wide as the
+        fullest row (sliding-window rows first forget what no query can see)."""
+        if self.keys is None:
+            return
+        cols = mx.arange(self._idx, dtype=mx.int32)[None]
+        pos = self.pos[:, : self._idx]
+        if self.window is not None:  # entries no later query sees (rollback: slack)
+            pos = mx.where(
+                pos < self.offset[:, None] - self.window - COMPACT_SLACK, -1, pos
+            )
+        valid = pos >= 0
+        order = mx.argsort(mx.where(valid, cols + self._idx, cols), axis=1)
+        counts = valid.sum(axis=1)
+        width = int(counts.max().item())
+        order = order[:, self._idx - width :]  # (B, width)
+        self.keys = mx.take_along_axis(
+            self.keys[..., : self._idx, :], order[:, None, :, None], axis=2
+        )
+        self.values = mx.take_along_axis(
+            self.values[..., : self._idx, :], order[:, None, :, None], axis=2
+        )
+        self.pos = mx.take_along_axis(pos, order, axis=1)
+        self.held = counts.tolist()
+        self._idx = width
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep ``rows``, in that order."""
+        idx = mx.array(list(rows), dtype=mx.int32)
+        if self.keys is not None:
+            self.keys, self.values = self.keys[idx], self.values[idx]
+        self.pos, self.offset = self.pos[idx], self.offset[idx]
+        self.held = [self.held[r] for r in rows]
+        self.compact_if_needed()
+
+    def join(self, other: "RaggedKVCache") -> None:
+        """Append ``other``'s rows (both right-aligned to the wider buffer)."""
+        if other.keys is None and self.keys is None:
+            self.pos = mx.concatenate([self.pos, other.pos])
+        else:
+            width = max(self._idx, other._idx)
+            parts = [self._aligned(width, other), other._aligned(width, self)]
+            self.keys, self.values, self.pos = (
+                mx.concatenate([p[i] for p in parts]) for i in range(3)
+            )
+            self._idx = width
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.held = self.held + other.held
+
+    def _aligned(self, width: int, like: "RaggedKVCache"):
+        """keys, values, pos of the used entries, left-padded to ``width``."""
+        ref = self if self.keys is not None else like
+        B = self.batch_size
+        H, Dk, Dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
+        keys = mx.zeros((B, H, width, Dk), ref.keys.dtype)
+        values = mx.zeros((B, H, width, Dv), ref.values.dtype)
+        pos = mx.full((B, width), -1, dtype=mx.int32)
+        if self.keys is not None and self._idx:
+            keys[..., width - self._idx :, :] = self.keys[..., : self._idx, :]
+            values[..., width - self._idx :, :] = self.values[..., : self._idx, :]
+            pos[:, width - self._idx :] = self.pos[:, : self._idx]
+        return keys, values, pos
+
+    def row_kv(self, b: int):
+        """Row b's visible entries: ``(keys, values, positions)``, positions in
+        order, keys and values ``(1, heads, n, D)``."""
+        pos = self.pos[b, : self._idx].tolist()
+        cols = [i for i, p in enumerate(pos) if p >= 0]
+        if not cols or self.keys is None:
+            return None, None, []
+        idx = mx.array(cols, dtype=mx.int32)
+        keys = mx.contiguous(self.keys[b : b + 1, :, idx])
+        values = mx.contiguous(self.values[b : b + 1, :, idx])
+        return keys, values, [pos[i] for i in cols]
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self):
+        return [
+            a for a in (self.keys, self.values, self.pos, self.offset) if a is not None
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.pos.nbytes
+
+
+def batch_support(model) -> Optional[str]:
+    """None when the model's streams can be decoded in one batch, else why not (one
+    line): every trunk and MTP cache must be a full or sliding-window KV cache or a
+    recurrent cache that records its states, and a separate assistant cannot batch
+    yet."""
+    from .cache import make_caches
+
+    if model.assistant is not None:
+        return "a model with a separate assistant drafter cannot batch yet"
+    caches = make_caches(model)
+    for c in caches.trunk + caches.mtp:
+        kind = type(c)
+        if kind in (KVCache, WindowCache) and not getattr(c, "keep", 0):
+            continue
+        if kind is RecurrentCache:
+            continue
+        return f"mlx-mtp has no batched cache for this model's {kind.__name__}"
+    return None
+
+
+def to_batch(caches: Caches) -> Caches:
+    """One stream's caches (filled by the single-stream prefill) as one-row batch
+    caches."""
+    return Caches(
+        [_row_cache(c) for c in caches.trunk], [_row_cache(c) for c in caches.mtp]
+    )
+
+
+def _row_cache(c):
+    if type(c) is KVCache:
+        n = c.offset
+        if c.keys is None:
+            return RaggedKVCache(1)
+        return RaggedKVCache.from_kv(c.keys[..., :n, :], c.values[..., :n, :], range(n))
+    if isinstance(c, WindowCache):
+        if c.keys is None:
+            return RaggedKVCache(1, c.window)
+        n = c._kept()
+        keys = c.keys[..., c._base : c._base + n, :]
+        values = c.values[..., c._base : c._base + n, :]
+        return RaggedKVCache.from_kv(keys, values, range(c.start, c.offset), c.window)
+    if isinstance(c, RecurrentCache):
+        out = RecurrentCache(len(c.cache))
+        out.cache = list(c.cache)
+        return out
+    raise TypeError(f"no batched cache for {type(c).__name__}")
+
+
+def join(a: Caches, b: Caches, rows: Sequence[int]) -> Caches:
+    """``a``'s rows then ``b``'s (``rows``: how many each has), in ``a``'s objects."""
+    for x, y in zip(a.trunk + a.mtp, b.trunk + b.mtp):
+        if isinstance(x, RaggedKVCache):
+            x.join(y)
+        else:
+            x.cache = [_cat(p, q, rows) for p, q in zip(x.cache, y.cache)]
+    return a
+
+
+def _cat(p, q, rows: Sequence[int]):
+    """Two recurrent slots' rows stacked; an empty slot (no token seen yet: a
+    one-token prompt) is the zero state mlx-lm's mixers start from."""
+    if p is None and q is None:
+        return None
+    like = p if p is not None else q
+    p = p if p is not None else mx.zeros((rows[0], *like.shape[1:]), like.dtype)
+    q = q if q is not None else mx.zeros((rows[1], *like.shape[1:]), like.dtype)
+    return mx.concatenate([p, q])
+
+
+def select(caches: Caches, rows: Sequence[int]) -> None:
+    """Keep ``rows`` of every cache, in that order."""
+    idx = mx.array(list(rows), dtype=mx.int32)
+    for c in caches.trunk + caches.mtp:
+        if isinstance(c, RaggedKVCache):
+            c.select(rows)
+        else:
+            c.cache = [None if s is None else s[idx] for s in c.cache]
+
+
+def to_single(batch: Caches, b: int, like: Caches) -> Caches:
+    """Row b's caches as single-stream ones of the kinds in ``like`` (fresh caches of
+    the model, as `make_caches` makes them)."""
+    return Caches(
+        [_single(c, b, l) for c, l in zip(batch.trunk, like.trunk)],
+        [_single(c, b, l) for c, l in zip(batch.mtp, like.mtp)],
+    )
+
+
+def _single(c, b: int, like):
+    if isinstance(c, RecurrentCache):
+        out = RecurrentCache(len(c.cache))
+        out.cache = [None if s is None else s[b : b + 1] for s in c.cache]
+        return out
+    keys, values, pos = c.row_kv(b)
+    if isinstance(like, WindowCache):
+        out = WindowCache(like.window, like.keep, like.slack)
+        if pos:
+            out._reserve(keys, values)
+            out.keys[..., : len(pos), :] = keys
+            out.values[..., : len(pos), :] = values
+            out.start, out.offset = pos[0], pos[-1] + 1
+        return out
+    out = KVCache()
+    if pos:
+        if pos != list(range(len(pos))):
+            raise ValueError("a row's KV entries are not positions 0..n-1")
+        out.update_and_fetch(keys, values)
+    return out
+
+
+def rewind_rows(caches: List[Any], marks: List[Any], drop: Sequence[int]) -> None:
+    """Drop the last ``drop[b]`` positions of row b from every trunk cache (``marks``
+    from `mlx_mtp.cache.begin_verify` before the pass)."""
+    for c, m in zip(caches, marks):
+        if isinstance(c, RaggedKVCache):
+            c.rewind_rows(drop)
+        else:
+            _restore_rows(c, m, drop)
+
+
+def _restore_rows(cache: RecurrentCache, mark, drop: Sequence[int]) -> None:
+    """Put back row b's recorded state after its kept positions (``steps[t]``: after
+    position t of the pass, ``base``: before it)."""
+    if not any(drop):
+        return
+    if mark is None or mark.steps is None:
+        raise ValueError("no state was recorded for a recurrent cache")
+    S = len(mark.steps)
+    kept = mx.array([S - d for d in drop], dtype=mx.int32)  # 0: the base state
+    rows = mx.arange(len(drop))
+    slots = []
+    for i in range(len(cache.cache)):
+        stack = mx.stack([mark.base[i]] + [s[i] for s in mark.steps])  # (S+1, B, ...)
+        slots.append(stack[kept, rows])
+    cache.cache = slots
