@@ -56,6 +56,7 @@ class Row:
     max_tokens: int  # -1: until EOS
     eos: frozenset = frozenset()
     batch_sizes: Dict[int, int] = field(default_factory=dict)  # rounds per batch size
+    session: Optional[Session] = None  # set on leaving (`Batch.keep_sessions`)
 
     def room(self) -> int:
         """The most drafts this row may accept without passing ``max_tokens``."""
@@ -158,18 +159,33 @@ class Batch:
     Args:
         model: An `mlx_mtp.models.base.Model` whose caches can batch
             (`mlx_mtp.batch_cache.batch_support`).
-        depth: MTP layers in use (every row drafts with the same layers).
+        options: The batch's `DecodeOptions`: the longest draft they allow sets the
+            MTP layers in use (`depth_for`), the same for every row.
         eos: Token ids that end a row's stream.
         length: Picks each round's K from the rows (default: the largest k a row's
             own policy asks for).
+        keep_sessions: A row leaving the batch (finished or removed) gets
+            ``row.session``, a `Session` of its caches to go on from later (a
+            server's prompt cache of the conversation).
+
+    Every method is called from one thread (the generation loop's).
     """
 
-    def __init__(self, model, depth: int, eos: Iterable[int] = (), length=None):
+    def __init__(
+        self,
+        model,
+        options=None,
+        eos: Iterable[int] = (),
+        length=None,
+        keep_sessions: bool = False,
+    ):
         reason = batch_support(model)
         if reason is not None:
             raise MTPError(reason)
-        self.model, self.depth, self.eos = model, depth, frozenset(eos)
-        self.length = length
+        self.options = DecodeOptions.build(options).check()
+        self.depth = depth_for(model, self.options)
+        self.model, self.eos = model, frozenset(eos)
+        self.length, self.keep_sessions = length, keep_sessions
         self.rows: List[Row] = []
         self.caches: Optional[Caches] = None
         self.queued: Optional[BatchRound] = None
@@ -207,6 +223,9 @@ class Batch:
         if not gone:
             return []
         self._cancel()
+        if self.keep_sessions:
+            for row in gone:
+                row.session = self.session_of(row)
         keep = [i for i, r in enumerate(self.rows) if r.uid not in uids]
         self.rows = [self.rows[i] for i in keep]
         if keep:
@@ -255,7 +274,7 @@ class Batch:
         K = max(asked) if self.length is None else self.length.next(self.rows, asked)
         if K < max(self.depth, 1):
             return [0] * len(self.rows)
-        return [min(K, r.room()) for r in self.rows]
+        return [min(K, r.room()) if r.policy.max_k else 0 for r in self.rows]
 
     def _launch(self) -> BatchRound:
         ks = self._plan()
@@ -329,6 +348,13 @@ class Batch:
             for c in self.caches.mtp:
                 c.keep_below([r.state.frontier for r in self.rows])
         return outputs
+
+
+def depth_for(model, options: DecodeOptions) -> int:
+    """MTP layers in use for ``options``: as many as their longest draft needs."""
+    k = options.num_draft_tokens
+    longest = options.max_draft_tokens if k == "auto" else k
+    return min(longest, model.num_mtp_layers)
 
 
 def _pick_rows(rows: List[Row], logits: mx.array, keys: List[mx.array]):
