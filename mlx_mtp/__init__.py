@@ -14,11 +14,13 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DecodeOptions": ".options",
+    "BatchResponse": ".generate",
     "DraftPolicy": ".draft_length",
     "GenerationResponse": ".generate",
     "MTPError": ".errors",
     "MTPStats": ".stats",
     "Session": ".speculative",
+    "batch_generate": ".generate",
     "generate": ".generate",
     "load": ".loading",
     "stream_generate": ".generate",
@@ -29,9 +31,11 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'mlx_mtp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+    module = importlib.import_module(_EXPORTS[name], __name__)
+    for export, where in _EXPORTS.items():  # all of them: importing ``.generate``
+        if where == _EXPORTS[name]:  # set the package's ``generate`` to the module
+            globals()[export] = getattr(module, export)
+    return globals()[name]
 
 
 def __dir__():

@@ -25,44 +25,69 @@ finished or removed stream leaves between rounds (`Batch.remove`).
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
 from . import batch_cache
 from .batch_cache import batch_support, rewind_rows, to_batch
 from .cache import Caches, begin_verify, check_rollback, make_caches
-from .draft_length import DraftPolicy
+from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
 from .options import DecodeOptions
 from .rejection import accept_stochastic
 from .resolve import drafting
 from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
-from .speculative import DecodeState, Session, append, prefill
+from .speculative import (
+    DecodeState,
+    Draft,
+    Round,
+    Run,
+    Session,
+    append,
+    draft_lookup,
+    prefill,
+)
 from .stats import MTPStats
 
 
 @dataclass
 class Row:
-    """One stream of a batch (see the module docstring)."""
+    """One stream of a batch: ``run`` holds its decode state, settings, key, draft
+    policies and statistics, as the single-stream loop keeps them (`Run`)."""
 
     uid: Any
-    options: DecodeOptions
-    params: SamplingParams
-    policy: DraftPolicy
-    key: mx.array
-    stats: MTPStats
-    state: DecodeState
-    max_tokens: int  # -1: until EOS
+    run: Run
     eos: frozenset = frozenset()
     batch_sizes: Dict[int, int] = field(default_factory=dict)  # rounds per batch size
     session: Optional[Session] = None  # set on leaving (`Batch.keep_sessions`)
+    # the round being built: drafts asked for, a lookup draft, the round's keys
+    k: int = 0
+    lookup: Optional[List[int]] = None
+    round_key: Optional[mx.array] = None  # the row's key before the round
+    draft_key: Optional[mx.array] = None
+    accept_key: Optional[mx.array] = None
+
+    @property
+    def state(self) -> DecodeState:
+        return self.run.state
+
+    @property
+    def stats(self) -> MTPStats:
+        return self.run.stats
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.run.params
+
+    @property
+    def vocab(self) -> Optional[int]:
+        """The draft vocabulary of the row's next heads draft."""
+        return self.run.policy.vocab
 
     def room(self) -> int:
-        """The most drafts this row may accept without passing ``max_tokens``."""
-        if self.max_tokens < 0:
-            return 1 << 30
-        return max(0, self.max_tokens - self.stats.emitted - 1)
+        """The most drafts this row may make without passing ``max_tokens``."""
+        return self.run.room(self.stats.emitted)
 
 
 @dataclass
@@ -77,28 +102,34 @@ class RowOutput:
     from_draft: List[bool]
     finish_reason: Optional[str]
     stats: MTPStats
+    batch_sizes: Dict[int, int] = field(default_factory=dict)  # the row's, live
 
 
 @dataclass
 class BatchRound:
-    """One launched round: ``K`` drafts per row (row b uses its first ``ks[b]``)."""
+    """One launched round: ``K`` drafts per row (row b uses its first ``ks[b]``);
+    ``heads``: whether the MTP layers ran (every row's frontier then moves)."""
 
-    K: int
     ks: List[int]
+    heads: bool
     drafts: mx.array  # (B, K)
     hidden: mx.array  # (B, K + 1, H)
     logprobs: mx.array  # (B, K + 1, V)
     accepted: mx.array  # (B,)
     next_tokens: mx.array  # (B,)
     marks: list
-    vocab: Optional[int] = None
+
+    @property
+    def K(self) -> int:
+        return self.drafts.shape[1]
 
 
 class Admission:
     """A stream being prefilled alone, one chunk per `advance`, before it joins.
 
     ``session``: go on from a `Session` (its caches and state are filled in, and the
-    prompt is what follows its tokens)."""
+    prompt is what follows its tokens); ``policy``: a `DraftPolicy` for its heads'
+    drafts instead of the options' (`mtp_generate_step`)."""
 
     def __init__(self, batch: "Batch", uid, prompt, options, session=None, policy=None):
         prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
@@ -106,19 +137,21 @@ class Admission:
             raise MTPError("the prompt is empty")
         self.uid, self.options, self.batch = uid, options, batch
         model = batch.model
-        self.drafting = drafting(model, options, policy)
-        if self.drafting.lookup_tokens:
-            self.drafting = drafting(
-                model, options.replace(draft_source="heads"), policy
-            )
+        plan = drafting(model, options, policy)
         if session is not None and session.state is not None:
             if session.state.depth != batch.depth:
                 raise MTPError(
                     f"this session drafts with {session.state.depth} MTP layer(s); "
                     f"the batch with {batch.depth}"
                 )
-        self.session = session if session is not None else Session()
-        self.session.caches = self.session.caches or make_caches(model)
+        session = session if session is not None else Session()
+        session.caches = session.caches or make_caches(model)
+        if plan.policy.max_k or plan.lookup_tokens:
+            check_rollback(session.caches.trunk)
+        seed = options.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little") >> 1
+        self.run = Run(model, session, plan, options, mx.random.key(seed))
         self.todo = prompt
         self.step = options.prefill_step_size
 
@@ -129,28 +162,17 @@ class Admission:
     def advance(self) -> None:
         """Run the trunk over the next chunk of the prompt."""
         chunk, self.todo = self.todo[: self.step], self.todo[self.step :]
-        model, s, kv = self.batch.model, self.session, self.options.kv
+        model, s, kv = self.batch.model, self.run.session, self.options.kv
         if s.state is None:
             s.state = prefill(model, s.caches, chunk, self.batch.depth, self.step, kv)
         else:
             s.state = append(model, s.caches, s.state, chunk, self.step, kv)
 
     def row(self, eos: Iterable[int]) -> Row:
-        seed = self.options.seed
-        if seed is None:
-            seed = int.from_bytes(os.urandom(4), "little") >> 1
-        policy = self.drafting.policy
-        return Row(
-            self.uid,
-            self.options,
-            self.options.sampling,
-            policy,
-            mx.random.key(seed),
-            MTPStats(policy.max_k),
-            self.session.state,
-            self.options.max_tokens,
-            frozenset(eos),
-        )
+        run = self.run
+        run.stats = MTPStats(run.policy.max_k, run.drafting.lookup_tokens)
+        run.seen = len(run.state.tokens) - 1
+        return Row(self.uid, run, frozenset(eos))
 
 
 class Batch:
@@ -206,9 +228,7 @@ class Batch:
             admission.advance()
         self._cancel()
         row = admission.row(self.eos)
-        if row.policy.max_k:
-            check_rollback(admission.session.caches.trunk)
-        caches = to_batch(admission.session.caches)
+        caches = to_batch(row.run.caches)
         if self.caches is None:
             self.caches = caches
         else:
@@ -242,7 +262,9 @@ class Batch:
         return Session(caches, row.state)
 
     def step(self) -> List[RowOutput]:
-        """Run one round over every row; finished rows leave the batch."""
+        """Run one round over every row; finished rows leave the batch. The next
+        round is launched before this one's outputs are returned (one host sync per
+        round); a change of rows before the next `step` undoes it."""
         if not self.rows:
             return []
         rnd = self.queued or self._launch()
@@ -263,91 +285,151 @@ class Batch:
             return
         mx.eval(rnd.accepted)
         rewind_rows(self.caches.trunk, rnd.marks, [rnd.K + 1] * len(self.rows))
-        if rnd.K:
+        if rnd.heads:
             for c in self.caches.mtp:
                 c.keep_below([r.state.frontier for r in self.rows])
+        for r in self.rows:  # the keys go back too: the round was never made
+            r.run.key = r.round_key
 
-    def _plan(self) -> List[int]:
-        """Each row's k for the next round (0 for all, or every row's k <= K with
-        K >= depth: a round runs all MTP layers in use or none)."""
-        asked = [min(r.policy.next(), r.room()) for r in self.rows]
-        K = max(asked) if self.length is None else self.length.next(self.rows, asked)
-        if K < max(self.depth, 1):
-            return [0] * len(self.rows)
-        return [min(K, r.room()) if r.policy.max_k else 0 for r in self.rows]
+    def _plan(self) -> None:
+        """Set each row's drafts for the next round: ``row.k`` from its policy (its
+        heads) or its lookup draft (``row.lookup``), capped by its room. The heads
+        rows draft 0 when the longest of them is shorter than the MTP layers in use:
+        a heads round runs all of them or none (see `Run.plan`)."""
+        for r in self.rows:
+            r.k = min(r.run.policy.next(), r.room())
+            r.lookup = None
+            if r.run.drafting.lookup_tokens:
+                r.lookup = r.run.lookup_draft(r.k)
+                r.k = len(r.lookup) if r.lookup else r.k
+        heads = [r.k for r in self.rows if r.lookup is None]
+        longest = max(heads, default=0)
+        if self.length is not None:
+            longest = self.length.next(self.rows, longest)
+        if longest < max(self.depth, 1):
+            for r in self.rows:
+                r.k = r.k if r.lookup else 0
+        else:
+            for r in self.rows:
+                if r.lookup is None and r.run.policy.max_k:
+                    r.k = min(longest, r.room())
 
     def _launch(self) -> BatchRound:
-        ks = self._plan()
-        K = max(ks)
-        for r in self.rows:
-            r.key, sub = mx.random.split(r.key)
+        self._plan()
+        rows = self.rows
+        for r in rows:
+            r.round_key = r.run.key
+            r.run.key, sub = mx.random.split(r.run.key)
             r.draft_key, r.accept_key = mx.random.split(sub)
-        vocabs = {r.policy.vocab for r in self.rows}
-        vocab = vocabs.pop() if len(vocabs) == 1 else None
-        drafts, q = draft_rows(
-            self.model, self.caches.mtp, self.rows, K, self.depth, vocab
-        )
-        pending = mx.array([r.state.tokens[-1] for r in self.rows], dtype=mx.int32)
+        heads = [0 if r.lookup else r.k for r in rows]
+        drafts, q = draft_rows(self.model, self.caches.mtp, rows, heads, self.depth)
+        drafts, q = _with_lookups(rows, drafts, q, self.model.args.vocab_size)
+        ks = [r.k for r in rows]
+        pending = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)
         ids = mx.concatenate([pending[:, None], drafts], axis=1)  # (B, K + 1)
         marks = begin_verify(self.caches.trunk)
         hidden = self.model.hidden(ids, self.caches.trunk)  # (B, K + 1, H)
         logprobs = log_softmax(self.model.logits(hidden))  # (B, K + 1, V)
-        accepted, next_tokens = accept_rows(self.rows, ks, drafts, q, logprobs)
+        accepted, next_tokens = accept_rows(rows, ks, drafts, q, logprobs)
         mx.async_eval(accepted, next_tokens, drafts, hidden, logprobs)
         return BatchRound(
-            K, ks, drafts, hidden, logprobs, accepted, next_tokens, marks, vocab
+            ks, max(heads) > 0, drafts, hidden, logprobs, accepted, next_tokens, marks
         )
 
     def _commit(self, rnd: BatchRound) -> List[RowOutput]:
-        accepted = rnd.accepted.tolist()
-        nexts = rnd.next_tokens.tolist()
+        """Commit a round: each row's accepted drafts and next token, up to its
+        first EOS and its ``max_tokens``; every cache keeps exactly those."""
+        accepted, nexts = rnd.accepted.tolist(), rnd.next_tokens.tolist()
         drafts = rnd.drafts.tolist()
         B = len(self.rows)
-        outputs, kept = [], []
+        outputs = []
         for b, row in enumerate(self.rows):
             a = accepted[b]
-            new = drafts[b][:a] + [nexts[b]]
-            finish = None
-            for i, t in enumerate(new):
-                if t in row.eos:
-                    new, finish = new[: i + 1], "stop"
-                    break
-            if row.max_tokens >= 0 and row.stats.emitted + len(new) >= row.max_tokens:
-                new = new[: row.max_tokens - row.stats.emitted]
-                finish = finish or "length"
-            kept.append(len(new))
-            row.stats.record(rnd.ks[b], a, "heads", rnd.vocab)
-            row.stats.emitted += len(new) - (a + 1)
-            row.policy.observe(rnd.ks[b], a)
+            made = drafts[b][:a] + [nexts[b]]
+            new, finish = self._cut(row, made)
+            source = "lookup" if row.lookup else "heads"
+            vocab = None if row.lookup else row.vocab
+            row.stats.record(rnd.ks[b], a, source, vocab)
+            row.stats.emitted += len(new) - len(made)
+            draft = Draft(mx.zeros((rnd.ks[b],)), None, 0, source, vocab)
+            row.run.observe(Round(draft, None, None), a, made)
             row.batch_sizes[B] = row.batch_sizes.get(B, 0) + 1
+            logprobs = rnd.logprobs[b, : len(new)]
+            from_draft = [i < a for i in range(len(new))]
             outputs.append(
                 RowOutput(
                     row.uid,
                     new,
-                    rnd.logprobs[b, : len(new)],
-                    [i < a for i in range(len(new))],
+                    logprobs,
+                    from_draft,
                     finish,
                     row.stats,
+                    row.batch_sizes,
                 )
             )
+        kept = [len(o.tokens) for o in outputs]
         rewind_rows(self.caches.trunk, rnd.marks, [rnd.K + 1 - m for m in kept])
         for b, row in enumerate(self.rows):
-            s, m = row.state, kept[b]
-            if s.hidden is not None:
-                n = len(s.tokens) - 1
-                frontier = s.frontier
-                if rnd.K:
-                    frontier = max(s.frontier, n - self.depth + 1)
-                s.hidden = mx.concatenate(
-                    [s.hidden[:, frontier - s.frontier :], rnd.hidden[b : b + 1, :m]],
-                    axis=1,
-                )
-                s.frontier = frontier
-            s.tokens.extend(outputs[b].tokens)
-        if self.depth:
+            _commit_row(
+                row.state,
+                rnd.hidden[b : b + 1, : kept[b]],
+                rnd.heads,
+                self.depth,
+                outputs[b].tokens,
+            )
+        if rnd.heads:
             for c in self.caches.mtp:
                 c.keep_below([r.state.frontier for r in self.rows])
         return outputs
+
+    @staticmethod
+    def _cut(row: Row, made: List[int]):
+        """A row's new tokens up to its first EOS and its ``max_tokens``, and its
+        finish reason (None: it goes on)."""
+        for i, t in enumerate(made):
+            if t in row.eos:
+                return made[: i + 1], "stop"
+        limit = row.run.max_tokens
+        if limit >= 0 and row.stats.emitted + len(made) >= limit:
+            return made[: limit - row.stats.emitted], "length"
+        return made, None
+
+
+def _commit_row(state: DecodeState, hidden, heads: bool, depth: int, tokens) -> None:
+    """Append a row's committed tokens and their trunk hidden states ``(1, m, H)``;
+    after a heads round, MTP rows up to n - depth stay in the MTP caches (as
+    `mlx_mtp.speculative.commit` keeps them) and the rest is recomputed."""
+    if state.hidden is not None:
+        n = len(state.tokens) - 1
+        frontier = max(state.frontier, n - depth + 1) if heads else state.frontier
+        kept = state.hidden[:, frontier - state.frontier :]
+        state.hidden = mx.concatenate([kept, hidden], axis=1)
+        state.frontier = frontier
+    state.tokens.extend(tokens)
+
+
+def _with_lookups(rows: List[Row], drafts: mx.array, q, vocab_size: int):
+    """The heads' ``(B, K_heads)`` drafts with every lookup row's own tokens in its
+    row, padded to the longest draft of the round; ``q`` per row (a point mass on
+    each lookup token, as `mlx_mtp.speculative.draft_lookup`)."""
+    K = max(r.k for r in rows)
+    B = len(rows)
+    if drafts.shape[1] < K:
+        fill = mx.zeros((B, K - drafts.shape[1]), dtype=mx.int32)
+        drafts = mx.concatenate([drafts, fill], axis=1)
+    if not any(r.lookup for r in rows):
+        return drafts, q
+    q = list(q) if q is not None else [None] * B
+    found = []
+    for b, r in enumerate(rows):
+        if r.lookup:
+            found.append(r.lookup + [0] * (K - len(r.lookup)))
+            if not r.params.greedy:
+                q[b] = draft_lookup(r.lookup, r.params, vocab_size).logprobs
+        else:
+            found.append([0] * K)
+    is_lookup = mx.array([bool(r.lookup) for r in rows])[:, None]
+    return mx.where(is_lookup, mx.array(found, dtype=mx.int32), drafts), q
 
 
 def depth_for(model, options: DecodeOptions) -> int:
@@ -357,11 +439,23 @@ def depth_for(model, options: DecodeOptions) -> int:
     return min(longest, model.num_mtp_layers)
 
 
+def _draft_logits(model, rows: List[Row], h: mx.array) -> mx.array:
+    """``(B, V)`` draft logits of ``h`` ``(B, H)``, each row's from its own draft
+    vocabulary (`Model.draft_logits`)."""
+    vocabs = [r.vocab for r in rows]
+    first = vocabs[0]
+    logits = model.draft_logits(h, first)
+    for v in set(vocabs) - {first}:
+        mine = mx.array([x == v for x in vocabs])[:, None]
+        logits = mx.where(mine, model.draft_logits(h, v), logits)
+    return logits
+
+
 def _pick_rows(rows: List[Row], logits: mx.array, keys: List[mx.array]):
     """One draft token per row from ``(B, V)`` logits: argmax for greedy rows, a
     sample from the row's filtered distribution otherwise. Returns ``(B,)`` tokens
-    and, when any row samples, the ``(B, V)`` draft log-probabilities (None rows of
-    greedy rows are zeros: unused)."""
+    and, when any row samples, each row's ``(1, V)`` draft log-probabilities (None
+    for greedy rows)."""
     tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # (B,)
     if all(r.params.greedy for r in rows):
         return tokens, None
@@ -369,12 +463,14 @@ def _pick_rows(rows: List[Row], logits: mx.array, keys: List[mx.array]):
     for b, r in enumerate(rows):
         if r.params.greedy:
             picked.append(tokens[b])
-            q.append(mx.zeros(logits.shape[-1:]))
+            q.append(None)
             continue
-        lp = filtered_logprobs(logits[b], r.params)  # (V,)
-        picked.append(sample(lp, keys[b]).astype(mx.int32))
+        lp = filtered_logprobs(logits[b : b + 1], r.params)  # (1, V)
+        # drawn as (1, V), as the single-stream loop does: the same key then gives
+        # the same token (a key's draw depends on the shape)
+        picked.append(sample(lp, keys[b])[0].astype(mx.int32))
         q.append(lp)
-    return mx.stack(picked), mx.stack(q)
+    return mx.stack(picked), q
 
 
 def _layer_ids(rows: List[Row], drafts: List[mx.array], j: int, width: int):
@@ -391,12 +487,14 @@ def _layer_ids(rows: List[Row], drafts: List[mx.array], j: int, width: int):
     return ids[:, -width:]
 
 
-def draft_rows(model, mtp_caches, rows: List[Row], K: int, depth: int, vocab=None):
-    """K draft tokens per row: the MTP layers in use over every row's pending rows
-    (frontier..n-1), then the last layer chained. Returns ``(B, K)`` tokens and the
-    per-row ``(B, K, V)`` draft log-probabilities (None when every row is greedy)."""
-    B = len(rows)
-    if K == 0:
+def draft_rows(model, mtp_caches, rows: List[Row], ks: List[int], depth: int):
+    """K = max(ks) draft tokens per row from the heads (row b uses its first
+    ``ks[b]``): the MTP layers in use over every row's pending rows
+    (frontier..n-1), then the last layer chained. Returns ``(B, K)`` tokens and
+    per row its ``(K, V)`` draft log-probabilities (None for a greedy row; None
+    for all when every row is greedy)."""
+    B, K = len(rows), max(ks)
+    if K == 0 or depth == 0:
         return mx.zeros((B, 0), dtype=mx.int32), None
     counts = [len(r.state.tokens) - 1 - r.state.frontier for r in rows]
     width = max(counts)
@@ -404,7 +502,10 @@ def draft_rows(model, mtp_caches, rows: List[Row], K: int, depth: int, vocab=Non
     h = mx.concatenate(
         [mx.pad(r.state.hidden, [(0, 0), (p, 0), (0, 0)]) for r, p in zip(rows, pads)]
     )  # (B, width, H)
-    keys = [mx.random.split(r.draft_key, K) for r in rows]
+    # each row's keys as alone: one per draft it makes (k_b of the K), none for a
+    # row drafting nothing (its extra drafts are never accepted, any key does)
+    keys = [mx.random.split(r.draft_key, max(k, 1)) for r, k in zip(rows, ks)]
+    keys = [[rk[min(j, rk.shape[0] - 1)] for j in range(K)] for rk in keys]
     tokens, logprobs = [], []
     for j in range(K):
         if j < depth:
@@ -413,19 +514,20 @@ def draft_rows(model, mtp_caches, rows: List[Row], K: int, depth: int, vocab=Non
         else:
             layer, h, ids = depth - 1, h[:, -1:], tokens[-1][:, None]
         h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (B, width, H)
-        token, lp = _pick_rows(
-            rows, model.draft_logits(h[:, -1], vocab), [k[j] for k in keys]
-        )
+        logits = _draft_logits(model, rows, h[:, -1])
+        token, lp = _pick_rows(rows, logits, [k[j] for k in keys])
         tokens.append(token)
         logprobs.append(lp)
-    q = None if logprobs[0] is None else mx.stack(logprobs, axis=1)
+    q = None
+    if logprobs[0] is not None:
+        q = [None if lps[0] is None else mx.concatenate(lps) for lps in zip(*logprobs)]
     return mx.stack(tokens, axis=1), q
 
 
 def accept_rows(rows: List[Row], ks: List[int], drafts, q, logprobs):
     """Per row, the number of its first ``ks[b]`` drafts accepted and the token that
-    follows them: greedy matching for greedy rows, speculative sampling otherwise.
-    Returns ``(B,)`` arrays."""
+    follows them: greedy matching for greedy rows, speculative sampling otherwise
+    (``q[b]``: the row's draft log-probabilities). Returns ``(B,)`` arrays."""
     K = drafts.shape[1]
     target = mx.argmax(logprobs, axis=-1).astype(mx.int32)  # (B, K + 1)
     limit = mx.arange(K)[None] < mx.array(ks)[:, None]
@@ -443,10 +545,67 @@ def accept_rows(rows: List[Row], ks: List[int], drafts, q, logprobs):
         k = ks[b]
         p = filtered_logprobs(logprobs[b, : k + 1], r.params)  # (k + 1, V)
         if k == 0:
-            a_rows.append(mx.array(0))
+            a_rows.append(mx.array(0, dtype=mx.int32))
             n_rows.append(sample(p[0], r.accept_key).astype(mx.int32))
             continue
-        res = accept_stochastic(drafts[b, :k], q[b, :k], p, r.accept_key)
+        res = accept_stochastic(drafts[b, :k], q[b][:k], p, r.accept_key)
         a_rows.append(res.num_accepted.astype(mx.int32))
         n_rows.append(res.next_token.astype(mx.int32))
-    return mx.stack(a_rows).astype(mx.int32), mx.stack(n_rows).astype(mx.int32)
+    return mx.stack(a_rows), mx.stack(n_rows)
+
+
+def run_batch(
+    model,
+    prompts: Sequence[List[int]],
+    options: Sequence[DecodeOptions],
+    eos: Iterable[int] = (),
+    max_batch: int = DEFAULT_MAX_BATCH,
+) -> Iterator[RowOutput]:
+    """Decode ``prompts`` (token ids), prompt i with ``options[i]``, at most
+    ``max_batch`` at a time: a prompt joins as soon as a row is free. Yields each
+    round's `RowOutput` per row (``uid``: the prompt's index), in round order.
+
+    The batch's MTP layers are set by the options allowing the longest draft. A model
+    whose caches cannot batch (`batch_support`) decodes the prompts one at a time
+    through the single-stream loop, with the same outputs.
+    """
+    if len(options) != len(prompts):
+        raise MTPError(f"{len(prompts)} prompts but {len(options)} sets of options")
+    if type(max_batch) is not int or max_batch < 1:
+        raise MTPError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
+    if batch_support(model) is not None:
+        yield from _one_at_a_time(model, prompts, options, frozenset(eos))
+        return
+    widest = max(options, key=lambda o: depth_for(model, o))
+    batch = Batch(model, widest, eos)
+    waiting = list(range(len(prompts)))
+    while waiting or len(batch):
+        while waiting and len(batch) < max_batch:
+            i = waiting.pop(0)
+            batch.join(batch.admit(i, prompts[i], options[i]))
+        yield from batch.step()
+
+
+def _one_at_a_time(model, prompts, options, eos) -> Iterator[RowOutput]:
+    from .speculative import mtp_generate_step
+
+    for i, (prompt, opts) in enumerate(zip(prompts, options)):
+        steps = mtp_generate_step(prompt, model, opts)
+        n = 0
+        for step in steps:
+            n += 1
+            stop = step.token in eos
+            last = stop or n == opts.max_tokens
+            finish = ("stop" if stop else "length") if last else None
+            yield RowOutput(
+                i,
+                [step.token],
+                step.logprobs[None],
+                [step.from_draft],
+                finish,
+                step.stats,
+                {1: step.stats.rounds},
+            )
+            if last:
+                steps.close()
+                break

@@ -7,3 +7,4 @@ DEFAULT_LOOKUP_TOKENS = 8  # the longest draft found in the context (prompt look
 SINK_TOKENS = 4  # first positions mlx-lm's rotating cache (max_kv_size) always keeps
 MIN_KV_SIZE = SINK_TOKENS + 1  # the smallest max_kv_size: the sinks and one more
 SERVER_MAX_TOKENS = 512  # a server reply's tokens when the request does not say
+DEFAULT_MAX_BATCH = 8  # streams decoded together at most (server and batch API)

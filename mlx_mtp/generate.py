@@ -1,4 +1,5 @@
-"""Text layer over the decode loop: ``stream_generate`` and ``generate``, as in mlx-lm.
+"""Text layer over the decode loops: ``stream_generate``, ``generate`` and
+``batch_generate``, as in mlx-lm.
 
 Responses are mlx-lm's ``GenerationResponse`` plus ``mtp``, a snapshot of the run's
 `MTPStats`. Stopping at EOS and max_tokens follows mlx-lm's ``stream_generate``.
@@ -7,13 +8,15 @@ Responses are mlx-lm's ``GenerationResponse`` plus ``mtp``, a snapshot of the ru
 import time
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Callable, Generator, List, Optional, Union
+from typing import Callable, Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse as _LMResponse
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .batch import RowOutput, run_batch
+from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
 from .options import DecodeOptions
 from .speculative import Session, mtp_generate_step
@@ -183,3 +186,108 @@ def format_stats(r: GenerationResponse) -> str:
                 for source, n in sorted(stats.drafted_by_source.items())
             )
     return line
+
+
+@dataclass
+class BatchResponse:
+    """What `batch_generate` returns, per prompt in order: ``texts`` (without the
+    EOS token), ``token_ids``, ``finish_reasons`` ("stop" or "length") and ``mtp``
+    (each stream's `MTPStats`, with ``batch_sizes``: rounds per batch size); and
+    the totals: prompt and generated tokens, seconds, peak memory (GB)."""
+
+    texts: List[str]
+    token_ids: List[List[int]]
+    finish_reasons: List[str]
+    mtp: List[MTPStats]
+    batch_sizes: List[dict]
+    prompt_tokens: int
+    generation_tokens: int
+    seconds: float
+    peak_memory: float
+
+    @property
+    def generation_tps(self) -> float:
+        """Generated tokens per second, all streams together (prefills included)."""
+        return self.generation_tokens / self.seconds if self.seconds else 0.0
+
+
+def batch_generate(
+    model,
+    tokenizer,
+    prompts: Sequence[Union[str, List[int]]],
+    max_tokens: Union[int, Sequence[int], None] = None,
+    *,
+    options: Union[DecodeOptions, Sequence[DecodeOptions], None] = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    on_output: Optional[Callable[[RowOutput], None]] = None,
+    **fields,
+) -> BatchResponse:
+    """Generate a response for each prompt, the streams decoded together with MTP
+    (`mlx_mtp.batch`), as mlx-lm's ``batch_generate`` does without it.
+
+    Args:
+        prompts: Texts or token ids.
+        max_tokens: Tokens per response (one number, or one per prompt; default:
+            the options').
+        options: `DecodeOptions` for every prompt, or one per prompt; ``fields``
+            (option names) override them all.
+        max_batch: Streams decoded together at most; a prompt joins when a row is
+            free.
+        on_output: Called with every round's `mlx_mtp.batch.RowOutput` (progress).
+
+    Each response is exactly what `generate` gives for its prompt alone under greedy
+    decoding, and exact speculative sampling otherwise.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if isinstance(prompts, (str, mx.array)) or not len(prompts):
+        raise MTPError("prompts must be a non-empty list of prompts")
+    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    per_prompt = _per_prompt(options, len(ids), fields, max_tokens)
+    per_prompt = [
+        o.replace(max_tokens=fit_context(model, len(p), o.max_tokens))
+        for o, p in zip(per_prompt, ids)
+    ]
+    tokens = [[] for _ in ids]
+    finish, stats, sizes = [None] * len(ids), [None] * len(ids), [{}] * len(ids)
+    eos = tokenizer.eos_token_ids
+    tic = time.perf_counter()
+    with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
+        for out in run_batch(model, ids, per_prompt, eos, max_batch):
+            tokens[out.uid].extend(out.tokens)
+            stats[out.uid] = out.stats
+            if out.finish_reason is not None:
+                finish[out.uid] = out.finish_reason
+                sizes[out.uid] = dict(out.batch_sizes)
+            if on_output is not None:
+                on_output(out)
+    seconds = time.perf_counter() - tic
+    kept = [t[:-1] if f == "stop" else t for t, f in zip(tokens, finish)]
+    return BatchResponse(
+        texts=[tokenizer.decode(t) for t in kept],
+        token_ids=kept,
+        finish_reasons=finish,
+        mtp=[s.snapshot() for s in stats],
+        batch_sizes=sizes,
+        prompt_tokens=sum(len(p) for p in ids),
+        generation_tokens=sum(len(t) for t in tokens),
+        seconds=seconds,
+        peak_memory=mx.get_peak_memory() / 1e9,
+    )
+
+
+def _per_prompt(options, n: int, fields: dict, max_tokens) -> List[DecodeOptions]:
+    """One checked `DecodeOptions` per prompt."""
+    if options is None or isinstance(options, DecodeOptions):
+        options = [options] * n
+    elif len(options) != n:
+        raise MTPError(f"{n} prompts but {len(options)} sets of options")
+    if max_tokens is None or isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * n
+    elif len(max_tokens) != n:
+        raise MTPError(f"{n} prompts but {len(max_tokens)} max_tokens")
+    out = []
+    for o, m in zip(options, max_tokens):
+        changes = dict(fields) if m is None else {**fields, "max_tokens": m}
+        out.append(DecodeOptions.build(o, **changes).check())
+    return out
