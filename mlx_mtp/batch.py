@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from . import batch_cache
 from .batch_cache import batch_support, rewind_rows, to_batch
+from .batch_costs import BatchLength, model_batch_costs
 from .cache import Caches, begin_verify, check_rollback, make_caches
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
@@ -184,8 +185,11 @@ class Batch:
         options: The batch's `DecodeOptions`: the longest draft they allow sets the
             MTP layers in use (`depth_for`), the same for every row.
         eos: Token ids that end a row's stream.
-        length: Picks each round's K from the rows (default: the largest k a row's
-            own policy asks for).
+        length: Caps the drafts of the rows whose options say ``-k auto`` (a
+            `mlx_mtp.batch_costs.BatchLength`; default: one from the model's batch
+            costs, measured on first need for batches up to ``max_batch``).
+        max_batch: The most rows the caller puts in the batch (the batch sizes
+            whose costs are measured).
         keep_sessions: A row leaving the batch (finished or removed) gets
             ``row.session``, a `Session` of its caches to go on from later (a
             server's prompt cache of the conversation).
@@ -200,6 +204,7 @@ class Batch:
         eos: Iterable[int] = (),
         length=None,
         keep_sessions: bool = False,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ):
         reason = batch_support(model)
         if reason is not None:
@@ -208,6 +213,7 @@ class Batch:
         self.depth = depth_for(model, self.options)
         self.model, self.eos = model, frozenset(eos)
         self.length, self.keep_sessions = length, keep_sessions
+        self.max_batch = max_batch
         self.rows: List[Row] = []
         self.caches: Optional[Caches] = None
         self.queued: Optional[BatchRound] = None
@@ -302,17 +308,29 @@ class Batch:
             if r.run.drafting.lookup_tokens:
                 r.lookup = r.run.lookup_draft(r.k)
                 r.k = len(r.lookup) if r.lookup else r.k
-        heads = [r.k for r in self.rows if r.lookup is None]
-        longest = max(heads, default=0)
-        if self.length is not None:
-            longest = self.length.next(self.rows, longest)
+        auto = [r.run.options.num_draft_tokens == "auto" for r in self.rows]
+        cap = self._cap([r.k for r in self.rows], auto)
+        if cap is not None:
+            for r, free in zip(self.rows, auto):
+                if free and r.lookup:
+                    r.lookup = r.lookup[:cap] or None
+                    r.k = len(r.lookup or ())
+                elif free:
+                    r.k = min(r.k, cap)
+        longest = max((r.k for r in self.rows if r.lookup is None), default=0)
         if longest < max(self.depth, 1):
             for r in self.rows:
                 r.k = r.k if r.lookup else 0
-        else:
-            for r in self.rows:
-                if r.lookup is None and r.run.policy.max_k:
-                    r.k = min(longest, r.room())
+
+    def _cap(self, asks: List[int], auto: List[bool]) -> Optional[int]:
+        """The cap `BatchLength` puts on the auto rows' drafts (its costs measured
+        on first need), or None."""
+        if len(self.rows) == 1 or not any(auto):
+            return None
+        if self.length is None:
+            costs = model_batch_costs(self.model, self.max_batch)
+            self.length = BatchLength(costs, max(self.depth, 1))
+        return self.length.cap(self.rows, asks, auto)
 
     def _launch(self) -> BatchRound:
         self._plan()
@@ -577,7 +595,7 @@ def run_batch(
         yield from _one_at_a_time(model, prompts, options, frozenset(eos))
         return
     widest = max(options, key=lambda o: depth_for(model, o))
-    batch = Batch(model, widest, eos)
+    batch = Batch(model, widest, eos, max_batch=max_batch)
     waiting = list(range(len(prompts)))
     while waiting or len(batch):
         while waiting and len(batch) < max_batch:

@@ -1,0 +1,303 @@
+"""What a batched round costs, and the longest draft that pays at each batch size.
+
+A round over B rows drafting K tokens costs ``verify(B, K + 1) + K * draft(B)``: one
+trunk pass over B x (K + 1) tokens and K draft steps at batch B. Decoding is memory
+bound while B x (K + 1) is small, so verifying K + 1 tokens costs little more than
+one; as B grows the pass turns compute bound and each draft costs nearly its share.
+`BatchCosts` holds these costs, relative to one plain decode step of one row, measured
+once per model files, device and MLX version on a grid of batch sizes (interpolated
+between them), and kept in ``$MLX_MTP_HOME/batch_costs.json``.
+
+`BatchLength` caps the drafts of the rows that let the loop choose (``-k auto``) at the
+K that maximises the whole batch's expected tokens per unit of time, each row's
+expected tokens from its own measured acceptance; K = 0 (batched plain decoding)
+wherever drafting does not pay, so a batch is never slower than plain decoding by the
+costs measured. Rows that asked for a fixed k keep it. Nothing here changes the
+output: every round is verified exactly.
+"""
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .defaults import DEFAULT_MAX_DRAFT_TOKENS
+from .draft_length import MAX_COST, AdaptiveLength, _cost_key, _write_atomically
+from .errors import MTPError
+from .files import read_json
+from .paths import home
+
+VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
+MAX_GRID = 16  # batch sizes one stored entry may hold
+
+
+@dataclass
+class BatchCosts:
+    """``verify[B][n - 1]``: a trunk pass over B rows of n tokens, and ``draft[B]``:
+    one draft step at batch B, both relative to one row's plain decode step; for
+    the batch sizes measured (JSON keys are strings)."""
+
+    verify: Dict[int, List[float]]
+    draft: Dict[int, float]
+
+    def __post_init__(self):
+        self.verify = {int(b): list(v) for b, v in self.verify.items()}
+        self.draft = {int(b): float(v) for b, v in self.draft.items()}
+
+    @property
+    def sizes(self) -> List[int]:
+        return sorted(self.verify)
+
+    def _at(self, table: Dict[int, float], B: int) -> float:
+        """``table`` at batch B: linear between the sizes measured, and beyond the
+        largest along its last segment."""
+        sizes = self.sizes
+        if B in table:
+            return table[B]
+        lo = max([s for s in sizes if s < B], default=sizes[0])
+        hi = min([s for s in sizes if s > B], default=None)
+        if hi is None:
+            if len(sizes) == 1:
+                return table[lo] * B / lo
+            lo, hi = sizes[-2], sizes[-1]
+        return table[lo] + (table[hi] - table[lo]) * (B - lo) / (hi - lo)
+
+    def verify_cost(self, B: int, n: int) -> float:
+        """A pass over B rows of n tokens (beyond the widths measured: along the
+        last step's slope)."""
+        return self._at({b: _width(v, n) for b, v in self.verify.items()}, B)
+
+    def round(self, B: int, K: int) -> float:
+        """A round over B rows drafting K tokens each."""
+        return self.verify_cost(B, K + 1) + K * self._at(self.draft, B)
+
+
+def _width(costs: List[float], n: int) -> float:
+    if n <= len(costs):
+        return costs[n - 1]
+    slope = costs[-1] - costs[-2] if len(costs) > 1 else costs[-1]
+    return costs[-1] + slope * (n - len(costs))
+
+
+def grid(max_batch: int) -> List[int]:
+    """The batch sizes measured for batches of up to ``max_batch`` rows: powers of
+    two, and ``max_batch``."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def measure_batch_costs(
+    model, sizes: Sequence[int], reps: int = 5, context: int = 64
+) -> BatchCosts:
+    """`BatchCosts` for ``sizes``, timed on rows of ``context`` tokens as the batched
+    loop runs them (ragged caches, rollback marks, a pass, its rewind)."""
+    from .batch import Batch
+    from .options import DecodeOptions
+
+    times, drafts = {}, {}
+    opts = DecodeOptions(num_draft_tokens=1 if model.num_mtp_layers else 0)
+    for B in sizes:
+        batch = Batch(model, opts)
+        for b in range(B):
+            ids = [(7 * b + 3 * i + 1) % model.args.vocab_size for i in range(context)]
+            batch.join(batch.admit(b, ids, opts.replace(max_tokens=-1)))
+        times[B] = [_time_verify(batch, n, reps) for n in range(1, VERIFY_WIDTHS + 1)]
+        drafts[B] = _time_draft(batch, reps) if model.num_mtp_layers else 0.0
+    if sizes[0] != 1:
+        raise MTPError("batch costs are measured from a batch of one row")
+    return BatchCosts(_monotone(times), {B: d / times[1][0] for B, d in drafts.items()})
+
+
+def _monotone(times: Dict[int, List[float]]) -> Dict[int, List[float]]:
+    """Verify times relative to one row's one-token pass, made non-decreasing in
+    tokens and in rows (a wider pass never costs less: a smaller median is timing
+    noise, which would make the policy's choice flicker)."""
+    unit, out, below = times[1][0], {}, None
+    for B in sorted(times):
+        row, best = [], 0.0
+        for n, t in enumerate(times[B]):
+            best = max(best, t / unit, below[n] if below else 0.0)
+            row.append(best)
+        out[B], below = row, row
+    out[1][0] = 1.0
+    return out
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps + 1):  # the first call warms up
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times[1:])
+
+
+def _time_verify(batch, n: int, reps: int) -> float:
+    from .batch_cache import rewind_rows
+    from .cache import begin_verify
+
+    model, caches = batch.model, batch.caches
+    B = len(batch)
+    ids = mx.zeros((B, n), dtype=mx.int32) + 5
+
+    def verify():
+        marks = begin_verify(caches.trunk)
+        mx.eval(model.logits(model.hidden(ids, caches.trunk)))
+        rewind_rows(caches.trunk, marks, [n] * B)
+
+    return _median_time(verify, reps)
+
+
+def _time_draft(batch, reps: int) -> float:
+    model, cache = batch.model, batch.caches.mtp[0]
+    B = len(batch)
+    h = mx.zeros((B, 1, model.args.hidden_size))
+    ids = mx.zeros((B, 1), dtype=mx.int32) + 5
+    frontier = [r.state.frontier for r in batch.rows]
+
+    def step():
+        z = model.mtp_forward(0, h, ids, cache)
+        mx.eval(mx.argmax(model.draft_logits(z[:, -1]), axis=-1))
+        cache.keep_below(frontier)
+
+    return _median_time(step, reps)
+
+
+def _costs_file():
+    return home() / "batch_costs.json"
+
+
+def parse_batch_costs(entry) -> Optional[BatchCosts]:
+    """The `BatchCosts` of a stored entry, or None unless it is exactly what
+    `measure_batch_costs` gives: ``verify`` and ``draft`` over the same batch sizes
+    (1 among them, at most `MAX_GRID`), `VERIFY_WIDTHS` finite positive costs each,
+    ``verify["1"][0] == 1``."""
+    if not (isinstance(entry, dict) and set(entry) == {"verify", "draft"}):
+        return None
+    verify, draft = entry["verify"], entry["draft"]
+    ok = (
+        isinstance(verify, dict)
+        and isinstance(draft, dict)
+        and set(verify) == set(draft)
+        and "1" in verify
+        and len(verify) <= MAX_GRID
+        and all(b.isdigit() and 0 < int(b) <= 4096 for b in verify)
+        and all(
+            isinstance(v, list)
+            and len(v) == VERIFY_WIDTHS
+            and all(_is_cost(c) for c in v)
+            for v in verify.values()
+        )
+        and all(_is_cost(d) or d == 0 for d in draft.values())
+        and verify["1"][0] == 1
+    )
+    return BatchCosts(verify, draft) if ok else None
+
+
+def _is_cost(x) -> bool:
+    return type(x) in (int, float) and 0 < x <= MAX_COST and math.isfinite(x)
+
+
+def model_batch_costs(model, max_batch: int, on_measure=None) -> BatchCosts:
+    """The model's `BatchCosts` on `grid` (``max_batch``): measured once per model
+    files, device and MLX version (``on_measure`` is called first), then read back
+    from ``$MLX_MTP_HOME/batch_costs.json``."""
+    sizes = grid(max_batch)
+    costs = getattr(model, "batch_costs", None)
+    if costs is not None and set(sizes) <= set(costs.sizes):
+        return costs
+    key = _cost_key(model)
+    table = _stored()
+    stored = parse_batch_costs(table.get(key)) if key else None
+    if stored is None or not set(sizes) <= set(stored.sizes):
+        if on_measure is not None:
+            on_measure()
+        if stored is not None:
+            sizes = sorted(set(sizes) | set(stored.sizes))[:MAX_GRID]
+        stored = measure_batch_costs(model, sizes)
+        if key:
+            table = {k: v for k, v in table.items() if parse_batch_costs(v)}
+            table[key] = {
+                "verify": {str(b): v for b, v in stored.verify.items()},
+                "draft": {str(b): v for b, v in stored.draft.items()},
+            }
+            try:
+                _costs_file().parent.mkdir(parents=True, exist_ok=True)
+                _write_atomically(_costs_file(), json.dumps(table))
+            except OSError:
+                pass
+    model.batch_costs = stored
+    return stored
+
+
+def _stored() -> dict:
+    path = _costs_file()
+    try:
+        table = read_json(path) if path.is_file() else {}
+    except MTPError:
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def expected_tokens(row, k: int) -> float:
+    """A row's expected tokens from a round drafting k: its adaptive policy's
+    estimate, else one from its statistics (conditional acceptance per position,
+    leaning on the position before, 0.6 before anything was drafted)."""
+    policy = row.run.policy
+    if isinstance(policy, AdaptiveLength):
+        return policy.expected_tokens(k, row.vocab)
+    acc, drafted = row.stats.accepted_per_position, row.stats.drafted_per_position
+    total, run, alpha = 1.0, 1.0, 0.6
+    for j in range(k):
+        hits = acc[j] if j < len(acc) else 0
+        reached = (drafted[0] if j == 0 else acc[j - 1]) if j < len(acc) else 0
+        alpha = (hits + 2.0 * alpha) / (reached + 2.0)
+        run *= alpha
+        total += run
+    return total
+
+
+@dataclass
+class BatchLength:
+    """The longest draft that pays for the batch, from its `BatchCosts` (see the
+    module docstring); ``depth``: the MTP layers in use (a heads round drafts 0 or at
+    least that many)."""
+
+    costs: BatchCosts
+    depth: int = 1
+
+    def rate(self, rows, asks: List[int], auto: List[bool], K: int) -> float:
+        """Expected tokens of all rows per unit of cost with drafts capped at K."""
+        tokens = sum(
+            expected_tokens(r, min(K, a) if free else a)
+            for r, a, free in zip(rows, asks, auto)
+        )
+        return tokens / self.costs.round(len(rows), K)
+
+    def cap(self, rows, asks: List[int], auto: List[bool]) -> Optional[int]:
+        """The cap on the ``auto`` rows' drafts (None: none needed); ``asks``: each
+        row's k as its own policy planned it."""
+        fixed = max((a for a, free in zip(asks, auto) if not free), default=0)
+        longest = max((a for a, free in zip(asks, auto) if free), default=0)
+        if longest <= fixed or len(rows) == 1:
+            return None
+        options = [fixed] + [k for k in range(max(fixed + 1, self.depth), longest + 1)]
+        best = max(options, key=lambda K: self.rate(rows, asks, auto, K))
+        return None if best >= longest else best
+
+    def describe(self, sizes: Sequence[int], alpha: float, k: int) -> Dict[int, dict]:
+        """Per batch size: the speedup over plain of drafting k with acceptance
+        ``alpha`` at every position (what the policy weighs; for reports)."""
+        out = {}
+        expected = sum(alpha**j for j in range(k + 1))
+        for B in sizes:
+            ratio = expected / self.costs.round(B, k) * self.costs.round(B, 0)
+            out[B] = {"k": k, "speedup": ratio, "drafts": ratio > 1.0}
+        return out
