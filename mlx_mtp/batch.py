@@ -304,6 +304,8 @@ class Batch:
         a heads round runs all of them or none (see `Run.plan`)."""
         for r in self.rows:
             r.k = min(r.run.policy.next(), r.room())
+            if len(r.state.tokens) - 1 <= r.state.frontier:
+                r.k = 0  # no hidden state to draft from yet (a one-token prompt)
             r.lookup = None
             if r.run.drafting.lookup_tokens:
                 r.lookup = r.run.lookup_draft(r.k)

@@ -11,6 +11,8 @@ from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 # ranks): behind the ``slow`` marker, so that ``python -m pytest`` stays a few minutes;
 # ``python -m pytest -m slow`` runs them, and CI (.ci/run) runs both.
 SLOW_MODULES = {
+    "test_batch_greedy",
+    "test_batch_sampling",
     "test_convert",
     "test_distributed",
     "test_draft_vocab",

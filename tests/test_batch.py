@@ -1,0 +1,237 @@
+"""Several streams decoded together (`mlx_mtp.batch`): every stream's tokens equal
+its own single-stream decoding (and mlx-lm's), whatever else is in the batch and
+whenever it joined or the others left; each row's caches roll back on their own;
+sampled rows are exact, and a seeded row gives its lone text."""
+
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+import mlx_mtp.batch_cache as batch_cache
+from mlx_mtp import batch_generate, generate
+from mlx_mtp.batch import Batch, run_batch
+from mlx_mtp.batch_cache import RaggedKVCache, batch_support
+from mlx_mtp.batch_costs import BatchCosts, BatchLength, parse_batch_costs
+from mlx_mtp.errors import MTPError
+from mlx_mtp.options import DecodeOptions
+from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
+
+PROMPTS = (
+    "def forward(self, x):",
+    "The quick brown fox jumps over",
+    "import numpy as np\n",
+    "a",
+)
+
+
+def plain(model, ids, n):
+    steps = generate_step(mx.array(ids), model.trunk, max_tokens=n)
+    return [int(t) for t, _ in steps]
+
+
+def alone(model, ids, options):
+    return [o.token for o in mtp_generate_step(ids, model, options)]
+
+
+def drive(batch, joins, removals=()):
+    """Step ``batch`` until it is empty: ``joins`` maps a round number to the
+    (uid, ids, options) that join before it, ``removals`` a round number to uids
+    removed before it. Returns the tokens per uid and the per-round accepted counts
+    of every row."""
+    out, accepted, rnd = {}, [], 0
+    joins, removals = dict(joins), dict(removals)
+    while len(batch) or any(r >= rnd for r in joins):
+        for uid, ids, opts in joins.pop(rnd, ()):
+            batch.join(batch.admit(uid, ids, opts))
+            out.setdefault(uid, [])
+        batch.remove(removals.pop(rnd, ()))
+        outputs = batch.step()
+        accepted.append({o.uid: sum(o.from_draft) for o in outputs})
+        for o in outputs:
+            out.setdefault(o.uid, []).extend(o.tokens)
+        rnd += 1
+    return out, accepted
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "step3p5"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_staggered_rows_decode_as_alone(family, k, loaded):
+    """Rows join at different rounds, with different lengths, and accept different
+    numbers of drafts in the same round; each equals its lone decoding and plain
+    greedy decoding (hybrid trunk, two MTP layers, sliding windows)."""
+    model, tokenizer = loaded(family, predictable=True)
+    opts = HEADS.replace(num_draft_tokens=k)
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    lengths = [20, 9, 16, 12]
+    joins = {0: [], 2: [], 5: []}
+    for i, (p, n) in enumerate(zip(ids, lengths)):
+        joins[(0, 0, 2, 5)[i]].append((i, p, opts.replace(max_tokens=n)))
+    out, accepted = drive(Batch(model, opts), joins)
+    for i, (p, n) in enumerate(zip(ids, lengths)):
+        assert (
+            out[i] == plain(model, p, n) == alone(model, p, opts.replace(max_tokens=n))
+        )
+    ragged = [r for r in accepted if len(set(r.values())) > 1]
+    assert ragged, "no round had rows accepting different numbers of drafts"
+
+
+def test_a_removed_row_leaves_the_others_exact(loaded):
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    opts = HEADS.replace(num_draft_tokens=2, max_tokens=18)
+    ids = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    joins = {0: [(i, p, opts) for i, p in enumerate(ids)]}
+    out, _ = drive(Batch(model, opts), joins, removals={3: [1]})
+    for i in (0, 2):
+        assert out[i] == plain(model, ids[i], 18)
+    assert out[1] == plain(model, ids[1], 18)[: len(out[1])]
+    assert len(out[1]) < 18
+
+
+def test_holes_are_compacted_exactly(loaded, monkeypatch):
+    """With compaction forced after every round, rejected entries are packed away
+    and the rows stay exact."""
+    monkeypatch.setattr(batch_cache, "COMPACT_SLACK", 0)
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    opts = HEADS.replace(num_draft_tokens=3, max_tokens=24)
+    ids = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    batch = Batch(model, opts)
+    out, _ = drive(batch, {0: [(i, p, opts) for i, p in enumerate(ids)]})
+    for i, p in enumerate(ids):
+        assert out[i] == plain(model, p, 24)
+
+
+def test_a_leaving_row_keeps_its_session(loaded):
+    """A row's session, taken as it leaves, goes on single-stream exactly."""
+    model, tokenizer = loaded("mimo_v2_flash", predictable=True)
+    opts = HEADS.replace(num_draft_tokens=2, max_tokens=10)
+    ids = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    batch = Batch(model, opts, keep_sessions=True)
+    rows = [batch.join(batch.admit(i, p, opts)) for i, p in enumerate(ids)]
+    out, _ = drive(batch, {})
+    more = tokenizer.encode(" and then")
+    for row, p in zip(rows, ids):
+        assert row.session is not None
+        steps = mtp_generate_step(more, model, opts, session=row.session)
+        assert [o.token for o in steps] == plain(model, p + out[row.uid] + more, 10)
+
+
+def test_seeded_rows_give_their_lone_text(loaded):
+    """Sampled rows with different settings and k, beside a greedy one: each seeded
+    row's tokens are its lone seeded run's (per-row keys, drawn as alone)."""
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    base = DecodeOptions(max_tokens=14)
+    settings = [
+        dict(num_draft_tokens=2, temp=0.8, seed=3),
+        dict(num_draft_tokens=1, temp=1.0, top_k=20, seed=4),
+        dict(num_draft_tokens=3),
+        dict(num_draft_tokens=3, temp=0.7, top_p=0.9, seed=5),
+    ]
+    opts = [base.replace(**s) for s in settings]
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    joins = {0: [(i, p, o) for i, (p, o) in enumerate(zip(ids, opts))]}
+    out, _ = drive(Batch(model, base.replace(num_draft_tokens=3)), joins)
+    for i, (p, o) in enumerate(zip(ids, opts)):
+        assert out[i] == alone(model, p, o), settings[i]
+
+
+def test_batch_generate_equals_generate(loaded):
+    model, tokenizer = loaded("nemotron_h", predictable=True)
+    lengths = [10, 20, 5, 15]
+    r = batch_generate(
+        model,
+        tokenizer,
+        list(PROMPTS),
+        max_tokens=lengths,
+        max_batch=3,
+        num_draft_tokens=2,
+    )
+    for p, text, n in zip(PROMPTS, r.texts, lengths):
+        assert text == generate(model, tokenizer, p, max_tokens=n, num_draft_tokens=2)
+    assert all(s.drafted > 0 for s in r.mtp)
+    assert any(max(sizes) > 1 for sizes in r.batch_sizes)
+    assert r.generation_tokens >= sum(len(t) for t in r.token_ids)
+
+
+def test_a_model_that_cannot_batch_decodes_one_at_a_time(loaded):
+    model, tokenizer = loaded("deepseek_v32", predictable=True)
+    assert "no batched cache" in batch_support(model)
+    with pytest.raises(MTPError, match="no batched cache"):
+        Batch(model)
+    opts = HEADS.replace(num_draft_tokens=2, max_tokens=8)
+    ids = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    got = {}
+    for o in run_batch(model, ids, [opts, opts]):
+        got.setdefault(o.uid, []).extend(o.tokens)
+    assert [got[0], got[1]] == [plain(model, p, 8) for p in ids]
+
+
+def test_bad_batch_arguments_are_one_line_errors(loaded):
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    for prompts, kw, match in [
+        ([], {}, "non-empty list"),
+        ("hello", {}, "non-empty list"),
+        (["a", ""], {}, "prompt is empty"),
+        (["a", "b"], {"max_tokens": [1]}, "2 prompts but 1 max_tokens"),
+        (["a"], {"max_batch": 0}, "max_batch"),
+        (["a"], {"temp": -1}, "temp"),
+    ]:
+        with pytest.raises(MTPError, match=match):
+            batch_generate(model, tokenizer, prompts, **kw)
+    batch = Batch(model)
+    with pytest.raises(MTPError, match="kv_bits"):
+        batch.admit(0, [1, 2], DecodeOptions(kv_bits=4))
+
+
+def test_ragged_cache_rolls_rows_back_on_their_own():
+    """Rows keep their own positions: a rewind of one row leaves a hole the mask
+    hides, `compact` packs rows without changing what any query sees."""
+    c = RaggedKVCache(2)
+    keys = mx.arange(2 * 1 * 4 * 1, dtype=mx.float32).reshape(2, 1, 4, 1)
+    c.update_and_fetch(keys, keys)
+    c.rewind_rows([1, 3])  # row 0 keeps 3 positions, row 1 one
+    assert c.offset.tolist() == [3, 1] and c.held == [3, 1]
+    mask = c.make_mask(1)  # (B, 1, 1, T + 1): the next query of each row
+    assert mask[0, 0, 0].tolist() == [True, True, True, True]
+    assert mask[1, 0, 0].tolist() == [True, False, False, True]
+    c.compact()
+    assert c.pos.tolist() == [[0, 1, 2], [-1, -1, 0]]
+    assert c.make_mask(1)[1, 0, 0].tolist() == [False, False, True, True]
+    c.keep_below([2, 1])
+    assert c.pos[:, : c._idx].tolist() == [[0, 1, -1], [-1, -1, 0]]
+
+
+def test_stored_batch_costs_are_checked():
+    good = {"verify": {"1": [1, 1.1, 1.2, 1.3, 1.4]}, "draft": {"1": 0.1}}
+    assert parse_batch_costs(good) is not None
+    for bad in [
+        {"verify": {"1": [2, 1, 1, 1, 1]}, "draft": {"1": 0.1}},
+        {"verify": {"2": [1, 1, 1, 1, 1]}, "draft": {"2": 0.1}},
+        {"verify": {"1": [1, 1, 1]}, "draft": {"1": 0.1}},
+        {"verify": {"1": [1, 1, 1, 1, float("nan")]}, "draft": {"1": 0.1}},
+        {"verify": {"1": [1, 1, 1, 1, 1]}, "draft": {}},
+        [],
+    ]:
+        assert parse_batch_costs(bad) is None
+
+
+def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
+    """At a batch size where a wider pass costs its share, auto rows are capped at
+    0 (batched plain); where verification is nearly free they draft."""
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    cheap = [1.0, 1.02, 1.04, 1.06, 1.08]
+    costs = BatchCosts(
+        {1: cheap, 2: [1.1 * c for c in cheap], 8: [2.0, 4.0, 6.0, 8.0, 10.0]},
+        {1: 0.05, 2: 0.06, 8: 0.5},
+    )
+    length = BatchLength(costs, 1)
+    opts = DecodeOptions(num_draft_tokens="auto", max_tokens=4)
+    for B, expect_drafts in [(2, True), (8, False)]:
+        batch = Batch(model, opts, length=length)
+        rows = [
+            batch.join(batch.admit(i, tokenizer.encode("x y z"), opts))
+            for i in range(B)
+        ]
+        cap = length.cap(rows, [3] * B, [True] * B)
+        assert (cap is None or cap > 0) == expect_drafts, (B, cap)
