@@ -9,7 +9,12 @@ import sys
 
 import click
 
-from .defaults import MAX_DRAFT_TOKENS, MIN_KV_SIZE, SERVER_MAX_TOKENS
+from .defaults import (
+    DEFAULT_MAX_BATCH,
+    MAX_DRAFT_TOKENS,
+    MIN_KV_SIZE,
+    SERVER_MAX_TOKENS,
+)
 from .options import DRAFT_SOURCES, DecodeOptions
 
 DEFAULTS = DecodeOptions()  # the decode flags' defaults
@@ -235,11 +240,21 @@ def render_chat(tokenizer, messages: list) -> str:
         raise MTPError(f"the model's chat template failed: {one_line(e)}") from None
 
 
-def build_prompt(tokenizer, prompt: str, system_prompt, ignore_chat_template: bool):
-    """Token ids of the prompt, with the chat template applied as mlx-lm does."""
+def build_prompt(
+    tokenizer,
+    prompt: str,
+    system_prompt,
+    ignore_chat_template: bool,
+    escapes: bool = True,
+):
+    """Token ids of the prompt, with the chat template applied as mlx-lm does (and,
+    with ``escapes``, its ``\\n`` and ``\\t`` turned into a newline and a tab, as
+    mlx-lm does for ``--prompt``)."""
     from .errors import MTPError
 
-    prompt = check_text(prompt).replace("\\n", "\n").replace("\\t", "\t")
+    prompt = check_text(prompt)
+    if escapes:
+        prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     if not prompt.strip():
         raise MTPError("the prompt is empty")
     use_template = not ignore_chat_template and tokenizer.has_chat_template
@@ -481,17 +496,63 @@ MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo mode
     "mlx-lm's rotating cache); exact with drafting too.",
 )
 @click.option("--ignore-chat-template", is_flag=True)
+@click.option(
+    "--prompts-file",
+    type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+    default=None,
+    help="Generate for every prompt of this file ('-': stdin), decoded together "
+    "(see above); one JSON result a line.",
+)
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BATCH,
+    show_default=True,
+    help="With --prompts-file: prompts decoded together at most.",
+)
+@click.option(
+    "--output",
+    default=None,
+    metavar="FILE",
+    help="With --prompts-file: write the results to this file (whole or not at "
+    "all) [default: stdout].",
+)
+@click.option(
+    "--progress",
+    is_flag=True,
+    help="With --prompts-file: the progress line on stderr also when it is not a "
+    "terminal (--quiet: none).",
+)
 @decode_options
 @friendly_errors
 def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **options):
     """Generate text from a prompt, drafting with the model's MTP heads. Under
     ``mlx.launch`` the model is sharded over the ranks and rank 0 reads the prompt
-    and prints."""
+    and prints.
+
+    With --prompts-file FILE, every prompt of FILE is generated, the prompts
+    decoded in batches with MTP (each text the same as alone), and the results
+    written as JSONL, one object a prompt in the file's order: id, prompt, text,
+    finish_reason, prompt_tokens, generation_tokens and mtp (drafted, accepted,
+    acceptance_rate, tokens_per_round, batch_sizes). FILE holds one prompt a line
+    (blank lines skipped, the text taken as it is), or JSONL when every line is a
+    JSON object: "prompt" (text) or "messages" (a chat), an optional "id", and any
+    decode option by its name, for that prompt alone:
+
+    \b
+    {"id": "a", "prompt": "Hello", "max_tokens": 64}
+    {"messages": [{"role": "user", "content": "Hi"}], "temp": 0.7, "seed": 1}
+    """
     from .distributed import Sync
     from .errors import MTPError
     from .generate import format_stats, stream_generate
 
+    batch = {k: options.pop(k) for k in ("prompts_file", "max_batch", "output")}
+    batch["progress"] = options.pop("progress")
+    _check_batch_flags(batch)
     decode = _decode_options(options, max_tokens=max_tokens, max_kv_size=max_kv_size)
+    if batch["prompts_file"] is not None:
+        return _generate_file(model, decode, ignore_chat_template, batch, options)
     rank = _silence_other_ranks()
     if prompt == "-" and rank == 0:
         prompt = read_prompt_stdin()
@@ -517,6 +578,88 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
             click.echo()
             if options["verbose"] and rank == 0:
                 click.echo(format_stats(response), err=True)
+
+
+def _check_batch_flags(batch: dict) -> None:
+    """--prompts-file excludes --prompt; --max-batch, --output and --progress need
+    it (usage errors)."""
+    source = click.get_current_context().get_parameter_source
+    if batch["prompts_file"] is not None:
+        if source("prompt") is not click.core.ParameterSource.DEFAULT:
+            raise click.UsageError("--prompts-file and --prompt cannot go together")
+        return
+    for name in ("max_batch", "output", "progress"):
+        if source(name) is not click.core.ParameterSource.DEFAULT:
+            flag = "--" + name.replace("_", "-")
+            raise click.UsageError(f"{flag} goes with --prompts-file")
+
+
+def _generate_file(model, decode, ignore_chat_template, batch: dict, options: dict):
+    """``generate --prompts-file``: the file read and checked before the model loads
+    (a bad line: one line, exit 2, nothing generated), its prompts decoded with
+    `mlx_mtp.batch_generate`, the results written (`mlx_mtp.prompts_file`)."""
+    from . import prompts_file as pf
+    from .distributed import launched
+    from .generate import batch_generate
+
+    if launched() is not None:
+        raise click.UsageError("--prompts-file does not run under mlx.launch")
+    path = batch["prompts_file"]
+    try:
+        prompts = pf.parse(pf.read(path), path)
+        per_prompt = pf.decode_options(prompts, decode, path)
+        pf.check_output(batch["output"])
+        mdl, tokenizer = _load_for_decoding(model, options)
+        ids = [
+            _file_prompt_ids(tokenizer, p, path, ignore_chat_template, options)
+            for p in prompts
+        ]
+    except pf.PromptsFileError as e:
+        _fail(str(e), 2)
+    _rank_vocabulary(mdl, tokenizer, options, 0)
+    show = options["verbose"] and (batch["progress"] or sys.stderr.isatty())
+    with pf.Progress(len(prompts), show=show) as progress:
+        response = batch_generate(
+            mdl,
+            tokenizer,
+            ids,
+            options=per_prompt,
+            max_batch=batch["max_batch"],
+            on_output=progress,
+        )
+    texts = [pf.detokenize(tokenizer, t) for t in response.token_ids]
+    records = [
+        pf.record(p, i, t, response, n)
+        for n, (p, i, t) in enumerate(zip(prompts, ids, texts))
+    ]
+    pf.write(records, batch["output"])
+    if options["verbose"]:
+        click.echo(pf.summary(response), err=True)
+
+
+def _file_prompt_ids(tokenizer, prompt, path, ignore_chat_template, options):
+    """Token ids of a `mlx_mtp.prompts_file.FilePrompt`: text as ``--prompt`` (the
+    chat template and --system-prompt applied, but no escapes), or a chat's messages
+    rendered by the chat template; a failure is a `PromptsFileError` naming the line."""
+    from .errors import MTPError
+    from .prompts_file import PromptsFileError, source_name
+
+    try:
+        if not prompt.is_chat:
+            return build_prompt(
+                tokenizer,
+                prompt.prompt,
+                options["system_prompt"],
+                ignore_chat_template,
+                escapes=False,
+            )
+        if ignore_chat_template or not tokenizer.has_chat_template:
+            raise MTPError("'messages' need the model's chat template")
+        text = check_text(render_chat(tokenizer, prompt.prompt), "the chat")
+        return tokenizer.encode(text, add_special_tokens=False)
+    except MTPError as e:
+        where = source_name(path)
+        raise PromptsFileError(f"{where} line {prompt.line}: {e}") from None
 
 
 CHAT_COMMANDS = {
@@ -996,6 +1139,21 @@ def train_heads(model, data, mlx_path, **options):
     type=click.IntRange(min=1),
     default=None,
     help="Bound the kept conversations' cache memory [no bound].",
+)
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BATCH,
+    show_default=True,
+    help="Requests decoded together at most; others wait for a free row.",
+)
+@click.option(
+    "--batch-cache-bytes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Bound the decoding requests' cache memory (each row as wide as the "
+    "longest prompt + max_tokens; a request that cannot fit alone is a 400) [half "
+    "the memory the weights leave].",
 )
 @click.option(
     "--allow-missing-heads",
