@@ -330,7 +330,7 @@ class Batch:
         if len(self.rows) == 1 or not any(auto):
             return None
         if self.length is None:
-            costs = model_batch_costs(self.model, self.max_batch)
+            costs = model_batch_costs(self.model, self.max_batch, filled_batch)
             self.length = BatchLength(costs, max(self.depth, 1))
         return self.length.cap(self.rows, asks, auto)
 
@@ -450,6 +450,18 @@ def _with_lookups(rows: List[Row], drafts: mx.array, q, vocab_size: int):
             found.append([0] * K)
     is_lookup = mx.array([bool(r.lookup) for r in rows])[:, None]
     return mx.where(is_lookup, mx.array(found, dtype=mx.int32), drafts), q
+
+
+def filled_batch(model, rows: int, context: int) -> "Batch":
+    """A batch of ``rows`` streams of ``context`` tokens each (to time its passes:
+    `mlx_mtp.batch_costs.measure_batch_costs`)."""
+    opts = DecodeOptions(num_draft_tokens=1 if model.num_mtp_layers else 0)
+    batch = Batch(model, opts)
+    V = model.args.vocab_size
+    for b in range(rows):
+        ids = [(7 * b + 3 * i + 1) % V for i in range(context)]
+        batch.join(batch.admit(b, ids, opts.replace(max_tokens=-1)))
+    return batch
 
 
 def depth_for(model, options: DecodeOptions) -> int:

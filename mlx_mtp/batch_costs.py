@@ -94,20 +94,14 @@ def grid(max_batch: int) -> List[int]:
 
 
 def measure_batch_costs(
-    model, sizes: Sequence[int], reps: int = 5, context: int = 64
+    model, sizes: Sequence[int], filled, reps: int = 5, context: int = 64
 ) -> BatchCosts:
-    """`BatchCosts` for ``sizes``, timed on rows of ``context`` tokens as the batched
-    loop runs them (ragged caches, rollback marks, a pass, its rewind)."""
-    from .batch import Batch
-    from .options import DecodeOptions
-
+    """`BatchCosts` for ``sizes``, timed as the batched loop runs its passes (ragged
+    caches, rollback marks, a pass, its rewind) on ``filled(model, B, context)``, a
+    `mlx_mtp.batch.Batch` of B rows of ``context`` tokens."""
     times, drafts = {}, {}
-    opts = DecodeOptions(num_draft_tokens=1 if model.num_mtp_layers else 0)
     for B in sizes:
-        batch = Batch(model, opts)
-        for b in range(B):
-            ids = [(7 * b + 3 * i + 1) % model.args.vocab_size for i in range(context)]
-            batch.join(batch.admit(b, ids, opts.replace(max_tokens=-1)))
+        batch = filled(model, B, context)
         times[B] = [_time_verify(batch, n, reps) for n in range(1, VERIFY_WIDTHS + 1)]
         drafts[B] = _time_draft(batch, reps) if model.num_mtp_layers else 0.0
     if sizes[0] != 1:
@@ -205,10 +199,10 @@ def _is_cost(x) -> bool:
     return type(x) in (int, float) and 0 < x <= MAX_COST and math.isfinite(x)
 
 
-def model_batch_costs(model, max_batch: int, on_measure=None) -> BatchCosts:
+def model_batch_costs(model, max_batch: int, filled, on_measure=None) -> BatchCosts:
     """The model's `BatchCosts` on `grid` (``max_batch``): measured once per model
-    files, device and MLX version (``on_measure`` is called first), then read back
-    from ``$MLX_MTP_HOME/batch_costs.json``."""
+    files, device and MLX version (``on_measure`` is called first; ``filled``: see
+    `measure_batch_costs`), then read back from ``$MLX_MTP_HOME/batch_costs.json``."""
     sizes = grid(max_batch)
     costs = getattr(model, "batch_costs", None)
     if costs is not None and set(sizes) <= set(costs.sizes):
@@ -221,7 +215,7 @@ def model_batch_costs(model, max_batch: int, on_measure=None) -> BatchCosts:
             on_measure()
         if stored is not None:
             sizes = sorted(set(sizes) | set(stored.sizes))[:MAX_GRID]
-        stored = measure_batch_costs(model, sizes)
+        stored = measure_batch_costs(model, sizes, filled)
         if key:
             table = {k: v for k, v in table.items() if parse_batch_costs(v)}
             table[key] = {

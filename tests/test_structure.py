@@ -25,8 +25,10 @@ LAYERS = [
     ["draft_vocab"],
     ["heads", "assistant", "loading"],
     ["sampling", "rejection", "cache", "draft_length", "lookup", "options", "stats"],
+    ["batch_cache", "batch_costs"],
     ["resolve", "speculative"],
-    ["generate", "bench", "server_checks", "server"],
+    ["batch"],
+    ["generate", "bench", "server_checks", "server", "prompts_file"],
     ["convert", "demo", "testing"],
     ["cli", "_entry", "__main__"],
 ]
