@@ -1,4 +1,5 @@
-"""A float32 llama-layout checkpoint whose MTP head is accepted at a chosen rate.
+"""A float32 llama- or Qwen3.5-layout checkpoint whose MTP head is accepted at a chosen
+rate.
 
 Speed claims need models whose drafts are accepted at a known rate, so that the
 runtime's own efficiency (measured speedup / the speedup the acceptance allows) can be
@@ -18,11 +19,20 @@ read off independently of head quality. The construction:
   on greedy continuations equals --acceptance.
 
     python scripts/make_synthetic_model.py OUT --acceptance 0.7 [--params 300e6]
-        [--draft-vocab-size 4096]
+        [--draft-vocab-size 4096] [--layout qwen3_5]
 
 Without ``--draft-vocab-size`` the heads are in the Hugging Face layout
 (``model.layers.{L}.*``); with it, the folder is an mlx-mtp conversion (trunk in
 ``model.safetensors``, heads and their draft vocabulary in ``mtp.safetensors``).
+
+``--layout qwen3_5`` builds the same construction on a dense Qwen3.5 trunk: groups of
+three Gated-DeltaNet layers and one gated full-attention layer (the small Qwen3.5
+shapes at --hidden 1024: 12 layers at 300M), whose damped outputs include the
+Gated-DeltaNet ``out_proj``; the trunk is written as an MLX conversion
+(``language_model.*``, norms as scales, conv weights ``(C, K, 1)``), which mlx-lm's
+``load`` takes as is (it drops ``mtp.*``), and the head as Qwen's one MTP layer
+(``mtp.fc`` = ``eh_proj``, ``mtp.pre_fc_norm_*``, ``mtp.norm``, ``mtp.layers.0.*`` a
+full-attention decoder layer). At 300M, gamma 6.8 gives depth-1 agreement 0.70.
 
 ``--zipf S`` makes a model for sampling (temperature 1) instead (vocabulary 32768
 unless ``--vocab`` says otherwise; not with ``--draft-vocab-size``). Token
@@ -65,7 +75,9 @@ non-successor part (``coverage_non_successor``) and of the sampled tokens (``sam
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -74,8 +86,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_blas import ensure_fast_blas  # noqa: E402
 
 from mlx_mtp.models import get_family  # noqa: E402
-
-LAYOUT = get_family({"model_type": "llama"}).LAYOUT  # DeepSeek-style head names
 
 EMBED_SCALE = 8.0
 LOCAL = 64  # --zipf: the successor cycle keeps to blocks of this many Zipf ranks
@@ -110,24 +120,135 @@ def llama_config(params: float, vocab: int, hidden: int = 1024) -> dict:
     }
 
 
-def build_weights(config: dict, seed: int, cycle: int = 0, zipf: float = 0.0):
+def qwen3_5_config(params: float, vocab: int, hidden: int = 1024) -> dict:
+    """A dense Qwen3.5 text model as its Hugging Face config nests it: repeating groups
+    of three Gated-DeltaNet layers and one gated full-attention layer (head_dim 256,
+    partial rotary 0.25), the small Qwen3.5 shapes at ``hidden`` 1024, one MTP layer;
+    untied ``lm_head`` (the construction needs its own rows)."""
+    interval = 4
+    linear_heads = max(1, hidden // 64)
+    heads, kv, hd, lhd = max(1, hidden // 128), max(1, hidden // 512), 256, 128
+    inter = 64 * round(3.5 * hidden / 64)
+    key_dim = value_dim = linear_heads * lhd
+    gdn = hidden * (2 * key_dim + 2 * value_dim + 2 * linear_heads) + value_dim * hidden
+    attn = hidden * hd * (2 * heads + 2 * kv) + heads * hd * hidden
+    per_layer = (3 * gdn + attn) / interval + 3 * hidden * inter
+    groups = max(1, round((params - 2 * vocab * hidden) / per_layer / interval))
+    layers = interval * groups
+    text = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "linear_num_key_heads": linear_heads,
+        "linear_num_value_heads": linear_heads,
+        "linear_key_head_dim": lhd,
+        "linear_value_head_dim": lhd,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": interval,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * groups,
+        "attn_output_gate": True,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    }
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the construction needs of a layout: its config, mlx-lm trunk and MTP block
+    classes, and the names of the tensors it rewires. The weights are named as the
+    mlx-lm trunk's parameters (for llama also the Hugging Face names; for qwen3_5 an
+    MLX conversion, which both loaders take as is), the MTP tensors as the family's
+    checkpoints name them."""
+
+    model_type: str
+    config: Callable[[float, int, int], dict]
+    embed: str
+    lm_head: str
+    final_norm: str
+    block_prefix: Callable[[dict], str]  # where the MTP block's tensors sit
+
+    @property
+    def layout(self):
+        return get_family({"model_type": self.model_type}).LAYOUT
+
+    def is_head(self, key: str, config: dict) -> bool:
+        return key.startswith(self.layout.prefix(config, 0))
+
+    def modules(self, config: dict):
+        """The mlx-lm trunk and a fresh MTP block (a full-attention decoder layer)."""
+        if self.model_type == "llama":
+            from mlx_lm.models import llama
+
+            args = llama.ModelArgs.from_dict(config)
+            return llama.Model(args), llama.TransformerBlock(args)
+        from mlx_lm.models import qwen3_5
+
+        text = qwen3_5.TextModelArgs.from_dict(config["text_config"])
+        block = qwen3_5.DecoderLayer(text, text.full_attention_interval - 1)
+        return qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config)), block
+
+
+ARCHS = {
+    "llama": Arch(
+        "llama",
+        llama_config,
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        lambda config: ARCHS["llama"].layout.prefix(config, 0),  # DeepSeek-style
+    ),
+    "qwen3_5": Arch(
+        "qwen3_5",
+        qwen3_5_config,
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+        "language_model.model.norm.weight",
+        lambda config: "mtp.layers.0.",
+    ),
+}
+# The trunk's and the head's block outputs, damped: attention, Gated-DeltaNet, MLP.
+DAMPED = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0):
     """The weights (``lm_head`` zero with ``zipf``: `zipf_head` writes it once the
     hidden states are measured), the emitted tokens, and with ``zipf`` the parts
     `zipf_head` needs (None without)."""
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
-    args = llama.ModelArgs.from_dict(config)
-    model = llama.Model(args)
-    w = {k: v for k, v in tree_flatten(model.parameters())}
-    V, H = config["vocab_size"], config["hidden_size"]
-    head = LAYOUT.prefix(config, 0)  # the MTP layer's tensors, DeepSeek-style
+    trunk, block = arch.modules(config)
+    w = {k: v for k, v in tree_flatten(trunk.parameters())}
+    text = config.get("text_config", config)
+    V, H = text["vocab_size"], text["hidden_size"]
     embed = mx.random.normal((V, H)) * (EMBED_SCALE / np.sqrt(H))
-    w["model.embed_tokens.weight"] = embed
+    w[arch.embed] = embed
     for k in list(w):
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
+        if k.endswith(DAMPED):
             w[k] = w[k] * DAMPING
     order = rng.permutation(V)[: cycle or V]  # the tokens the trunk emits
     inverse = np.zeros(V, dtype=np.int64)  # lm_head row pi(x) = direction of x
@@ -135,20 +256,20 @@ def build_weights(config: dict, seed: int, cycle: int = 0, zipf: float = 0.0):
     parts = None
     if zipf:
         parts = zipf_parts(embed, order, rng, zipf)
-        w["model.embed_tokens.weight"] = parts.pop("embed")
-        w["lm_head.weight"] = mx.zeros((V, H))
+        w[arch.embed] = parts.pop("embed")
+        w[arch.lm_head] = mx.zeros((V, H))
     else:
         unit = embed / mx.linalg.norm(embed, axis=-1, keepdims=True)
         emitted = np.zeros((V, 1), dtype=np.float32)
         emitted[order] = 4.0
-        w["lm_head.weight"] = unit[mx.array(inverse)] * mx.array(emitted)
-    block = dict(tree_flatten(llama.TransformerBlock(args).parameters()))
-    for k, v in block.items():
-        scale = DAMPING if k.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-        w[f"{head}{k}"] = v * scale
+        w[arch.lm_head] = unit[mx.array(inverse)] * mx.array(emitted)
+    prefix = arch.block_prefix(config)
+    for k, v in tree_flatten(block.parameters()):
+        w[f"{prefix}{k}"] = v * (DAMPING if k.endswith(DAMPED) else 1.0)
+    layout = arch.layout
     for name in ("enorm", "hnorm"):
-        w[f"{head}{LAYOUT.name(name)}.weight"] = mx.ones((H,))
-    w[f"{head}{LAYOUT.name('norm')}.weight"] = mx.array(w["model.norm.weight"])
+        w[layout.key(config, 0, name)] = mx.ones((H,))
+    w[layout.key(config, 0, "norm")] = mx.array(w[arch.final_norm])
     w["_noise"] = mx.random.normal((H, H)) / np.sqrt(H)
     return w, np.sort(order), parts
 
@@ -367,7 +488,7 @@ def zipf_report(parts: dict, features) -> dict:
     }
 
 
-def write_conversion(out: Path, config: dict, w: dict, vocab, info) -> None:
+def write_conversion(out: Path, arch: Arch, config: dict, w: dict, vocab, info) -> None:
     """Rewrite ``out`` as an mlx-mtp conversion whose heads draft from ``vocab``."""
     from mlx_mtp.heads import HEADS_FILE, heads_section, save_heads
     from mlx_mtp.loading import load_model
@@ -376,8 +497,7 @@ def write_conversion(out: Path, config: dict, w: dict, vocab, info) -> None:
     model = load_model(str(out))[0]
     stack = MTPStack(list(model.mtp.layers), len(vocab))
     stack.draft_vocab = mx.array(vocab, dtype=mx.int32)
-    head = LAYOUT.prefix(config, 0)
-    trunk = {k: v for k, v in w.items() if not k.startswith(head)}
+    trunk = {k: v for k, v in w.items() if not arch.is_head(k, config)}
     mx.save_safetensors(str(out / "model.safetensors"), trunk, {"format": "pt"})
     save_heads(out / HEADS_FILE, stack)
     config = dict(config)
@@ -385,10 +505,12 @@ def write_conversion(out: Path, config: dict, w: dict, vocab, info) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def set_gamma(w: dict, config: dict, gamma: float, passthrough=None) -> None:
+def set_gamma(
+    arch: Arch, w: dict, config: dict, gamma: float, passthrough=None
+) -> None:
     H = w["_noise"].shape[0]
     passthrough = mx.eye(H) if passthrough is None else passthrough
-    w[f"{LAYOUT.prefix(config, 0)}{LAYOUT.name('eh_proj')}.weight"] = mx.concatenate(
+    w[arch.layout.key(config, 0, "eh_proj")] = mx.concatenate(
         [passthrough, gamma * w["_noise"]], axis=1
     )
 
@@ -421,6 +543,12 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--layout",
+        choices=sorted(ARCHS),
+        default="llama",
+        help="llama (dense) or qwen3_5 (Gated-DeltaNet and full attention, 3:1)",
+    )
+    p.add_argument(
         "--draft-vocab-size",
         type=int,
         default=0,
@@ -448,14 +576,17 @@ def main():
     if args.vocab is None:
         args.vocab = ZIPF_VOCAB if args.zipf else 32000
     blas = ensure_fast_blas()
+    from mlx.utils import tree_unflatten
     from mlx_lm.generate import generate_step
 
     from mlx_mtp.loading import load_model
     from mlx_mtp.testing.fixtures import write_tokenizer
 
-    config = llama_config(args.params, args.vocab, args.hidden)
+    arch = ARCHS[args.layout]
+    config = arch.config(args.params, args.vocab, args.hidden)
+    hidden = config.get("text_config", config)["hidden_size"]
     w, emitted, parts = build_weights(
-        config, args.seed, args.draft_vocab_size, args.zipf
+        arch, config, args.seed, args.draft_vocab_size, args.zipf
     )
     vocab = mx.array(emitted, dtype=mx.int32) if args.draft_vocab_size else None
     noise = w.pop("_noise")
@@ -465,7 +596,7 @@ def main():
 
     def write(gamma):
         w["_noise"] = noise
-        set_gamma(w, config, gamma, passthrough)
+        set_gamma(arch, w, config, gamma, passthrough)
         w.pop("_noise")
         mx.save_safetensors(str(args.out / "model.safetensors"), w, {"format": "pt"})
         return load_model(str(args.out))[0]
@@ -480,14 +611,14 @@ def main():
         # again on contexts sampled from that trunk (p(pi(x)) comes out ~0.01 lower
         # there); the measurements and gamma on contexts sampled from the final one.
         seq = mx.array(rng.integers(0, args.vocab, (4, 128)))
-        h = model.hidden(seq).reshape(-1, config["hidden_size"])
+        h = model.hidden(seq).reshape(-1, hidden)
         seq = seq.reshape(-1)
         stats = zipf_stats(parts, h, seq)
         passthrough = zipf_passthrough(parts, stats)
         for i in range(2):
             lead = zipf_lead(parts, stats, h, seq, args.follow)
-            w["lm_head.weight"] = zipf_head(parts, stats, lead)
-            model.trunk.lm_head.weight = w["lm_head.weight"]
+            w[arch.lm_head] = zipf_head(parts, stats, lead)
+            model.trunk.update(tree_unflatten([(arch.lm_head, w[arch.lm_head])]))
             features = sampled_features(model, args.vocab, rng, args.seed + 2 + i)
             h = mx.concatenate([f[1][0] for f in features])
             seq = mx.concatenate([f[0][0] for f in features])
@@ -525,13 +656,12 @@ def main():
     layer.eh_proj.weight = mx.concatenate([passthrough, gamma * noise], axis=1)
     measured = score()
     write(gamma)
-    trunk_params = sum(
-        v.size for k, v in w.items() if not k.startswith(LAYOUT.prefix(config, 0))
-    )
+    trunk_params = sum(v.size for k, v in w.items() if not arch.is_head(k, config))
     info = {
         "target_acceptance": args.acceptance,
         "measured_agreement": measured,
         "gamma": gamma,
+        "layout": args.layout,
         "trunk_parameters": trunk_params,
         "draft_vocab_size": args.draft_vocab_size,
         "blas": blas,
@@ -539,7 +669,7 @@ def main():
     if zipf:  # the measured agreement is then the sampled acceptance
         info = {**info, "sampled_acceptance": measured, **zipf}
     if args.draft_vocab_size:
-        write_conversion(args.out, config, w, emitted, info)
+        write_conversion(args.out, arch, config, w, emitted, info)
     (args.out / "synthetic.json").write_text(json.dumps(info, indent=2))
     print(json.dumps(info))
 
