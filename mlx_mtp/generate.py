@@ -264,7 +264,7 @@ def batch_generate(
     seconds = time.perf_counter() - tic
     kept = [t[:-1] if f == "stop" else t for t, f in zip(tokens, finish)]
     return BatchResponse(
-        texts=[tokenizer.decode(t) for t in kept],
+        texts=[_detokenize(tokenizer, t) for t in kept],
         token_ids=kept,
         finish_reasons=finish,
         mtp=[s.snapshot() for s in stats],
@@ -274,6 +274,16 @@ def batch_generate(
         seconds=seconds,
         peak_memory=mx.get_peak_memory() / 1e9,
     )
+
+
+def _detokenize(tokenizer: TokenizerWrapper, tokens: List[int]) -> str:
+    """``tokens`` as the streaming detokenizer gives them (what `generate` returns
+    for the same tokens; ``decode`` can differ, e.g. on a leading space)."""
+    detokenizer = tokenizer.detokenizer  # a fresh copy
+    for t in tokens:
+        detokenizer.add_token(t)
+    detokenizer.finalize()
+    return detokenizer.text
 
 
 def _per_prompt(options, n: int, fields: dict, max_tokens) -> List[DecodeOptions]:
