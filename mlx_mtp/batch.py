@@ -65,7 +65,6 @@ class Row:
     # the round being built: drafts asked for, a lookup draft, the round's keys
     k: int = 0
     lookup: Optional[List[int]] = None
-    round_key: Optional[mx.array] = None  # the row's key before the round
     draft_key: Optional[mx.array] = None
     accept_key: Optional[mx.array] = None
 
@@ -108,21 +107,40 @@ class RowOutput:
 
 @dataclass
 class BatchRound:
-    """One launched round: ``K`` drafts per row (row b uses its first ``ks[b]``);
-    ``heads``: whether the MTP layers ran (every row's frontier then moves)."""
+    """One launched round: row b drafted ``ks[b]`` of the ``K`` (its ``lookups[b]``
+    tokens, or the heads' from draft vocabulary ``vocabs[b]``); ``heads``: whether
+    the MTP layers ran (every row's frontier then moves)."""
 
     ks: List[int]
+    lookups: List[Optional[List[int]]]
+    vocabs: List[Optional[int]]
     heads: bool
     drafts: mx.array  # (B, K)
     hidden: mx.array  # (B, K + 1, H)
     logprobs: mx.array  # (B, K + 1, V)
     accepted: mx.array  # (B,)
     next_tokens: mx.array  # (B,)
-    marks: list
+    marks: list  # `mlx_mtp.cache.begin_verify`'s, per trunk cache
 
     @property
     def K(self) -> int:
         return self.drafts.shape[1]
+
+    def select(self, rows: List[int]) -> "BatchRound":
+        """The round of ``rows`` only (rows that left the batch dropped)."""
+        idx = mx.array(rows, dtype=mx.int32)
+        return BatchRound(
+            [self.ks[i] for i in rows],
+            [self.lookups[i] for i in rows],
+            [self.vocabs[i] for i in rows],
+            self.heads,
+            self.drafts[idx],
+            self.hidden[idx],
+            self.logprobs[idx],
+            self.accepted[idx],
+            self.next_tokens[idx],
+            [batch_cache.select_mark(m, idx) for m in self.marks],
+        )
 
 
 class Admission:
@@ -214,12 +232,15 @@ class Batch:
         self.model, self.eos = model, frozenset(eos)
         self.length, self.keep_sessions = length, keep_sessions
         self.max_batch = max_batch
-        self.rows: List[Row] = []
+        self.rows: List[Row] = []  # the rows of the rounds launched
+        self.joining: List[Row] = []  # joined, in the rounds launched from now on
         self.caches: Optional[Caches] = None
-        self.queued: Optional[BatchRound] = None
+        self.queued: List[BatchRound] = []  # launched, not committed (oldest first)
+        self._planned = False  # the rows' next drafts are planned already
 
     def __len__(self) -> int:
-        return len(self.rows)
+        """The streams in the batch (those joining included)."""
+        return len(self.rows) + len(self.joining)
 
     def admit(self, uid, prompt, options=None, session=None, policy=None) -> Admission:
         """A new stream to prefill (`Admission.advance`) and then `join`."""
@@ -229,82 +250,107 @@ class Batch:
         return Admission(self, uid, prompt, options, session, policy)
 
     def join(self, admission: Admission) -> Row:
-        """Add an admitted stream (prefilled) to the batch, between rounds."""
+        """Add an admitted stream to the batch (its prefill is finished first). It
+        is in the rounds launched from the next `step` on."""
         while not admission.ready:
             admission.advance()
-        self._cancel()
         row = admission.row(self.eos)
-        caches = to_batch(row.run.caches)
-        if self.caches is None:
-            self.caches = caches
-        else:
-            self.caches = batch_cache.join(self.caches, caches, [len(self.rows), 1])
-        self.rows.append(row)
+        self.joining.append(row)
         return row
 
     def remove(self, uids: Iterable[Any]) -> List[Row]:
-        """Drop the rows of ``uids`` (between rounds); returns them."""
+        """Drop the rows of ``uids`` now (rounds already launched go on for the
+        others); returns them. With ``keep_sessions``, each gets ``row.session``."""
         uids = set(uids)
-        gone = [r for r in self.rows if r.uid in uids]
-        if not gone:
-            return []
-        self._cancel()
+        gone = [r for r in self.rows + self.joining if r.uid in uids]
         if self.keep_sessions:
             for row in gone:
                 row.session = self.session_of(row)
+        self.joining = [r for r in self.joining if r.uid not in uids]
         keep = [i for i, r in enumerate(self.rows) if r.uid not in uids]
-        self.rows = [self.rows[i] for i in keep]
-        if keep:
-            batch_cache.select(self.caches, keep)
-        else:
-            self.caches = None
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            if keep:
+                batch_cache.select(self.caches, keep)
+                self.queued = [rnd.select(keep) for rnd in self.queued]
+            else:
+                self.caches, self.queued = None, []
         return gone
 
     def session_of(self, row: Row) -> Session:
-        """A `Session` holding ``row``'s caches and state (to go on from later)."""
-        b = self.rows.index(row)
+        """A `Session` holding ``row``'s committed caches and state (to go on from
+        later), whatever rounds are launched."""
         like = make_caches(self.model)
-        caches = batch_cache.to_single(self.caches, b, like)
+        if row in self.joining:
+            return Session(row.run.caches, row.state)
+        b = self.rows.index(row)
+        bases = self.queued[0].marks if self.queued else None
+        limits = (len(row.state.tokens) - 1, row.state.frontier)
+        caches = batch_cache.to_single(self.caches, b, like, limits, bases)
         return Session(caches, row.state)
 
     def step(self) -> List[RowOutput]:
-        """Run one round over every row; finished rows leave the batch. The next
-        round is launched before this one's outputs are returned (one host sync per
-        round); a change of rows before the next `step` undoes it."""
-        if not self.rows:
-            return []
-        rnd = self.queued or self._launch()
-        self.queued = None
+        """Commit one round of every row (launching it first if none is): their
+        outputs; finished rows leave the batch. The next round is launched before
+        this one's outputs are returned (while a plain round runs, the plain round
+        after it is launched too: one host sync per round, the device kept busy)."""
+        if not self.queued:
+            self._admit_joining()
+            if not self.rows:
+                return []
+            self.queued.append(self._launch())
+        rnd = self.queued[0]
+        if len(self.queued) == 1 and self._can_queue_behind(rnd):
+            self._plan(ahead=1)
+            if all(r.k == 0 for r in self.rows):
+                self.queued.append(self._launch(pending=rnd.next_tokens))
+            else:
+                self._planned = True
         mx.eval(rnd.accepted, rnd.next_tokens, rnd.drafts)
         outputs = self._commit(rnd)
+        self.queued.pop(0)
         done = [o.uid for o in outputs if o.finish_reason is not None]
         if done:
             self.remove(done)
-        if self.rows:
-            self.queued = self._launch()
+        if not self.queued:
+            self._admit_joining()
+            if self.rows:
+                self.queued.append(self._launch())
         return outputs
 
-    def _cancel(self) -> None:
-        """Undo a launched round that was not committed (membership changes)."""
-        rnd, self.queued = self.queued, None
-        if rnd is None:
-            return
-        mx.eval(rnd.accepted)
-        rewind_rows(self.caches.trunk, rnd.marks, [rnd.K + 1] * len(self.rows))
-        if rnd.heads:
-            for c in self.caches.mtp:
-                c.keep_below([r.state.frontier for r in self.rows])
-        for r in self.rows:  # the keys go back too: the round was never made
-            r.run.key = r.round_key
+    def _can_queue_behind(self, rnd: BatchRound) -> bool:
+        """Whether the round after ``rnd`` may be planned before ``rnd`` is
+        committed: ``rnd`` drafts nothing (its commit takes its one token whatever
+        its value), nobody waits to join, and no row drafts from lookups (which
+        need the tokens' values)."""
+        return (
+            rnd.K == 0
+            and not self.joining
+            and not any(r.run.drafting.lookup_tokens for r in self.rows)
+        )
 
-    def _plan(self) -> None:
+    def _admit_joining(self) -> None:
+        """Put the joining rows' caches into the batch (no round is launched)."""
+        for row in self.joining:
+            caches = to_batch(row.run.caches)
+            if self.caches is None:
+                self.caches = caches
+            else:
+                rows = [len(self.rows), 1]
+                self.caches = batch_cache.join(self.caches, caches, rows)
+            self.rows.append(row)
+        self.joining = []
+
+    def _plan(self, ahead: int = 0) -> None:
         """Set each row's drafts for the next round: ``row.k`` from its policy (its
-        heads) or its lookup draft (``row.lookup``), capped by its room. The heads
-        rows draft 0 when the longest of them is shorter than the MTP layers in use:
-        a heads round runs all of them or none (see `Run.plan`)."""
+        heads) or its lookup draft (``row.lookup``), capped by its room (``ahead``:
+        tokens it yields before that round) and by `_cap`. The heads rows draft 0
+        when the longest of them is shorter than the MTP layers in use: a heads
+        round runs all of them or none (see `Run.plan`)."""
         for r in self.rows:
-            r.k = min(r.run.policy.next(), r.room())
-            if len(r.state.tokens) - 1 <= r.state.frontier:
+            room = r.run.room(r.stats.emitted + ahead)
+            r.k = min(r.run.policy.next(), room)
+            if len(r.state.tokens) - 1 + ahead <= r.state.frontier:
                 r.k = 0  # no hidden state to draft from yet (a one-token prompt)
             r.lookup = None
             if r.run.drafting.lookup_tokens:
@@ -334,26 +380,42 @@ class Batch:
             self.length = BatchLength(costs, max(self.depth, 1))
         return self.length.cap(self.rows, asks, auto)
 
-    def _launch(self) -> BatchRound:
-        self._plan()
+    def _launch(self, pending: Optional[mx.array] = None) -> BatchRound:
+        """Build a round (draft, verify, accept) lazily and start evaluating it;
+        ``pending``: the rows' pending tokens when not committed yet (a plain round
+        launched behind a plain round)."""
+        if not self._planned:
+            self._plan()
+        self._planned = False
         rows = self.rows
         for r in rows:
-            r.round_key = r.run.key
             r.run.key, sub = mx.random.split(r.run.key)
             r.draft_key, r.accept_key = mx.random.split(sub)
         heads = [0 if r.lookup else r.k for r in rows]
         drafts, q = draft_rows(self.model, self.caches.mtp, rows, heads, self.depth)
         drafts, q = _with_lookups(rows, drafts, q, self.model.args.vocab_size)
         ks = [r.k for r in rows]
-        pending = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)
+        if pending is None:
+            pending = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)
         ids = mx.concatenate([pending[:, None], drafts], axis=1)  # (B, K + 1)
         marks = begin_verify(self.caches.trunk)
         hidden = self.model.hidden(ids, self.caches.trunk)  # (B, K + 1, H)
         logprobs = log_softmax(self.model.logits(hidden))  # (B, K + 1, V)
         accepted, next_tokens = accept_rows(rows, ks, drafts, q, logprobs)
         mx.async_eval(accepted, next_tokens, drafts, hidden, logprobs)
+        lookups = [r.lookup for r in rows]
+        vocabs = [None if r.lookup else r.vocab for r in rows]
         return BatchRound(
-            ks, max(heads) > 0, drafts, hidden, logprobs, accepted, next_tokens, marks
+            ks,
+            lookups,
+            vocabs,
+            max(heads) > 0,
+            drafts,
+            hidden,
+            logprobs,
+            accepted,
+            next_tokens,
+            marks,
         )
 
     def _commit(self, rnd: BatchRound) -> List[RowOutput]:
@@ -367,11 +429,10 @@ class Batch:
             a = accepted[b]
             made = drafts[b][:a] + [nexts[b]]
             new, finish = self._cut(row, made)
-            source = "lookup" if row.lookup else "heads"
-            vocab = None if row.lookup else row.vocab
-            row.stats.record(rnd.ks[b], a, source, vocab)
+            source = "lookup" if rnd.lookups[b] else "heads"
+            row.stats.record(rnd.ks[b], a, source, rnd.vocabs[b])
             row.stats.emitted += len(new) - len(made)
-            draft = Draft(mx.zeros((rnd.ks[b],)), None, 0, source, vocab)
+            draft = Draft(mx.zeros((rnd.ks[b],)), None, 0, source, rnd.vocabs[b])
             row.run.observe(Round(draft, None, None), a, made)
             row.batch_sizes[B] = row.batch_sizes.get(B, 0) + 1
             logprobs = rnd.logprobs[b, : len(new)]
@@ -388,15 +449,13 @@ class Batch:
                 )
             )
         kept = [len(o.tokens) for o in outputs]
-        rewind_rows(self.caches.trunk, rnd.marks, [rnd.K + 1 - m for m in kept])
+        drop = [rnd.K + 1 - m for m in kept]
+        if any(drop):  # never behind a queued round: a plain round drops nothing
+            rewind_rows(self.caches.trunk, rnd.marks, drop)
         for b, row in enumerate(self.rows):
-            _commit_row(
-                row.state,
-                rnd.hidden[b : b + 1, : kept[b]],
-                rnd.heads,
-                self.depth,
-                outputs[b].tokens,
-            )
+            hidden = rnd.hidden[b : b + 1, : kept[b]]
+            tokens = outputs[b].tokens
+            _commit_row(row.state, hidden, rnd.heads, self.depth, tokens)
         if rnd.heads:
             for c in self.caches.mtp:
                 c.keep_below([r.state.frontier for r in self.rows])
@@ -461,6 +520,7 @@ def filled_batch(model, rows: int, context: int) -> "Batch":
     for b in range(rows):
         ids = [(7 * b + 3 * i + 1) % V for i in range(context)]
         batch.join(batch.admit(b, ids, opts.replace(max_tokens=-1)))
+    batch._admit_joining()
     return batch
 
 

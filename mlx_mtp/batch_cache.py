@@ -29,7 +29,7 @@ from typing import Any, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from .cache import Caches, RecurrentCache, WindowCache
+from .cache import Caches, Capture, RecurrentCache, WindowCache
 
 COMPACT_SLACK = 64  # holes of the widest row tolerated before `compact`
 
@@ -222,11 +222,12 @@ class RaggedKVCache(_BaseCache):
             pos[:, width - self._idx :] = self.pos[:, : self._idx]
         return keys, values, pos
 
-    def row_kv(self, b: int):
-        """Row b's visible entries: ``(keys, values, positions)``, positions in
-        order, keys and values ``(1, heads, n, D)``."""
+    def row_kv(self, b: int, below: Optional[int] = None):
+        """Row b's visible entries (at positions < ``below``): ``(keys, values,
+        positions)``, positions in order, keys and values ``(1, heads, n, D)``."""
         pos = self.pos[b, : self._idx].tolist()
-        cols = [i for i, p in enumerate(pos) if p >= 0]
+        below = float("inf") if below is None else below
+        cols = [i for i, p in enumerate(pos) if 0 <= p < below]
         if not cols or self.keys is None:
             return None, None, []
         idx = mx.array(cols, dtype=mx.int32)
@@ -335,21 +336,28 @@ def select(caches: Caches, rows: Sequence[int]) -> None:
             c.cache = [None if s is None else s[idx] for s in c.cache]
 
 
-def to_single(batch: Caches, b: int, like: Caches) -> Caches:
+def to_single(batch: Caches, b: int, like: Caches, limits=(None, None), bases=None):
     """Row b's caches as single-stream ones of the kinds in ``like`` (fresh caches of
-    the model, as `make_caches` makes them)."""
-    return Caches(
-        [_single(c, b, l) for c, l in zip(batch.trunk, like.trunk)],
-        [_single(c, b, l) for c, l in zip(batch.mtp, like.mtp)],
-    )
+    the model, as `make_caches` makes them): the trunk's positions below
+    ``limits[0]``, the MTP layers' below ``limits[1]``; ``bases``: the marks of a
+    launched round not committed, whose recorded states (before it) a recurrent
+    cache gives instead of its own."""
+    bases = bases or [None] * len(batch.trunk)
+    trunk = [
+        _single(c, b, x, limits[0], m)
+        for c, x, m in zip(batch.trunk, like.trunk, bases)
+    ]
+    mtp = [_single(c, b, x, limits[1]) for c, x in zip(batch.mtp, like.mtp)]
+    return Caches(trunk, mtp)
 
 
-def _single(c, b: int, like):
+def _single(c, b: int, like, below=None, mark=None):
     if isinstance(c, RecurrentCache):
         out = RecurrentCache(len(c.cache))
-        out.cache = [None if s is None else s[b : b + 1] for s in c.cache]
+        slots = mark.base if mark is not None else c.cache
+        out.cache = [None if s is None else s[b : b + 1] for s in slots]
         return out
-    keys, values, pos = c.row_kv(b)
+    keys, values, pos = c.row_kv(b, below)
     if isinstance(like, WindowCache):
         out = WindowCache(like.window, like.keep, like.slack)
         if pos:
@@ -363,6 +371,21 @@ def _single(c, b: int, like):
         if pos != list(range(len(pos))):
             raise ValueError("a row's KV entries are not positions 0..n-1")
         out.update_and_fetch(keys, values)
+    return out
+
+
+def select_mark(mark, idx: mx.array):
+    """A `mlx_mtp.cache.begin_verify` mark of a batch cache, rows ``idx`` only."""
+    if mark is None:
+        return None
+
+    def pick(s):
+        return None if s is None else s[idx]
+
+    out = Capture([pick(s) for s in mark.base])
+    if mark.steps is not None:
+        out.record([[pick(s) for s in step] for step in mark.steps])
+        out.kept = mark.kept
     return out
 
 

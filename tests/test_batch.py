@@ -3,7 +3,6 @@ its own single-stream decoding (and mlx-lm's), whatever else is in the batch and
 whenever it joined or the others left; each row's caches roll back on their own;
 sampled rows are exact, and a seeded row gives its lone text."""
 
-
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -235,3 +234,29 @@ def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
         ]
         cap = length.cap(rows, [3] * B, [True] * B)
         assert (cap is None or cap > 0) == expect_drafts, (B, cap)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_rows_leaving_while_rounds_are_queued_keep_exact_sessions(k, loaded):
+    """Plain rounds are launched two ahead: rows that finish, or are removed, while
+    a round is queued leave with sessions holding exactly what they committed (the
+    recurrent states from before the queued round), and the others go on exact."""
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    opts = HEADS.replace(num_draft_tokens=k)
+    ids = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    lengths = [6, 11, 15]
+    batch = Batch(model, opts, keep_sessions=True)
+    rows = [
+        batch.join(batch.admit(i, p, opts.replace(max_tokens=n)))
+        for i, (p, n) in enumerate(zip(ids, lengths))
+    ]
+    out, _ = drive(batch, {}, removals={4: [2]})
+    more = tokenizer.encode(" next")
+    for row, p, n in zip(rows, ids, lengths):
+        got = out[row.uid]
+        assert got == plain(model, p, n)[: len(got)]
+        assert len(got) == n or row.uid == 2
+        steps = mtp_generate_step(
+            more, model, opts.replace(max_tokens=6), session=row.session
+        )
+        assert [o.token for o in steps] == plain(model, p + got + more, 6)
