@@ -1,0 +1,69 @@
+"""The batch and server benchmarks parse their arguments, and the synthetic-model
+builder's Qwen3.5 layout loads in both loaders with its heads agreeing by construction
+(how it lands on an acceptance is the llama test's, in test_bench.py: the same code)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_mtp.loading import load_model
+from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
+from mlx_mtp.testing.fixtures import write_tokenizer
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.mark.parametrize(
+    "script, option", [("batch_bench.py", "--batch"), ("serve_bench.py", "--max-batch")]
+)
+def test_benchmark_scripts_parse_their_arguments(script, option):
+    """--help answers without loading a model; a bad value is one usage error."""
+    run = [sys.executable, str(SCRIPTS / script)]
+    ok = subprocess.run(run + ["--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and option in ok.stdout
+    bad = subprocess.run(
+        run + ["--model", "x", option, "0"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "at least 1" in bad.stderr.splitlines()[-1]
+
+
+def test_synthetic_qwen3_5_loads_in_both_loaders(tmp_path, monkeypatch):
+    """A hybrid Qwen3.5 trunk (Gated-DeltaNet and full attention) with its MTP layer:
+    mlx-lm loads the trunk (dropping ``mtp.*``) with mlx-mtp's logits, and at gamma 0
+    the head drafts the trunk's next-but-one token."""
+    from mlx_lm import load as lm_load
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import make_synthetic_model as syn
+
+    arch = syn.ARCHS["qwen3_5"]
+    config = syn.qwen3_5_config(1e6, 512, 64)
+    text = config["text_config"]
+    assert set(text["layer_types"]) == {"linear_attention", "full_attention"}
+    w = syn.build_weights(arch, config, seed=0)[0]
+    syn.set_gamma(arch, w, config, 0.0)
+    w.pop("_noise")
+    assert any(k.startswith("mtp.layers.0.self_attn.") for k in w)
+    write_tokenizer(tmp_path, 512)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), w)
+
+    model = load_model(str(tmp_path))[0]
+    trunk = lm_load(str(tmp_path))[0]
+    assert model.num_mtp_layers == 1
+    prompt = np.random.default_rng(0).integers(0, 512, 12).tolist()
+    ours = model.logits(model.hidden(mx.array(prompt)[None]))
+    assert mx.allclose(ours, trunk(mx.array(prompt)[None]), atol=1e-4)
+    outs = list(
+        mtp_generate_step(prompt, model, HEADS, num_draft_tokens=1, max_tokens=24)
+    )
+    plain = [t for t, _ in generate_step(mx.array(prompt), trunk, max_tokens=24)]
+    assert [o.token for o in outs] == plain
+    assert outs[-1].stats.acceptance_rate > 0.8
