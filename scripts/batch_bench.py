@@ -11,9 +11,9 @@ once per run for mlx-lm and for every k asked; the order within a run alternates
 table gives, per B and k, the median tokens/s of each (generated tokens over the wall
 time of the call, prefills included), their ratio, and mlx-mtp's acceptance and mean
 draft length (drafted tokens per round, lookup drafts included: with the default
-draft source they can be longer than k) over all its runs. Every run's tokens are compared with mlx-lm's, prompt
-by prompt (greedy decoding is exact): the script says whether all were equal and
-exits with status 1 if any was not.
+draft source they can be longer than k) over all its runs. Every run's tokens are
+compared with mlx-lm's, prompt by prompt (greedy decoding is exact): the script says
+whether all were equal and exits with status 1 if any was not.
 
 PATH: a model both load, e.g. one from make_synthetic_model.py (mlx-lm ignores the MTP
 tensors) or the demo model's folder. mlx-lm's side loads its own copy with
