@@ -392,7 +392,7 @@ class Batch:
             r.run.key, sub = mx.random.split(r.run.key)
             r.draft_key, r.accept_key = mx.random.split(sub)
         heads = [0 if r.lookup else r.k for r in rows]
-        drafts, q = draft_rows(self.model, self.caches.mtp, rows, heads, self.depth)
+        drafts, q = draft_rows(self.model, self.caches, rows, heads, self.depth)
         drafts, q = _with_lookups(rows, drafts, q, self.model.args.vocab_size)
         ks = [r.k for r in rows]
         if pending is None:
@@ -579,15 +579,19 @@ def _layer_ids(rows: List[Row], drafts: List[mx.array], j: int, width: int):
     return ids[:, -width:]
 
 
-def draft_rows(model, mtp_caches, rows: List[Row], ks: List[int], depth: int):
+def draft_rows(model, caches: Caches, rows: List[Row], ks: List[int], depth: int):
     """K = max(ks) draft tokens per row from the heads (row b uses its first
     ``ks[b]``): the MTP layers in use over every row's pending rows
-    (frontier..n-1), then the last layer chained. Returns ``(B, K)`` tokens and
-    per row its ``(K, V)`` draft log-probabilities (None for a greedy row; None
-    for all when every row is greedy)."""
+    (frontier..n-1), then the last layer chained, or a separate assistant
+    (`draft_assisted_rows`). Returns ``(B, K)`` tokens and per row its ``(K, V)``
+    draft log-probabilities (None for a greedy row; None for all when every row is
+    greedy)."""
+    mtp_caches, trunk_caches = caches.mtp, caches.trunk
     B, K = len(rows), max(ks)
     if K == 0 or depth == 0:
         return mx.zeros((B, 0), dtype=mx.int32), None
+    if model.assistant is not None:
+        return draft_assisted_rows(model, trunk_caches, rows, ks)
     counts = [len(r.state.tokens) - 1 - r.state.frontier for r in rows]
     width = max(counts)
     pads = [width - c for c in counts]
@@ -608,6 +612,44 @@ def draft_rows(model, mtp_caches, rows: List[Row], ks: List[int], depth: int):
         h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (B, width, H)
         logits = _draft_logits(model, rows, h[:, -1])
         token, lp = _pick_rows(rows, logits, [k[j] for k in keys])
+        tokens.append(token)
+        logprobs.append(lp)
+    q = None
+    if logprobs[0] is not None:
+        q = [None if lps[0] is None else mx.concatenate(lps) for lps in zip(*logprobs)]
+    return mx.stack(tokens, axis=1), q
+
+
+def draft_assisted_rows(model, trunk_caches, rows: List[Row], ks: List[int]):
+    """K draft tokens per row from an assistant (as
+    `mlx_mtp.speculative.draft_assisted` drafts for one stream): every step at row
+    b's position n_b of its pending token, from (t_n, h_{n-1}) and then (its last
+    draft, its own h'), reading the trunk's K/V in place with a mask per row (its
+    committed positions; the last W + 1 of them in a sliding layer). Nothing is
+    written to any cache."""
+    K = max(ks)
+    n = mx.array([len(r.state.tokens) - 1 for r in rows], dtype=mx.int32)[:, None]
+    kv, masks = {}, {}
+    for kind, i in model.reads.items():
+        c = trunk_caches[i]
+        pos = c.pos[:, : c._idx]  # (B, T)
+        seen = (pos >= 0) & (pos < n)
+        if kind == "sliding_attention":
+            seen = seen & (pos >= n - model.assistant.window)
+        kv[kind] = (c.keys[..., : c._idx, :], c.values[..., : c._idx, :])
+        masks[kind] = seen[:, None, None, :]  # (B, 1, 1, T)
+    keys = [mx.random.split(r.draft_key, max(k, 1)) for r, k in zip(rows, ks)]
+    token = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)  # (B,)
+    last = [r.state.hidden[:, -1:] for r in rows]  # h_{n-1}
+    like = next(x for x in last if x.shape[1])  # a row that drafts has one
+    h = mx.concatenate(  # zeros for a row without (a one-token prompt: no draft)
+        [x if x.shape[1] else mx.zeros_like(like) for x in last]
+    )  # (B, 1, H)
+    tokens, logprobs = [], []
+    for j in range(K):
+        logits, h = model.assist(token[:, None], h, kv, n[:, 0], masks)
+        step_keys = [rk[min(j, rk.shape[0] - 1)] for rk in keys]
+        token, lp = _pick_rows(rows, logits[:, -1], step_keys)
         tokens.append(token)
         logprobs.append(lp)
     q = None

@@ -260,12 +260,9 @@ class RaggedKVCache(_BaseCache):
 def batch_support(model) -> Optional[str]:
     """None when the model's streams can be decoded in one batch, else why not (one
     line): every trunk and MTP cache must be a full or sliding-window KV cache or a
-    recurrent cache that records its states, and a separate assistant cannot batch
-    yet."""
+    recurrent cache that records its states."""
     from .cache import make_caches
 
-    if model.assistant is not None:
-        return "a model with a separate assistant drafter cannot batch yet"
     caches = make_caches(model)
     for c in caches.trunk + caches.mtp:
         kind = type(c)

@@ -28,3 +28,30 @@ def test_every_family_batches_exactly(family, k, loaded):
     out, _ = drive(Batch(model, opts), joins)
     for i, (p, n) in enumerate(zip(ids, lengths)):
         assert out[i] == plain(model, p, n), (family, k, i)
+
+
+@pytest.mark.parametrize("kind", ["e2b", "dense"])
+def test_gemma4_pairs_batch_exactly(kind, tmp_path):
+    """A Gemma 4 target with its assistant: every row's assistant reads its own
+    committed positions of the trunk's caches (the last W + 1 in the sliding layer),
+    long past the window; greedy rows equal plain decoding, seeded rows their lone
+    runs."""
+    from mlx_mtp.loading import load_model
+    from mlx_mtp.speculative import mtp_generate_step
+    from tests.test_gemma4 import write_pair
+
+    target, assistant = write_pair(tmp_path, kind)
+    model = load_model(str(target), draft_model=str(assistant))[0]
+    prompts = [[5, 77, 301], list(range(40, 60)), [9], list(range(100, 111))]
+    for opts in (
+        HEADS.replace(num_draft_tokens=3, max_tokens=30),
+        DecodeOptions(num_draft_tokens=2, max_tokens=20, temp=0.9, seed=7),
+    ):
+        joins = {0: [(i, p, opts) for i, p in enumerate(prompts[:2])]}
+        joins[2] = [(i + 2, p, opts) for i, p in enumerate(prompts[2:])]
+        out, _ = drive(Batch(model, opts), joins)
+        for i, p in enumerate(prompts):
+            alone = [o.token for o in mtp_generate_step(p, model, opts)]
+            assert out[i] == alone, (kind, opts.temp, i)
+            if not opts.temp:
+                assert out[i] == plain(model, p, opts.max_tokens)
