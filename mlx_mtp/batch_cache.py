@@ -29,7 +29,7 @@ from typing import Any, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from .cache import Caches, Capture, RecurrentCache, WindowCache
+from .cache import Caches, Capture, ListCache, RecurrentCache, WindowCache
 
 COMPACT_SLACK = 64  # holes of the widest row tolerated before `compact`
 
@@ -257,6 +257,39 @@ class RaggedKVCache(_BaseCache):
         return self.keys.nbytes + self.values.nbytes + self.pos.nbytes
 
 
+class RaggedList(ListCache):
+    """One layer's several ragged caches (DeepSeek-V3.2's MLA latent and indexer
+    keys), read like `mlx_mtp.cache.ListCache` (the first one's offset and mask),
+    every row operation applied to each."""
+
+    @property
+    def held(self) -> List[int]:
+        return self.caches[0].held
+
+    def pad(self, padding: Sequence[int]) -> None:
+        for c in self.caches:
+            c.pad(padding)
+
+    def rewind_rows(self, drop: Sequence[int]) -> None:
+        for c in self.caches:
+            c.rewind_rows(drop)
+
+    def keep_below(self, limits: Sequence[int]) -> None:
+        for c in self.caches:
+            c.keep_below(limits)
+
+    def select(self, rows: Sequence[int]) -> None:
+        for c in self.caches:
+            c.select(rows)
+
+    def join(self, other: "RaggedList") -> None:
+        for c, o in zip(self.caches, other.caches):
+            c.join(o)
+
+
+RAGGED = (RaggedKVCache, RaggedList)
+
+
 def batch_support(model) -> Optional[str]:
     """None when the model's streams can be decoded in one batch, else why not (one
     line): every trunk and MTP cache must be a full or sliding-window KV cache or a
@@ -265,12 +298,14 @@ def batch_support(model) -> Optional[str]:
 
     caches = make_caches(model)
     for c in caches.trunk + caches.mtp:
-        kind = type(c)
-        if kind in (KVCache, WindowCache) and not getattr(c, "keep", 0):
-            continue
-        if kind is RecurrentCache:
-            continue
-        return f"mlx-mtp has no batched cache for this model's {kind.__name__}"
+        parts = c.caches if type(c) is ListCache else [c]
+        for part in parts:
+            kind = type(part)
+            if kind in (KVCache, WindowCache) and not getattr(part, "keep", 0):
+                continue
+            if kind is RecurrentCache and part is c:
+                continue
+            return f"mlx-mtp has no batched cache for this model's {kind.__name__}"
     return None
 
 
@@ -283,6 +318,8 @@ def to_batch(caches: Caches) -> Caches:
 
 
 def _row_cache(c):
+    if type(c) is ListCache:
+        return RaggedList(*(_row_cache(x) for x in c.caches))
     if type(c) is KVCache:
         n = c.offset
         if c.keys is None:
@@ -305,7 +342,7 @@ def _row_cache(c):
 def join(a: Caches, b: Caches, rows: Sequence[int]) -> Caches:
     """``a``'s rows then ``b``'s (``rows``: how many each has), in ``a``'s objects."""
     for x, y in zip(a.trunk + a.mtp, b.trunk + b.mtp):
-        if isinstance(x, RaggedKVCache):
+        if isinstance(x, RAGGED):
             x.join(y)
         else:
             x.cache = [_cat(p, q, rows) for p, q in zip(x.cache, y.cache)]
@@ -327,7 +364,7 @@ def select(caches: Caches, rows: Sequence[int]) -> None:
     """Keep ``rows`` of every cache, in that order."""
     idx = mx.array(list(rows), dtype=mx.int32)
     for c in caches.trunk + caches.mtp:
-        if isinstance(c, RaggedKVCache):
+        if isinstance(c, RAGGED):
             c.select(rows)
         else:
             c.cache = [None if s is None else s[idx] for s in c.cache]
@@ -349,6 +386,9 @@ def to_single(batch: Caches, b: int, like: Caches, limits=(None, None), bases=No
 
 
 def _single(c, b: int, like, below=None, mark=None):
+    if isinstance(c, RaggedList):
+        parts = zip(c.caches, like.caches)
+        return ListCache(*(_single(x, b, y, below) for x, y in parts))
     if isinstance(c, RecurrentCache):
         out = RecurrentCache(len(c.cache))
         slots = mark.base if mark is not None else c.cache
@@ -375,6 +415,8 @@ def select_mark(mark, idx: mx.array):
     """A `mlx_mtp.cache.begin_verify` mark of a batch cache, rows ``idx`` only."""
     if mark is None:
         return None
+    if isinstance(mark, list):  # a `ListCache`'s: one per cache
+        return [select_mark(m, idx) for m in mark]
 
     def pick(s):
         return None if s is None else s[idx]
@@ -390,7 +432,7 @@ def rewind_rows(caches: List[Any], marks: List[Any], drop: Sequence[int]) -> Non
     """Drop the last ``drop[b]`` positions of row b from every trunk cache (``marks``
     from `mlx_mtp.cache.begin_verify` before the pass)."""
     for c, m in zip(caches, marks):
-        if isinstance(c, RaggedKVCache):
+        if isinstance(c, RAGGED):
             c.rewind_rows(drop)
         else:
             _restore_rows(c, m, drop)
