@@ -27,6 +27,7 @@ go on from later). `batch_support` says whether a model's caches can batch at al
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from .cache import Caches, Capture, ListCache, RecurrentCache, WindowCache
@@ -120,8 +121,18 @@ class RaggedKVCache(_BaseCache):
     ) -> mx.array:
         """``(B, 1, N, T + N)`` bool: query i of row b (at position ``offset + i``)
         sees the entries of its row at positions <= its own (within the window), and
-        always its own slot (a padded query then attends to itself alone)."""
+        always its own slot (a padded query then attends to itself alone).
+
+        While every row sees every entry (no hole, no padding, inside the window:
+        one stream, say), the mask is the one mlx-lm's ``KVCache`` gives, so that
+        attention takes the same path: None for one query, "causal" for several
+        (an array when ``return_array``)."""
         window = window_size or self.window
+        dense = self._pad is None and all(h == self._idx for h in self.held)
+        if dense and (window is None or self._idx + N <= window):
+            if return_array:
+                return create_causal_mask(N, offset=self._idx)
+            return None if N == 1 else "causal"
         q = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]  # (B, N)
         k = mx.concatenate([self.pos[:, : self._idx], self._new_pos(N)], axis=1)
         k, qq = k[:, None, :], q[:, :, None]  # (B, 1, T + N), (B, N, 1)
