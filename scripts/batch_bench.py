@@ -3,7 +3,7 @@ per batch size, in one process: greedy, interleaved, medians of several runs.
 
     python scripts/batch_bench.py --model PATH [--prompts 8] [--tokens 64]
         [--batch 1 2 4 8] [--reps 3] [--k auto 2] [--draft-source auto]
-        [--json out.json]
+        [--draft-vocab auto] [--json out.json]
 
 For each batch size B both decode all the prompts with at most B streams at once
 (mlx-mtp: ``max_batch=B``; mlx-lm: ``completion_batch_size=prefill_batch_size=B``),
@@ -16,9 +16,11 @@ compared with mlx-lm's, prompt by prompt (greedy decoding is exact): the script 
 whether all were equal and exits with status 1 if any was not.
 
 PATH: a model both load, e.g. one from make_synthetic_model.py (mlx-lm ignores the MTP
-tensors) or the demo model's folder. mlx-lm's side loads its own copy with
-``mlx_lm.load``. On Linux CPUs it first switches MLX's float32 matmuls to OpenBLAS
-with one thread (fast_blas.py), for both.
+tensors; its trunk emits tokens spread evenly over the vocabulary, so give it
+``--draft-vocab full`` to measure the heads as built: "auto" may draft from fewer
+rows, at a lower acceptance) or the demo model's folder. mlx-lm's side loads its own
+copy with ``mlx_lm.load``. On Linux CPUs it first switches MLX's float32 matmuls to
+OpenBLAS with one thread (fast_blas.py), for both.
 """
 
 import argparse
@@ -34,6 +36,12 @@ from fast_blas import ensure_fast_blas  # noqa: E402
 
 def _draft_length(value: str):
     return value if value == "auto" else int(value)
+
+
+def _draft_vocab(value: str):
+    return (
+        None if value == "own" else value if value in ("auto", "full") else int(value)
+    )
 
 
 def make_prompts(tokenizer, n: int):
@@ -73,7 +81,7 @@ def run_lm(model, tokenizer, prompts, tokens: int, B: int):
     return time.perf_counter() - tic, r.token_ids
 
 
-def run_mtp(model, tokenizer, prompts, tokens: int, B: int, k, source="auto"):
+def run_mtp(model, tokenizer, prompts, tokens: int, B: int, k, args):
     """mlx_mtp.batch_generate, greedy; returns (seconds, token ids, stats, the rows'
     rounds per batch size, all rows together)."""
     import mlx_mtp
@@ -86,7 +94,8 @@ def run_mtp(model, tokenizer, prompts, tokens: int, B: int, k, source="auto"):
         max_tokens=tokens,
         max_batch=B,
         num_draft_tokens=k,
-        draft_source=source,
+        draft_source=args.draft_source,
+        draft_vocab=args.draft_vocab,
         temp=0.0,
     )
     seconds = time.perf_counter() - tic
@@ -113,9 +122,7 @@ def bench_batch(lm, ours, prompts, args, B: int, mismatches: list) -> dict:
                 t, ids = run_lm(*lm, prompts, args.tokens, B)
             else:
                 k = _draft_length(name[2:])
-                t, ids, s, used = run_mtp(
-                    *ours, prompts, args.tokens, B, k, args.draft_source
-                )
+                t, ids, s, used = run_mtp(*ours, prompts, args.tokens, B, k, args)
                 stats[name] = stats[name] + s if name in stats else s
                 per_size = sizes.setdefault(name, {})
                 for b, n in used.items():
@@ -182,6 +189,13 @@ def main():
         default="auto",
         help="mlx-mtp's draft source (default auto, as the library's)",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=_draft_vocab,
+        default="auto",
+        help="mlx-mtp's draft vocabulary: auto (the library's default), full, own "
+        "(the heads' own rows) or a number of tokens",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.prompts < 1 or args.tokens < 1 or args.reps < 1:
@@ -206,7 +220,7 @@ def main():
         flush=True,
     )
     for k in args.k:  # compilation, costs, draft-length tables
-        run_mtp(*ours, prompts[:2], 8, max(args.batch), k, args.draft_source)
+        run_mtp(*ours, prompts[:2], 8, max(args.batch), k, args)
     run_lm(*lm, prompts[:2], 8, max(args.batch))
     print(HEADER, flush=True)
     rows, mismatches = [], []
@@ -231,6 +245,7 @@ def main():
     if args.json:
         result = dict(blas=blas, model=args.model, tokens=args.tokens, reps=args.reps)
         result.update(prompts=args.prompts, draft_source=args.draft_source)
+        result.update(draft_vocab=args.draft_vocab)
         result.update(rows=rows, equal=not mismatches)
         args.json.write_text(json.dumps(result, indent=2))
     sys.exit(1 if mismatches else 0)

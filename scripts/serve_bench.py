@@ -3,12 +3,14 @@ completions, streamed, every request a different prompt of about 40 tokens.
 
     python scripts/serve_bench.py --model PATH [--tokens 64] [--requests 2]
         [--clients 1 2 4 8] [--reps 3] [--max-batch N] [--hol-tokens 500]
-        [--json out.json]
+        [--serve-args "--draft-vocab full"] [--json out.json]
 
 The script starts both servers (each its own process, on a free port) and measures:
 
 1. one request alone: mlx-mtp serve's time against a direct `mlx_mtp.generate` call
-   in this process (the server's own overhead), and its time to first token;
+   in this process (the server's own overhead; the call has the library's default
+   options, which ``--serve-args`` may change for the server), and its time to first
+   token;
 2. per number of clients C: C threads, each sending ``--requests`` requests one after
    another, streamed; per server the aggregate tokens/s (completion tokens over the
    wall time), time to first token (p50 over the requests), the inter-token latency
@@ -25,15 +27,17 @@ The script starts both servers (each its own process, on a free port) and measur
 
 PATH: a model both load, e.g. an MLX conversion with heads from
 make_synthetic_model.py (mlx-lm ignores the MTP tensors). ``--max-batch`` is passed to
-mlx-mtp serve (its rows at most); without it the server's default applies. On Linux
-CPUs it first switches MLX's float32 matmuls to OpenBLAS with one thread
-(fast_blas.py), for this process and both servers.
+mlx-mtp serve (its rows at most); without it the server's default applies;
+``--serve-args`` adds options of its own (on the synthetic models, ``--draft-vocab
+full`` measures the heads as built). On Linux CPUs it first switches MLX's float32
+matmuls to OpenBLAS with one thread (fast_blas.py), for this process and both servers.
 """
 
 import argparse
 import http.client
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -262,6 +266,7 @@ def servers(args, logs: Path):
         if not has_max_batch():
             raise SystemExit("this mlx-mtp serve has no --max-batch option")
         ours += ["--max-batch", str(args.max_batch)]
+    ours += shlex.split(args.serve_args)
     lm = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
     return {
         "mlx-mtp": start("mlx-mtp", ours, logs),
@@ -340,6 +345,11 @@ def main():
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--max-batch", type=int, default=None)
     p.add_argument(
+        "--serve-args",
+        default="",
+        help="more mlx-mtp serve options, e.g. '--draft-vocab full'",
+    )
+    p.add_argument(
         "--hol-tokens", type=int, default=500, help="head-of-line: the long reply"
     )
     p.add_argument("--json", type=Path, default=None)
@@ -362,6 +372,7 @@ def main():
             result = dict(blas=blas, model=args.model, tokens=args.tokens)
             result.update(requests=args.requests, reps=args.reps)
             result.update(max_batch=args.max_batch, hol_tokens=args.hol_tokens)
+            result.update(serve_args=args.serve_args)
             result["one_request"] = one_request(ports["mlx-mtp"], args)
             result["clients"] = by_clients(ports, args)
             result["head_of_line"] = {}
