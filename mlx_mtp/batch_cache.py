@@ -124,15 +124,17 @@ class RaggedKVCache(_BaseCache):
         always its own slot (a padded query then attends to itself alone).
 
         While every row sees every entry (no hole, no padding, inside the window:
-        one stream, say), the mask is the one mlx-lm's ``KVCache`` gives, so that
+        one stream, say), the mask is the one a single stream's cache gives, so that
         attention takes the same path: None for one query, "causal" for several
-        (an array when ``return_array``)."""
+        (an array when ``return_array``) as mlx-lm's ``KVCache``."""
         window = window_size or self.window
         dense = self._pad is None and all(h == self._idx for h in self.held)
-        if dense and (window is None or self._idx + N <= window):
-            if return_array:
-                return create_causal_mask(N, offset=self._idx)
-            return None if N == 1 else "causal"
+        if dense and window is None:  # as mlx-lm's KVCache
+            if N == 1:
+                return None
+            return create_causal_mask(N, self._idx) if return_array else "causal"
+        if dense and N == 1 and self._idx + N <= window and not return_array:
+            return None  # as `mlx_mtp.cache.WindowCache`
         q = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]  # (B, N)
         k = mx.concatenate([self.pos[:, : self._idx], self._new_pos(N)], axis=1)
         k, qq = k[:, None, :], q[:, :, None]  # (B, 1, T + N), (B, N, 1)
