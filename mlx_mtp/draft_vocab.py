@@ -274,7 +274,7 @@ def parse(value: Union[int, str]) -> DraftVocab:
     if isinstance(value, str) and value in ("auto", "full"):
         return value
     try:
-        n = int(value)
+        n = 0 if isinstance(value, bool) else int(value)
     except (TypeError, ValueError):
         n = 0
     if n < 1 or (isinstance(value, float) and value != n):

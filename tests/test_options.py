@@ -36,6 +36,7 @@ def test_options_are_frozen_and_unknown_names_refused():
         (dict(draft_source="context"), "draft_source"),
         (dict(lookup_tokens=0), "lookup_tokens"),
         (dict(draft_vocab="some"), "draft_vocab"),
+        (dict(draft_vocab=True), "draft_vocab"),
         (dict(temp=-1.0), "temp"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=-2), "top_k"),
