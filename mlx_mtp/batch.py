@@ -178,6 +178,11 @@ class Admission:
     def ready(self) -> bool:
         return not self.todo
 
+    @property
+    def session(self) -> Session:
+        """The `Session` being filled (its state is None before the first chunk)."""
+        return self.run.session
+
     def advance(self) -> None:
         """Run the trunk over the next chunk of the prompt."""
         chunk, self.todo = self.todo[: self.step], self.todo[self.step :]
@@ -509,6 +514,14 @@ def _with_lookups(rows: List[Row], drafts: mx.array, q, vocab_size: int):
             found.append([0] * K)
     is_lookup = mx.array([bool(r.lookup) for r in rows])[:, None]
     return mx.where(is_lookup, mx.array(found, dtype=mx.int32), drafts), q
+
+
+def warm_batch_costs(model, max_batch: int = DEFAULT_MAX_BATCH, on_measure=None):
+    """Read, or measure once, the model's batch costs for batches of up to
+    ``max_batch`` rows (`mlx_mtp.batch_costs.model_batch_costs`), so that no round
+    waits for them later; ``on_measure`` is called before a measurement."""
+    if model.num_mtp_layers:
+        model_batch_costs(model, max_batch, filled_batch, on_measure)
 
 
 def filled_batch(model, rows: int, context: int) -> "Batch":
