@@ -7,11 +7,15 @@ words, server-sent events, ``usage``. Three subclasses change what MTP needs:
 
 - `MTPModelProvider` loads with `mlx_mtp.load` (heads, or a Gemma 4 assistant) and
   serves that one model only: a request never makes the server load another path;
-- `MTPResponseGenerator` serves a request alone through the MTP loop
-  (`mlx_mtp.generate.stream_generate`), going on from the `Session` of an earlier
-  conversation when the prompt extends its tokens (`Sessions`, an LRU bounded in
-  count and bytes), and requests that overlap through mlx-lm's batched plain
-  decoding of the trunk;
+- `MTPResponseGenerator` decodes the requests in flight together, with MTP: one
+  scheduler loop (`_Scheduler`) over a `mlx_mtp.batch.Batch`, which a request
+  joins between rounds (its prompt prefilled a chunk per round) and leaves when it
+  is done, each row going on from the `Session` of an earlier conversation when the
+  prompt extends its tokens (`Sessions`, an LRU bounded in count and bytes); at most
+  ``max_batch`` rows, and only as many as the cache memory allows (`CacheCost`). A
+  model whose caches cannot batch (`mlx_mtp.batch_cache.batch_support`) serves its
+  requests one at a time through the single-stream loop
+  (`mlx_mtp.generate.stream_generate`);
 - `MTPHandler` adds bearer-token checks, checks that keep web pages out (Origin,
   Host, Content-Type), bounds on bodies, time and connections (with `_HTTPServer`),
   the checks of `server_checks` (sampling settings, the messages' shape: no image
@@ -28,9 +32,9 @@ no public hooks for the rest: the private members it overrides or calls are list
 (`check_mlx_lm`), so that an mlx-lm of another release fails at start in one line.
 
 A client that goes away mid-stream stops its generation within one round (mlx-lm's
-handler stops the request's context; the loop checks it after every token), and the
-session it used is left consistent (`mtp_generate_step`'s exit contract). A failure
-costs only the requests it touched, and the server serves the next one; SIGINT and
+handler stops the request's context; the loop checks it after every round, and its
+row leaves the batch), and the session it used is left consistent. A failure costs
+only the requests it touched, and the server serves the next one; SIGINT and
 SIGTERM stop generation within a round and end open streams with ``[DONE]``
 (`Server.serve_forever`). With API keys, each key's prompt caches are its own.
 """
@@ -40,6 +44,7 @@ import gc
 import inspect
 import io
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -50,22 +55,25 @@ import sys
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from queue import Empty, Queue
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx_lm
+from mlx.utils import tree_flatten
 from mlx_lm import server as lm_server
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.generate import generation_stream, wired_limit
 
 from . import draft_vocab
-from .defaults import MAX_DRAFT_TOKENS, SERVER_MAX_TOKENS
+from .batch import Admission, Batch, Row, RowOutput, warm_batch_costs
+from .batch_cache import COMPACT_SLACK, batch_support
+from .cache import ListCache, RecurrentCache, WindowCache, make_caches
+from .defaults import DEFAULT_MAX_BATCH, MAX_DRAFT_TOKENS, SERVER_MAX_TOKENS
 from .draft_length import model_costs
 from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
@@ -88,7 +96,7 @@ from .server_checks import (
     request_options,
     sampling_request_error,
 )
-from .speculative import Session
+from .speculative import Session, prefill
 from .stats import MTPStats
 
 log = logging.getLogger("mlx_mtp")
@@ -105,20 +113,13 @@ MLX_LM_PRIVATE = (
     ("ResponseGenerator._generate", "self"),
     # how the loop takes the next request: overridden, to mark it taken
     ("ResponseGenerator._next_request", "self, timeout=None"),
-    # whether a request joins the batch: overridden (alone, it decodes with MTP)
-    ("ResponseGenerator._is_batchable", "self, args"),
     # the prompt's tokens (a tuple: prompt first, the initial state fourth):
-    # overridden for the context check, and called for the MTP path
+    # overridden for the context check, and called by the loop
     ("ResponseGenerator._tokenize", "self, tokenizer, request, args"),
-    # a request served alone: overridden (the MTP loop)
-    ("ResponseGenerator._serve_single", "self, request, stream"),
-    # the stop sequences and text state machine, cached: called for the MTP path
+    # the stop sequences and text state machine, cached: called by the loop
     ("ResponseGenerator._make_state_machine", "self, model_key, tokenizer, stop_words"),
     # the CORS headers of every reply: overridden (`MTPHandler._set_cors_headers`)
     ("APIHandler._set_cors_headers", "self"),
-    # a batched request's sampler, which the loop looks up by name: wrapped
-    # (`_request_sampler`) so that its failure costs that request only
-    ("_make_sampler", "args, tokenizer"),
 )
 
 
@@ -160,8 +161,6 @@ def check_mlx_lm(server=lm_server) -> None:
 check_mlx_lm()
 
 API_KEY_ENV = "MLX_MTP_API_KEY"
-STICKY = 2.0  # seconds of batching after requests last overlapped
-GRACE = 0.02  # seconds a lone request waits for company before it decodes alone
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
 # Request fields of mlx_lm.server whose features the MTP loop does not implement:
 # refused when set to anything but their neutral value.
@@ -253,7 +252,8 @@ class MTPModelProvider(lm_server.ModelProvider):
 
     def _load_served(self) -> None:
         """Load the served model, and what its requests decode with (the draft
-        vocabulary's ranking, the round costs), before serving, not in a request."""
+        vocabulary's ranking, the round costs, alone and batched), before serving,
+        not in a request."""
         self.reset()
         args = self.cli_args
         tokenizer_config = {"trust_remote_code": args.trust_remote_code}
@@ -269,19 +269,17 @@ class MTPModelProvider(lm_server.ModelProvider):
         if draft_vocab.wants_ranking(model):
             draft_vocab.ranking_for(model, tokenizer)
         warm_costs(model, args.decode)
+        warm_costs_batched(model, args.max_batch)
         if args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (args.model, None, args.draft_model)
         self.model, self.tokenizer = model, tokenizer
         self.processor = None
         self.draft_model = None
-        self.is_batchable = all(
-            hasattr(c, "merge") for c in make_prompt_cache(model.trunk)
-        )
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
-        """The trunk (what mlx-lm's batched plain decoding runs) and the tokenizer;
-        single requests decode with MTP through ``self.model``."""
+        """The served model and its tokenizer (loaded on first need); a 404 for any
+        other name."""
         if model_path not in self.aliases:
             raise RequestError(
                 404,
@@ -293,7 +291,7 @@ class MTPModelProvider(lm_server.ModelProvider):
             )
         if self.model is None:
             self._load_served()
-        return self.model.trunk, self.tokenizer
+        return self.model, self.tokenizer
 
 
 def warm_costs(model, defaults: DecodeOptions) -> None:
@@ -309,6 +307,23 @@ def warm_costs(model, defaults: DecodeOptions) -> None:
         vocabs, _ = draft_vocabs(model, value)
         sizes.update(n for n in vocabs if n is not None)
     model_costs(model, MAX_DRAFT_TOKENS, sorted(sizes), on_measure=_say_timing)
+
+
+def warm_costs_batched(model, max_batch: int) -> None:
+    """Read, or measure once, what batched rounds of up to ``max_batch`` rows cost
+    (`mlx_mtp.batch.warm_batch_costs`: the draft length of a batch's "auto" rows
+    weighs them), before serving; nothing for a model that cannot batch, or one
+    row."""
+    # (a Gemma 4 pair is left out for now: measuring its draft step fails)
+    if max_batch > 1 and batch_support(model) is None and model.assistant is None:
+        warm_batch_costs(model, max_batch, on_measure=_say_batch_timing)
+
+
+def _say_batch_timing() -> None:
+    sys.stderr.write(
+        "timing the model's batched rounds (once for this model and machine)...\n"
+    )
+    sys.stderr.flush()
 
 
 def _say_timing() -> None:
@@ -349,7 +364,6 @@ def model_id(path: str) -> str:
 
 SHUTDOWN_WAIT = 10.0  # seconds `MTPResponseGenerator.shutdown` waits for open replies
 CLOSE_WAIT = 2.0  # seconds `Server.close` then waits for connections to be handled
-_NOBODY = object()  # the owner of no batch
 
 
 def _shutting_down() -> RequestError:
@@ -362,6 +376,13 @@ def _as_request_error(e: Exception) -> RequestError:
     if isinstance(e, RequestError):
         return e
     return RequestError(500, one_line(e), "server_error")
+
+
+def _options_error(e: MTPError) -> RequestError:
+    """A request's decode options refused by the loop, as its 400."""
+    if isinstance(e, SamplingError):
+        return sampling_request_error(e)
+    return bad_request(one_line(e))
 
 
 class _Responses(Queue):
@@ -395,16 +416,16 @@ class _Job:
     """One request, as the server keeps it from its checks to the end of its reply:
     its decode options (the server's, then the request's fields; checked), its
     ``owner`` (the index of the API key it presented; None without keys), whether its
-    reply streams, and its ``responses``. Once served: ``alone`` if the MTP loop
-    served it (``mtp``: the loop's statistics so far), else mlx-lm's batch did,
-    plainly."""
+    reply streams, and its ``responses``. Once it decodes: ``mtp``, the loop's
+    statistics (a snapshot, taken before its reply's last token is put), and
+    ``batch_sizes``, the rounds it ran at each batch size (None: alone)."""
 
     options: DecodeOptions
     owner: Optional[int] = None
     stream: bool = False
     responses: _Responses = field(default_factory=_Responses)
-    alone: bool = False
     mtp: Optional[MTPStats] = None
+    batch_sizes: Optional[Dict[int, int]] = None
 
 
 @dataclass
@@ -418,8 +439,7 @@ class _Request(lm_server.CompletionRequest):
 @dataclass
 class _JobArgs(lm_server.GenerationArguments):
     """mlx-lm's generation arguments of a request, carrying the server's record of it
-    through mlx-lm's loop (to `MTPResponseGenerator._is_batchable`, `_serve_single`
-    and `_request_sampler`)."""
+    from `MTPResponseGenerator.generate` to the generation loop."""
 
     job: Optional[_Job] = None
 
@@ -483,65 +503,6 @@ def _streamed(replies: _Replies):
         raise _Refusal(_as_request_error(e), streaming=True) from None
 
 
-class _OwnedPromptCache(LRUPromptCache):
-    """mlx-lm's prompt cache of the batched path, kept apart per API key: entries
-    are filed under (model, ``owner``), the owner of the batch being served
-    (`MTPResponseGenerator._is_batchable` keeps a batch to one owner's requests)."""
-
-    owner = None
-
-    def fetch_nearest_cache(self, model, tokens):
-        return super().fetch_nearest_cache((model, self.owner), tokens)
-
-    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        super().insert_cache(
-            (model, self.owner), tokens, prompt_cache, cache_type=cache_type
-        )
-
-
-class _OneRequestSampler:
-    """A batched request's sampler (mlx-lm's batch calls each row's own): an
-    exception fails that request only (`_Responses.fail`: its reply gets the error,
-    the batch drops the request at its next token), its row getting the greedy
-    token meanwhile; the other rows go on."""
-
-    def __init__(self, sampler, responses: _Responses):
-        self.sampler, self.responses = sampler, responses
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        if not self.responses.ended:
-            try:
-                return self.sampler(logprobs)
-            except Exception as e:  # this request's failure: the batch goes on
-                log.exception("a request failed in the batch")
-                self.responses.fail(e)
-        return greedy_sampler(logprobs)
-
-
-def _request_sampler(args, tokenizer):
-    """mlx-lm's ``_make_sampler``, which its batched loop calls by name for each
-    request it takes in (it has no hook to pass a sampler): for this server's
-    requests (`_JobArgs`), a sampler that fails its request only, as does building
-    it; mlx-lm's own for any other request. `MTPResponseGenerator` installs it."""
-    make = _request_sampler.wrapped
-    if not isinstance(args, _JobArgs):
-        return make(args, tokenizer)
-    responses = args.job.responses
-    try:
-        sampler = make(args, tokenizer)
-    except Exception as e:  # this request's failure: the batch goes on
-        log.exception("a request failed joining the batch")
-        responses.fail(e)
-        sampler = greedy_sampler
-    return _OneRequestSampler(sampler, responses)
-
-
-# mlx-lm's own, also when this module is imported again after a server installed it
-_request_sampler.wrapped = getattr(
-    lm_server._make_sampler, "wrapped", lm_server._make_sampler
-)
-
-
 def _top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
     """The ``n`` likeliest tokens of ``logprobs`` as mlx-lm's handler reports them,
     ``{"id", "token", "logprob"}`` each; none for n <= 0."""
@@ -555,41 +516,418 @@ def _top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
     )
 
 
-class MTPResponseGenerator(lm_server.ResponseGenerator):
-    """mlx-lm's generation thread. A request alone is served through the MTP loop
-    (MTP pays at batch 1), with `Sessions` for prompt reuse; while other requests
-    are in flight, requests join mlx-lm's batched plain decoding of the trunk, which
-    serves several at once faster than MTP serves them in turn (measured:
-    scripts/serve_bench.py). Seeded requests are always served alone.
+# --- the batch's memory --------------------------------------------------------------
 
-    A failure costs only the requests it touched: one request's in the MTP loop or
-    in its sampler in the batch goes to that request (`_serve_single`,
-    `_OneRequestSampler`); a failure of the loop itself goes to the requests it had
-    taken, and the loop starts again (`_generate`). `shutdown` stops generation
-    within a round and ends every open reply cleanly."""
+
+@dataclass(frozen=True)
+class CacheCost:
+    """The bytes a batch's caches take: ``per_token`` for each position a row holds
+    in the full attention caches (the trunk's and the MTP layers'), ``windows`` the
+    bytes per position and the most positions a row keeps of each sliding-window
+    cache, and ``per_row`` a row's recurrent states and the room its caches leave
+    for rejected drafts (`COMPACT_SLACK` positions)."""
+
+    per_token: float
+    windows: Tuple[Tuple[float, int], ...]
+    per_row: float
+
+    def bytes(self, positions: Sequence[int]) -> int:
+        """The caches of a batch whose rows hold ``positions[b]`` positions: every
+        row is as wide as the longest (the caches keep rows left-padded)."""
+        if not positions:
+            return 0
+        longest = max(positions)
+        row = longest * self.per_token + self.per_row
+        row += sum(size * min(longest, n) for size, n in self.windows)
+        return int(len(positions) * row)
+
+
+def cache_cost(model, depth: int) -> CacheCost:
+    """The `CacheCost` of ``model``'s batches (``depth`` MTP layers in use), read off
+    its caches after a prefill of a few tokens (a `ListCache` by its parts): a KV
+    cache's buffer ``(1, heads, positions, dim)`` gives its bytes per position, and
+    a batched cache adds the int32 position of each entry
+    (`mlx_mtp.batch_cache.RaggedKVCache`)."""
+    caches = make_caches(model)
+    prefill(model, caches, [0] * (depth + 2), depth, 256)
+    per_token, windows, per_row = 0.0, [], 0.0
+    every = caches.trunk + caches.mtp
+    for c in [p for c in every for p in (c.caches if type(c) is ListCache else [c])]:
+        if isinstance(c, RecurrentCache):
+            per_row += sum(a.nbytes for a in c.cache if a is not None)
+        elif c.keys is not None:  # else an MTP layer not in use
+            per_position = (c.keys.nbytes + c.values.nbytes) / c.keys.shape[-2] + 4
+            if isinstance(c, WindowCache):
+                windows.append((per_position, c.window + COMPACT_SLACK))
+            else:
+                per_token += per_position
+                per_row += COMPACT_SLACK * per_position
+    return CacheCost(per_token, tuple(windows), per_row)
+
+
+def device_memory() -> int:
+    """The bytes MLX may use: Metal's recommended working set, else the RAM."""
+    info = getattr(mx, "device_info", None) or mx.metal.device_info
+    try:
+        found = info()
+    except RuntimeError:  # no Metal
+        found = {}
+    size = found.get("max_recommended_working_set_size") or found.get("memory_size")
+    return int(size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def default_budget(model) -> int:
+    """The cache memory of the batch unless ``batch_cache_bytes`` says: half of what
+    `device_memory` leaves after the weights (the other half for the copy of the
+    caches a join makes, the kept conversations and the rounds' activations)."""
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return max(0, (device_memory() - weights) // 2)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+# --- the scheduler -------------------------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    """A request of the batched loop, from taken to the end of its reply: its queue
+    and mlx-lm's arguments (which carry its `_Job`), its prompt, what makes its text
+    (mlx-lm's cached stop sequences and text state machine; once it decodes, its own
+    detokenizer and stop-sequence matcher), the cache positions it may hold
+    (``positions``: its prompt and max_tokens), and its `Admission`, prompt tokens
+    still to prefill (``left``), context and `Row` once it has them."""
+
+    uid: int
+    responses: _Responses
+    args: _JobArgs
+    prompt: List[int]
+    initial_state: str
+    stop_sequences: Any
+    text_sm: Any
+    positions: int
+    admission: Optional[Admission] = None
+    left: int = 0
+    ctx: Optional[_Context] = None
+    row: Optional[Row] = None
+    detokenizer: Any = None
+    matcher: Any = None
+
+    @property
+    def job(self) -> _Job:
+        return self.args.job
+
+
+class _Scheduler:
+    """The batched decoding of the generation loop, in its thread only.
+
+    A request taken (`take`) is tokenized and checked at once (the context; a 400
+    when its prompt and max_tokens cannot fit in ``budget`` even alone), then waits,
+    first come first served, until a row is free (``max_batch`` rows at most) and its
+    positions fit in ``budget`` beside the others' (`CacheCost`). It is then
+    prefilled alone (`Admission`), going on from the session of its conversation if
+    `Sessions` keeps one: while rows decode, one chunk of prompt
+    (``prefill_step_size`` tokens) per round at most, shared by prompts shorter than
+    that; all at once while none does. Prefilled, it joins the `Batch` between
+    rounds, and its reply starts. A round's tokens of a row go through the row's own
+    detokenizer and stop sequences to its reply, as `MTPResponseGenerator._decode`
+    does alone. A row leaves the batch when it is done, its stop sequence matched,
+    its client went away or it failed; its caches then go to `Sessions` (not after a
+    failure)."""
+
+    def __init__(self, generator: "MTPResponseGenerator"):
+        self.gen = generator
+        provider, args = generator.model_provider, generator.cli_args
+        self.model, self.tokenizer = provider.model, provider.tokenizer
+        self.chunk, self.max_batch = args.decode.prefill_step_size, args.max_batch
+        self.batch = self._new_batch()
+        self.cost = cache_cost(self.model, self.batch.depth)
+        self.budget = args.batch_cache_bytes or default_budget(self.model)
+        self.waiting: deque = deque()  # of `_Stream`
+        self.admitting: List[_Stream] = []
+        self.rows: Dict[int, _Stream] = {}  # by uid, in the batch
+        self._uids = itertools.count()
+
+    def _new_batch(self) -> Batch:
+        args = self.gen.cli_args
+        return Batch(
+            self.model, args.decode, keep_sessions=True, max_batch=args.max_batch
+        )
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.admitting or self.rows)
+
+    def take(self, item) -> None:
+        """A request from the generator's queue: waiting, or refused at once."""
+        responses, request, args = item
+        try:
+            self.waiting.append(self._open(responses, request, args))
+        except Exception as e:  # this request's failure only
+            _fail(responses, e)
+
+    def _open(self, responses: _Responses, request, args: _JobArgs) -> _Stream:
+        prompt, _, _, initial_state, _ = self.gen._tokenize(
+            self.tokenizer, request, args
+        )
+        positions = len(prompt) + args.max_tokens
+        need = self.cost.bytes([positions])
+        if need > self.budget:
+            raise bad_request(
+                f"the request's {positions} tokens (its prompt and max_tokens) need "
+                f"{_size(need)} of cache; this server decodes within "
+                f"{_size(self.budget)} (--batch-cache-bytes): ask for fewer "
+                "max_tokens, or send a shorter prompt",
+                "max_tokens",
+            )
+        stop_sequences, text_sm = self.gen._make_state_machine(
+            self.gen.model_provider.model_key, self.tokenizer, args.stop_words
+        )
+        uid = next(self._uids)
+        return _Stream(
+            uid,
+            responses,
+            args,
+            prompt,
+            initial_state,
+            stop_sequences,
+            text_sm,
+            positions,
+        )
+
+    def round(self) -> None:
+        """Admissions advanced (and joined once prefilled), then one round of the
+        batch, each row's tokens put on its reply."""
+        self._admit()
+        if self.rows:
+            self._step()
+
+    # admission
+
+    def _fits(self, s: _Stream) -> bool:
+        held = [t.positions for t in self.admitting + list(self.rows.values())]
+        if len(held) >= self.max_batch:
+            return False
+        return self.cost.bytes(held + [s.positions]) <= self.budget
+
+    def _admit(self) -> None:
+        while self.waiting and self._fits(self.waiting[0]):
+            self._start(self.waiting.popleft())
+        done = 0  # prompt tokens prefilled this round
+        for s in list(self.admitting):
+            if self.rows and done >= self.chunk:
+                break
+            done += self._prefill(s, self.chunk - done if self.rows else None)
+            if s.admission is not None and s.admission.ready:
+                self._join(s)
+
+    def _prefill(self, s: _Stream, room: Optional[int]) -> int:
+        """Prefill ``s`` a chunk at a time while fewer than ``room`` prompt tokens
+        ran (None: until it is done), and not past `shutdown`; returns the tokens
+        that ran. A failure is ``s``'s only."""
+        ran = 0
+        while not s.admission.ready and (room is None or ran < room):
+            if self.gen._stop:
+                break
+            try:
+                s.admission.advance()
+            except Exception as e:
+                self.admitting.remove(s)
+                s.admission = None
+                _fail(s.responses, e)
+                break
+            chunk = min(self.chunk, s.left)
+            ran, s.left = ran + chunk, s.left - chunk
+        return ran
+
+    def _start(self, s: _Stream) -> None:
+        """Begin ``s``'s admission, from its conversation's session if one is kept
+        (made by a batch: one of another loop is left in `Sessions`)."""
+        sessions, owner = self.gen.sessions, s.job.owner
+        session = sessions.take(s.prompt, owner)
+        if session is not None and session.state.depth != self.batch.depth:
+            sessions.put(session, owner)
+            session = None
+        done = len(session.tokens) if session is not None else 0
+        options = s.job.options.replace(max_tokens=s.args.max_tokens)
+        try:
+            s.admission = self.batch.admit(s.uid, s.prompt[done:], options, session)
+        except MTPError as e:  # the request's options: refused before any prefill
+            if session is not None:
+                sessions.put(session, owner)
+            return _fail(s.responses, _options_error(e))
+        except Exception as e:
+            return _fail(s.responses, e)
+        tokenizer = self.tokenizer
+        s.left = len(s.prompt) - done
+        s.ctx = _Context(
+            has_thinking=tokenizer.has_thinking,
+            has_tool_calling=tokenizer.has_tool_calling,
+            tool_parser=tokenizer.tool_parser,
+            text_sm=s.text_sm,
+            initial_state=s.initial_state,
+            prompt=s.prompt,
+            prompt_cache_count=done,
+        )
+        self.admitting.append(s)
+
+    def _join(self, s: _Stream) -> None:
+        """``s``, prefilled, into the batch, and its reply started; its prompt's
+        caches kept in `Sessions` too (for requests that start alike)."""
+        self.admitting.remove(s)
+        admission, s.admission = s.admission, None
+        try:
+            self.gen.sessions.put(admission.session.snapshot(), s.job.owner)
+        except Exception as e:  # this request's failure only
+            return _fail(s.responses, e)
+        self.batch.eos = frozenset(self.tokenizer.eos_token_ids)  # as of now
+        try:
+            s.row = self.batch.join(admission)
+        except Exception as e:  # the batch's caches may be half joined
+            _fail(s.responses, e)
+            return self._reset(e)
+        self.rows[s.uid] = s
+        s.detokenizer = self.tokenizer.detokenizer  # its own: a copy per request
+        s.detokenizer.reset()
+        s.matcher = s.stop_sequences.matcher()
+        s.responses.put(s.ctx)
+
+    # decoding
+
+    def _step(self) -> None:
+        try:
+            outputs = self.batch.step()
+        except Exception as e:  # every row was in the round
+            log.exception("a batched round failed")
+            return self._reset(e)
+        over, failed = [], []
+        for out in outputs:
+            s = self.rows[out.uid]
+            try:
+                if self._emit(s, out):
+                    over.append(s)
+            except Exception as e:  # this request's failure only
+                _fail(s.responses, e)
+                failed.append(s)
+        if over or failed:
+            self._leave(over, failed)
+
+    def _emit(self, s: _Stream, out: RowOutput) -> bool:
+        """Put ``out``'s tokens on ``s``'s reply, as `MTPResponseGenerator._decode`
+        does (an EOS adds no text; a stop sequence ends the reply at its last
+        token). True once the reply is over (None put): it finished, or its client
+        went away, or the server is closing."""
+        args, detokenizer = s.args, s.detokenizer
+        last = len(out.tokens) - 1
+        for i, token in enumerate(out.tokens):
+            finish = out.finish_reason if i == last else None
+            if finish != "stop":  # "stop" from the batch: the EOS token
+                detokenizer.add_token(token)
+            if finish is not None:
+                detokenizer.finalize()
+            if s.matcher.advance(token):
+                finish = "stop"
+            logprob, top = 0.0, ()  # only when asked: .item() is a sync per token
+            if args.logprobs:
+                logprob = out.logprobs[i, token].item()
+            if args.top_logprobs > 0:
+                top = _top_logprobs(out.logprobs[i], args.top_logprobs, self.tokenizer)
+            if finish is not None:
+                self._record(s)
+            response = lm_server.Response(
+                detokenizer.last_segment, token, logprob, finish, top
+            )
+            s.responses.put(response)
+            if finish is not None:
+                break
+        else:
+            stopped = s.ctx.stopped or self.gen._closing
+            if out.finish_reason is None and not stopped:
+                return False
+            self._record(s)
+        s.responses.put(None)
+        return True
+
+    @staticmethod
+    def _record(s: _Stream) -> None:
+        """The statistics of ``s``'s reply so far, for its ``mtp`` block."""
+        s.job.mtp = s.row.stats.snapshot()
+        s.job.batch_sizes = dict(s.row.batch_sizes)
+
+    def _leave(self, over: List[_Stream], failed: List[_Stream]) -> None:
+        """The rows of ``over`` and ``failed`` out of the batch (those that did not
+        leave it already), and the caches of ``over`` kept in `Sessions`."""
+        self.batch.remove([s.uid for s in over + failed])
+        for s in over + failed:
+            del self.rows[s.uid]
+        for s in over:
+            if s.row.session is not None:
+                self.gen.sessions.put(s.row.session, s.job.owner)
+
+    def _reset(self, error: Exception) -> None:
+        """After a failure that may have left the batch's caches inconsistent: the
+        request of every row fails with ``error``, and a new batch takes over (the
+        admissions go on: their caches are their own)."""
+        for s in self.rows.values():
+            _fail(s.responses, error)
+        self.rows.clear()
+        self.batch = self._new_batch()
+
+    def close(self) -> None:
+        """The loop ends (`MTPResponseGenerator.shutdown` ends the replies): the
+        decoding requests' statistics recorded for their last chunk."""
+        for s in self.rows.values():
+            self._record(s)
+
+
+def _fail(responses: _Responses, error: Exception) -> None:
+    """A request's failure: its reply gets ``error`` (logged unless a
+    `RequestError`), and its generation stops."""
+    if not isinstance(error, RequestError):
+        log.error("a request failed", exc_info=error)
+    responses.fail(error)
+
+
+class MTPResponseGenerator(lm_server.ResponseGenerator):
+    """mlx-lm's generation thread, with a loop of its own (`_serve`): the requests
+    in flight decode together with MTP (`_Scheduler`), or, for a model whose caches
+    cannot batch (``cannot_batch``: why, logged once at start), one at a time
+    through the single-stream loop; either way with `Sessions` for prompt reuse.
+
+    A failure costs only the requests it touched: one request's goes to that
+    request, a batched round's to the rows in it (`_Scheduler`, `_serve_one`); a
+    failure of the loop itself goes to the requests it had taken, and the loop
+    starts again (`_generate`). `shutdown` stops generation within a round and ends
+    every open reply cleanly."""
 
     def __init__(self, model_provider: MTPModelProvider, sessions: Sessions):
         self.sessions = sessions
-        self._in_flight, self._overlapped = 0, -STICKY
         self._lock = threading.Condition()
         self._live = set()  # the `_Responses` of requests whose reply is not over
-        self._batch_owner, self._fresh = _NOBODY, True
+        self._fresh = True
         self._closing = False  # `shutdown` was called
-        lm_server._make_sampler = _request_sampler  # process-wide, see its docstring
-        super().__init__(model_provider, _OwnedPromptCache(8))
+        self.scheduler: Optional[_Scheduler] = None
+        self.cannot_batch = batch_support(model_provider.model)
+        if self.cannot_batch is not None:
+            log.warning("requests are decoded one at a time: %s", self.cannot_batch)
+        super().__init__(model_provider, None)  # mlx-lm's prompt cache: not used
 
     # the loop, supervised
 
     def _generate(self):
-        """mlx-lm's generation loop, supervised: when it raises, each request it had
-        taken gets the error (its reply ends with it), the failure is logged once,
-        and the loop starts again for the next requests. A loop that fails before
-        taking any request, or while the server shuts down, is given up: the
+        """The generation loop (`_serve`), supervised: when it raises, each request
+        it had taken gets the error (its reply ends with it), the failure is logged
+        once, and the loop starts again for the next requests. A loop that fails
+        before taking any request, or while the server shuts down, is given up: the
         generation thread ends (``/health`` then says so)."""
         while True:
-            self._batch_owner, self._fresh = _NOBODY, True
+            self._fresh = True
             try:
-                return super()._generate()
+                return self._serve()
             except Exception as e:
                 log.exception("the generation loop failed; restarting it")
                 self._fail_live(e, taken_only=True)
@@ -604,6 +942,40 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             if responses.taken or not taken_only:
                 responses.fail(error)
 
+    def _serve(self) -> None:
+        """Serve until `shutdown`; then the model is dropped in this thread (as
+        mlx-lm's loop does: its arrays freed where they were made)."""
+        self.model_provider.load_default()
+        model = self.model_provider.model
+        with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
+            self.scheduler = _Scheduler(self) if self.cannot_batch is None else None
+            while not self._stop:
+                self._turn()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        self.scheduler = None
+        self.model_provider.reset()
+        gc.collect()
+
+    def _turn(self) -> None:
+        """Take the requests queued (waiting a little for one while nothing is in
+        flight), then decode a round; a request alone when the model cannot batch
+        (once the batch is empty, if it had rows)."""
+        scheduler = self.scheduler
+        busy = scheduler is not None and scheduler.busy()
+        request = self._next_request(timeout=None if busy else 0.1)
+        if self.cannot_batch is not None and not busy:
+            if request is not None:
+                self._serve_one(request)
+            return
+        if scheduler is None:
+            scheduler = self.scheduler = _Scheduler(self)
+        while request is not None:
+            scheduler.take(request)
+            request = self._next_request()  # without waiting
+        if scheduler.busy():
+            scheduler.round()
+
     def _next_request(self, timeout=None):
         request = super()._next_request(timeout)
         if request is not None:
@@ -611,38 +983,10 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             self._fresh = False
         return request
 
-    def _is_batchable(self, args) -> bool:
-        """Batch while requests overlap, and for `STICKY` seconds after they last
-        did (clients that take turns would otherwise flip between the two modes,
-        each request waiting out another's MTP generation). A request arriving
-        alone waits `GRACE` for others (clients that start together) first.
-
-        A batch holds one owner's requests (one API key's), so that what its prompt
-        cache keeps stays that owner's (`_OwnedPromptCache`): another owner's request
-        is served alone once the batch drained (mlx-lm drains the batch for any
-        request refused here, before serving it)."""
-        owner = args.job.owner
-        if not self._overlapping(args) or self._batch_owner not in (_NOBODY, owner):
-            self._batch_owner = _NOBODY
-            return False
-        if self._batch_owner is _NOBODY:  # a new batch
-            self._batch_owner = self.prompt_cache.owner = owner
-        return True
-
-    def _overlapping(self, args) -> bool:
-        if not self.model_provider.is_batchable or args.seed is not None:
-            return False
-        if time.monotonic() - self._overlapped < STICKY:
-            return True
-        deadline = time.monotonic() + GRACE  # clients that start together
-        while self._in_flight < 2 and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return self._in_flight > 1
-
     def _tokenize(self, tokenizer, request, args):
-        """mlx-lm's, and on both paths the context check: 400
-        ``context_length_exceeded`` for a prompt that leaves no room, ``max_tokens``
-        capped at the room left (`fit_context`)."""
+        """mlx-lm's, and the context check: 400 ``context_length_exceeded`` for a
+        prompt that leaves no room, ``max_tokens`` capped at the room left
+        (`fit_context`)."""
         tokenized = super()._tokenize(tokenizer, request, args)
         model = self.model_provider.model
         try:
@@ -651,16 +995,16 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             raise bad_request(one_line(e), code="context_length_exceeded") from None
         return tokenized
 
-    # a request alone, through the MTP loop
+    # a request alone, through the single-stream loop
 
-    def _serve_single(self, request, stream):
-        _, request, args = request
+    def _serve_one(self, item) -> None:
+        responses, request, args = item
         try:
             self._serve_alone(request, args)
         except Exception as e:  # every failure goes back to its request
             if not isinstance(e, RequestError):
                 log.exception("a request failed")
-            args.job.responses.put(e)
+            responses.put(e)
 
     def _serve_alone(self, request, args: _JobArgs) -> None:
         job, tokenizer = args.job, self.model_provider.tokenizer
@@ -680,7 +1024,6 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             prompt=prompt,
             prompt_cache_count=done,
         )
-        job.alone = True
         self._decode(
             job, ctx, session or Session(), prompt[done:], args, stop_sequences
         )
@@ -705,9 +1048,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             first = next(steps)  # the prefill: errors surface before any reply
         except MTPError as e:
             self.sessions.put(session, owner)  # untouched: refused before the prefill
-            if isinstance(e, SamplingError):
-                raise sampling_request_error(e) from None
-            raise bad_request(one_line(e)) from None
+            raise _options_error(e) from None
         rqueue.put(ctx)
         whole = False
         try:
@@ -789,33 +1130,27 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             if not self.generation_available():
                 raise RuntimeError("generation thread died")
             self._live.add(responses)
-            self._in_flight += 1
-            if self._in_flight > 1:
-                self._overlapped = time.monotonic()
 
     def release(self, responses: _Responses) -> None:
         """Count a request out of those in flight, once its reply is over (read or
         not). Idempotent."""
         with self._lock:
-            if responses in self._live:
-                self._live.remove(responses)
-                self._in_flight -= 1
+            self._live.discard(responses)
             self._lock.notify_all()
 
     def shutdown(self, wait: float = SHUTDOWN_WAIT) -> None:
         """Stop generation within a round and end every open reply cleanly: the
-        loop stops at its next check (the MTP loop after the current token, the
-        batch within its time budget) and is joined; then a request not started
-        gets a 503, a started one ends as if it had finished (a final chunk and
-        ``[DONE]`` when streamed). Waits ``wait`` seconds at most for the replies to
-        be written. Idempotent."""
+        loop stops at its next check (after the current round, or prefill chunk)
+        and is joined; then a request not started gets a 503, a started one ends as
+        if it had finished (a final chunk and ``[DONE]`` when streamed). Waits
+        ``wait`` seconds at most for the replies to be written. Idempotent."""
         with self._lock:
             self._closing = True
             live = list(self._live)
         for responses in live:
             if responses.ctx is not None:
                 responses.ctx.stop()
-        super().stop_and_join()  # mlx-lm's loop stops at its next check
+        super().stop_and_join()  # the loop stops at its next check
         for responses in live:
             responses.put(None)  # a request that ended already ignores it
         with self._lock:
@@ -1330,17 +1665,17 @@ class MTPHandler(lm_server.APIHandler):
 
     def _add_mtp(self, response: dict) -> dict:
         job = self._job
-        if job is None or job.responses.ctx is None:
+        if job is None or job.responses.ctx is None or job.mtp is None:
             return response
-        if not job.alone:  # served in mlx-lm's batch, plainly
-            response["mtp"] = {"num_draft_tokens": 0, "batched": True}
-        elif job.mtp is not None:
-            response["mtp"] = mtp_block(job.mtp)
+        response["mtp"] = mtp_block(job.mtp, job.batch_sizes)
         return response
 
 
-def mtp_block(stats) -> dict:
-    """The ``mtp`` block of a response: what was drafted and accepted."""
+def mtp_block(stats, batch_sizes: Optional[Dict[int, int]] = None) -> dict:
+    """The ``mtp`` block of a response: what was drafted and accepted, and the
+    rounds it ran at each batch size (``batch_sizes``; default: all alone)."""
+    if batch_sizes is None:
+        batch_sizes = {1: stats.rounds}
     return {
         "num_draft_tokens": stats.num_draft_tokens,
         "positions": stats.positions,
@@ -1353,6 +1688,7 @@ def mtp_block(stats) -> dict:
         "drafted_by_source": dict(stats.drafted_by_source),
         "accepted_by_source": dict(stats.accepted_by_source),
         "drafted_by_vocab": dict(stats.drafted_by_vocab),
+        "batch_sizes": dict(batch_sizes),
     }
 
 
@@ -1396,8 +1732,8 @@ def server_args(**options) -> argparse.Namespace:
         request_timeout=30.0,  # seconds for a request to arrive, and idle in a reply
         max_connections=128,
         chat_template_args={},
-        decode_concurrency=32,  # mlx-lm's batched decoding, when requests overlap
-        prompt_concurrency=8,
+        max_batch=DEFAULT_MAX_BATCH,  # requests decoded together at most
+        batch_cache_bytes=None,  # their caches' memory (None: `default_budget`)
         prompt_cache_size=8,
         prompt_cache_bytes=None,
         allow_missing_heads=False,
@@ -1410,10 +1746,21 @@ def server_args(**options) -> argparse.Namespace:
         raise TypeError(f"unknown server options: {', '.join(sorted(unknown))}")
     args = argparse.Namespace(**{**defaults, **options})
     args.api_key = api_keys(args.api_key)
+    _check_batch_bounds(args.max_batch, args.batch_cache_bytes)
     args.decode = DecodeOptions(max_tokens=SERVER_MAX_TOKENS).replace(**decode)
     args.decode.check()
     _for_mlx_lm(args)
     return args
+
+
+def _check_batch_bounds(max_batch, cache_bytes) -> None:
+    """Refuse, in one `MTPError` line, a ``max_batch`` or ``batch_cache_bytes`` that
+    is not a whole number >= 1 (None: the default budget)."""
+    for name, value in (("max_batch", max_batch), ("batch_cache_bytes", cache_bytes)):
+        if value is None and name == "batch_cache_bytes":
+            continue
+        if type(value) is not int or value < 1:
+            raise MTPError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
 def _for_mlx_lm(args: argparse.Namespace) -> None:

@@ -86,8 +86,7 @@ def test_chat_equals_generate_with_usage_and_mtp(client, local):
 def test_lookup_drafts_through_the_server(client, local):
     """``draft_source`` in the request: a lookup reply equals `generate` with lookup,
     which equals plain decoding; the mtp block counts drafts per source; an unknown
-    source is a 400. (Early in the module: after the concurrency tests a request may
-    be batched, without MTP.)"""
+    source is a 400."""
     repeat = [{"role": "user", "content": "say a b c a b c a b c a b"}]
     r = client.chat.completions.create(
         model="default_model",
@@ -199,15 +198,10 @@ def test_tools_reach_the_template_and_tool_calls_are_parsed(
     _, tokenizer = load(str(folder))
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
     reply = tokenizer.encode(call + "</tool_call>", add_special_tokens=False)
-    prompts = []
-
-    def fake_stream_generate(model, tok, prompt, **kw):
-        prompts.append(tok.decode(prompt))
-        yield from real(model, tok, prompt, **kw)
-
-    real = scripted(reply + [min(tokenizer.eos_token_ids)])
-    monkeypatch.setattr(server_module, "stream_generate", fake_stream_generate)
-    server = Server(server_args(model=str(folder), port=0)).start()
+    eos = min(tokenizer.eos_token_ids)
+    server = Server(server_args(model=str(folder), port=0, max_batch=1)).start()
+    served_tokenizer = server.generator.model_provider.tokenizer
+    prompts = scripted(reply + [eos], served_tokenizer, monkeypatch)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
         tools = [
@@ -232,35 +226,32 @@ def test_tools_reach_the_template_and_tool_calls_are_parsed(
     assert r.choices[0].finish_reason == "tool_calls"
 
 
-def scripted(tokens):
-    """A stand-in for `stream_generate` that replies ``tokens`` (the last one EOS)."""
-    import mlx.core as mx
+def scripted(tokens, tokenizer, monkeypatch) -> list:
+    """Make the server's batch reply ``tokens`` (the last one EOS) to every request,
+    as many a round as the real round gives (EOS made unreachable there); returns
+    the prompts it is given, as text."""
+    prompts, given = [], {}  # given: tokens replied so far, by row
+    admit, step = server_module.Batch.admit, server_module.Batch.step
 
-    from mlx_mtp.generate import GenerationResponse
+    def scripted_admit(self, uid, prompt, *args, **kw):
+        prompts.append(tokenizer.decode(prompt))
+        return admit(self, uid, prompt, *args, **kw)
 
-    def run(model, tokenizer, prompt, max_tokens=256, session=None, **kw):
-        detok = tokenizer.detokenizer
-        detok.reset()
-        for i, t in enumerate(tokens):
-            last = i + 1 == len(tokens)
-            if not last:
-                detok.add_token(t)
-            else:
-                detok.finalize()
-            yield GenerationResponse(
-                text=detok.last_segment,
-                token=t,
-                logprobs=mx.zeros((tokenizer.vocab_size,)),
-                from_draft=False,
-                prompt_tokens=len(prompt),
-                prompt_tps=1.0,
-                generation_tokens=i + 1,
-                generation_tps=1.0,
-                peak_memory=0.0,
-                finish_reason="stop" if last else None,
-            )
+    def scripted_step(self):
+        outputs = step(self)
+        for out in outputs:
+            done = given.get(out.uid, 0)
+            out.tokens = tokens[done : done + len(out.tokens)]
+            given[out.uid] = done + len(out.tokens)
+            if given[out.uid] == len(tokens):
+                out.finish_reason = "stop"
+        self.remove([out.uid for out in outputs if out.finish_reason])
+        return outputs
 
-    return run
+    monkeypatch.setattr(tokenizer, "_eos_token_ids", {-1})
+    monkeypatch.setattr(server_module.Batch, "admit", scripted_admit)
+    monkeypatch.setattr(server_module.Batch, "step", scripted_step)
+    return prompts
 
 
 # --- bad requests ------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """``mlx-mtp serve`` under bad requests, faults and signals: sampling settings are
-checked alike on the MTP path and mlx-lm's batched path; each request decodes with
-its own checked `DecodeOptions`; a request that fails, or a generation loop that
-fails, costs only the requests it touched, and the server serves the next one; SIGINT
-and SIGTERM end open streams with ``[DONE]`` and exit cleanly; each API key has its
-own prompt cache; round costs are measured before serving; an mlx-lm whose server
+checked alike on the batched path and the single-stream one (a model that cannot
+batch); each request decodes with its own checked `DecodeOptions`; a request that
+fails, a batched round that fails, or a generation loop that fails, costs only the
+requests it touched, and the server serves the next one; SIGINT and SIGTERM end open
+streams with ``[DONE]`` and exit cleanly; each API key has its own prompt cache;
+round costs, alone and batched, are measured before serving; an mlx-lm whose server
 changed is refused at start."""
 
 import http.client
@@ -130,18 +131,15 @@ class Background:
         return self._out["value"]
 
 
-def batched(generator, monkeypatch):
-    """Make every request join mlx-lm's batched decoding (as while clients overlap)."""
-    monkeypatch.setattr(generator, "_overlapped", time.monotonic() + 3600)
-
-
 def single(generator, monkeypatch):
-    """Make every request go through the MTP loop, one at a time."""
-    monkeypatch.setattr(generator.model_provider, "is_batchable", False)
+    """Make every request go through the single-stream loop, one at a time (as for a
+    model whose caches cannot batch); by default they decode in the batch."""
+    monkeypatch.setattr(generator, "cannot_batch", "the single-stream path, tested")
 
 
 def route(generator, path, monkeypatch):
-    (batched if path == "batched" else single)(generator, monkeypatch)
+    if path == "single":
+        single(generator, monkeypatch)
 
 
 def assert_serving(served):
@@ -176,10 +174,8 @@ BAD_SAMPLING = [
 def test_bad_sampling_settings_are_a_400_naming_the_field_under_load(
     served, local, endless, monkeypatch
 ):
-    """While a request decodes in mlx-lm's batch, each bad setting gets a 400 with
-    ``param`` (the batched path has no checks of its own), and the request in flight
-    is answered as if alone."""
-    batched(served.generator, monkeypatch)
+    """While a request decodes in the batch, each bad setting gets a 400 with
+    ``param``, and the request in flight is answered as if alone."""
     started = threading.Event()
     good = Background(stream, served, {"messages": MESSAGES, "max_tokens": 40}, started)
     assert started.wait(60)
@@ -196,8 +192,8 @@ def test_bad_sampling_settings_are_a_400_naming_the_field_under_load(
 
 
 def test_the_context_and_sampling_errors_are_told_apart(served, monkeypatch):
-    """A prompt past the context is ``context_length_exceeded`` on both paths (the
-    batched one used to run past the context); sampling errors are not."""
+    """A prompt past the context is ``context_length_exceeded`` on both paths
+    (mlx-lm's batched one used to run past the context); sampling errors are not."""
     long = [{"role": "user", "content": "hello " * 3000}]
     for path in ("single", "batched"):
         with monkeypatch.context() as m:
@@ -208,10 +204,10 @@ def test_the_context_and_sampling_errors_are_told_apart(served, monkeypatch):
     assert status == 400 and reply["error"]["code"] != "context_length_exceeded"
 
 
-def test_top_k_of_the_vocabulary_or_more_keeps_every_token(served, monkeypatch):
+def test_top_k_of_the_vocabulary_or_more_keeps_every_token(served, endless):
     """top_k >= the vocabulary size is no filtering, as top_k = 0: the same seeded
-    text through the MTP loop, and no failure in mlx-lm's batch (it used to kill the
-    generation thread for good)."""
+    text, and no failure in a batch beside another request (mlx-lm's batch used to
+    die of it, the generation thread with it, for good)."""
     vocab = served.generator.model_provider.model.args.vocab_size
     body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 1.0, "seed": 7}
     body.update(num_draft_tokens=2, draft_source="heads", draft_vocab="full")
@@ -221,14 +217,15 @@ def test_top_k_of_the_vocabulary_or_more_keeps_every_token(served, monkeypatch):
         assert status == 200, reply
         texts.append(reply["choices"][0]["message"]["content"])
     assert texts[0] == texts[1] == texts[2]
-    batched(served.generator, monkeypatch)
     started = threading.Event()
-    good = Background(stream, served, {"messages": MESSAGES, "max_tokens": 40}, started)
+    good = Background(
+        stream, served, {"messages": MESSAGES, "max_tokens": 300}, started
+    )
     assert started.wait(60)
-    del body["seed"]  # seeded requests are served alone
     status, reply = post(served, {**body, "top_k": vocab})
     assert status == 200, reply
-    assert reply["mtp"].get("batched") is True  # it did go through the batch
+    assert reply["choices"][0]["message"]["content"] == texts[0]
+    assert "2" in reply["mtp"]["batch_sizes"]  # it did go through the batch
     assert good.result()[-1] == "[DONE]"
     assert_serving(served)
 
@@ -260,24 +257,36 @@ def test_the_server_defaults_are_decode_options():
         server_args(kv_bits=4)
 
 
-def recording(monkeypatch) -> list:
-    """The `DecodeOptions` each request hands the MTP loop, in order."""
-    seen, real = [], server_module.stream_generate
+def recording(path, monkeypatch) -> list:
+    """The `DecodeOptions` each request hands the loop of ``path`` (the batch's
+    admission, or the single-stream loop), in order."""
+    seen = []
+    if path == "single":
+        real = server_module.stream_generate
 
-    def record(model, tokenizer, prompt, **kw):
-        seen.append(kw["options"])
-        return real(model, tokenizer, prompt, **kw)
+        def record(model, tokenizer, prompt, **kw):
+            seen.append(kw["options"])
+            return real(model, tokenizer, prompt, **kw)
 
-    monkeypatch.setattr(server_module, "stream_generate", record)
+        monkeypatch.setattr(server_module, "stream_generate", record)
+        return seen
+    admit = server_module.Batch.admit
+
+    def record_admitted(self, uid, prompt, options=None, *args, **kw):
+        seen.append(options)
+        return admit(self, uid, prompt, options, *args, **kw)
+
+    monkeypatch.setattr(server_module.Batch, "admit", record_admitted)
     return seen
 
 
-def test_each_request_decodes_with_its_own_options(served, monkeypatch):
+@pytest.mark.parametrize("path", ["single", "batched"])
+def test_each_request_decodes_with_its_own_options(path, served, monkeypatch):
     """One `DecodeOptions` per request, the server's then the request's fields, is
-    what the MTP loop decodes with; a bad field is a 400 naming it, before anything
+    what the loop decodes with; a bad field is a 400 naming it, before anything
     is queued."""
-    single(served.generator, monkeypatch)
-    seen = recording(monkeypatch)
+    route(served.generator, path, monkeypatch)
+    seen = recording(path, monkeypatch)
     fields = dict(temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=3)
     fields.update(num_draft_tokens=2, draft_source="lookup", draft_vocab="64")
     body = {"messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 5}
@@ -319,8 +328,9 @@ FAULT = "injected fault"
 
 
 def inject_fault(path, monkeypatch):
-    """Make requests with temperature 0.5 fail after they started: in the MTP loop
-    after two tokens, in mlx-lm's batch in their sampler."""
+    """Make requests with temperature 0.5 fail after they started: in the
+    single-stream loop after two tokens, in the batch on the way to their reply, at
+    their second round."""
     if path == "single":
         real = server_module.stream_generate
 
@@ -332,20 +342,16 @@ def inject_fault(path, monkeypatch):
                     yield step
 
         monkeypatch.setattr(server_module, "stream_generate", failing)
-    else:
-        lm_make_sampler = server_module.lm_server.make_sampler
+        return
+    emit, rounds = server_module._Scheduler._emit, {}
 
-        def make_sampler(temp, **kw):
-            sampler = lm_make_sampler(temp, **kw)
-            if temp != 0.5:
-                return sampler
+    def failing_emit(self, s, out):
+        rounds[s.uid] = rounds.get(s.uid, 0) + 1
+        if s.job.options.temp == 0.5 and rounds[s.uid] == 2:
+            raise RuntimeError(FAULT)
+        return emit(self, s, out)
 
-            def failing(logprobs):
-                raise RuntimeError(FAULT)
-
-            return failing
-
-        monkeypatch.setattr(server_module.lm_server, "make_sampler", make_sampler)
+    monkeypatch.setattr(server_module._Scheduler, "_emit", failing_emit)
 
 
 @pytest.mark.parametrize("path", ["single", "batched"])
@@ -371,20 +377,23 @@ def test_a_failing_request_costs_only_itself(path, served, local, endless, monke
     assert_serving(served)
 
 
-def test_the_generation_loop_restarts_after_a_failure(served, monkeypatch):
-    """A failure of mlx-lm's batched loop itself (not one request's): the requests it
-    held get the error, and the loop starts again (``/health`` stays ok)."""
-    batched(served.generator, monkeypatch)
-    lm_server = server_module.lm_server
-    real_next, calls = lm_server.BatchGenerator.next, []
+@pytest.mark.parametrize(
+    "where", [(server_module.Batch, "step"), (server_module._Scheduler, "round")]
+)
+def test_the_generation_loop_goes_on_after_a_failure(where, served, monkeypatch):
+    """A failure of a batched round (not one request's: every row was in it), or of
+    the scheduler loop itself: the requests it held get the error, and a new batch,
+    or the loop started again, serves the next ones (``/health`` stays ok)."""
+    owner, name = where
+    real, calls = getattr(owner, name), []
 
-    def failing_next(self):
+    def failing(self):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError(FAULT)
-        return real_next(self)
+        return real(self)
 
-    monkeypatch.setattr(lm_server.BatchGenerator, "next", failing_next)
+    monkeypatch.setattr(owner, name, failing)
     events = stream(served, {"messages": MESSAGES, "max_tokens": 40})
     assert events[-1] == "[DONE]" and FAULT in events[-2]["error"]["message"]
     assert len(calls) >= 3
@@ -428,8 +437,8 @@ def cached(server, key, messages):
 
 @pytest.mark.parametrize("path", ["single", "batched"])
 def test_each_api_key_has_its_own_prompt_cache(path, keyed, monkeypatch):
-    """What one key's requests left in the prompt caches (the MTP loop's sessions,
-    mlx-lm's cache of the batched path) is never reused for another key's: usage's
+    """What one key's requests left in the prompt caches (the sessions of the
+    batched and the single-stream paths) is never reused for another key's: usage's
     ``cached_tokens`` would tell that key what the other sent."""
     route(keyed.generator, path, monkeypatch)
     alice, bob = KEYS
@@ -451,15 +460,18 @@ def test_each_api_key_has_its_own_prompt_cache(path, keyed, monkeypatch):
 
 def test_round_costs_are_ready_before_serving(model_path, monkeypatch):
     """The costs "auto" drafts with are read or measured when the server starts, for
-    every k and draft vocabulary a request may ask for, never by a request on the
-    generation thread: a request that would need others (a number of draft tokens
-    not measured, with an "auto" k or source) is a 400 naming ``draft_vocab``."""
-    from mlx_mtp import draft_length
+    every k and draft vocabulary a request may ask for and for batches of up to
+    ``max_batch`` rows, never by a request on the generation thread: a request that
+    would need others (a number of draft tokens not measured, with an "auto" k or
+    source) is a 400 naming ``draft_vocab``."""
+    from mlx_mtp import batch_costs, draft_length
 
     server = Server(server_args(model=model_path, port=0))
     try:
         model = server.generator.model_provider.model
         assert model.round_costs is not None
+        sizes = batch_costs.grid(server.args.max_batch)
+        assert set(sizes) <= set(model.batch_costs.sizes)
         unmeasured = DecodeOptions(draft_vocab=100)
         assert server_module.times_costs(model, unmeasured)
         assert not server_module.times_costs(model, unmeasured.replace(**FIXED_HEADS))
@@ -470,8 +482,8 @@ def test_round_costs_are_ready_before_serving(model_path, monkeypatch):
             raise AssertionError("round costs timed while serving")
 
         monkeypatch.setattr(draft_length, "measure_costs", no_timing)
+        monkeypatch.setattr(batch_costs, "measure_batch_costs", no_timing)
         server.start()
-        single(server.generator, monkeypatch)  # every request through the MTP loop
         for extra in (
             {},
             {"num_draft_tokens": 12},  # draft_source "auto" weighs k = 12
@@ -487,6 +499,15 @@ def test_round_costs_are_ready_before_serving(model_path, monkeypatch):
         status, reply = post(server, {"messages": MESSAGES, "draft_vocab": 100})
         assert status == 400 and reply["error"]["param"] == "draft_vocab", reply
         assert "--draft-vocab 100" in reply["error"]["message"]
+        started = threading.Event()  # two "auto" rows: the batch caps their drafts
+        tokenizer = server.generator.model_provider.tokenizer
+        monkeypatch.setattr(tokenizer, "_eos_token_ids", {-1})  # replies run long
+        body = {"messages": MESSAGES, "max_tokens": 200}
+        other = Background(stream, server, body, started)
+        assert started.wait(60)
+        status, reply = post(server, {**body, "max_tokens": 4})
+        assert status == 200 and "2" in reply["mtp"]["batch_sizes"], reply
+        assert other.result()[-1] == "[DONE]"
         assert not timed
         assert_serving(server)
     finally:
@@ -545,8 +566,10 @@ def test_an_mlx_lm_whose_server_changed_is_refused_at_start(monkeypatch):
     assert r.exit_code == 1 and r.output.count("\n") == 1, r.output
     assert "ResponseGenerator._tokenize has changed" in r.output
     with monkeypatch.context() as m:
-        m.delattr(lm_server, "_make_sampler")
-        with pytest.raises(MTPError, match=r"mlx_lm\.server\._make_sampler is gone"):
+        m.delattr(lm_server.ResponseGenerator, "_make_state_machine")
+        with pytest.raises(
+            MTPError, match=r"ResponseGenerator\._make_state_machine is"
+        ):
             server_module.check_mlx_lm()
 
 
