@@ -323,6 +323,17 @@ class Batch:
                 self.queued.append(self._launch())
         return outputs
 
+    def draft_once(self) -> None:
+        """Draft one token for every row and undo it (to time a draft step:
+        `mlx_mtp.batch_costs`); no round may be launched."""
+        for r in self.rows:
+            r.draft_key = mx.random.key(0)
+        ks = [1] * len(self.rows)
+        drafts, _ = draft_rows(self.model, self.caches, self.rows, ks, self.depth)
+        mx.eval(drafts)
+        for c in self.caches.mtp:
+            c.keep_below([r.state.frontier for r in self.rows])
+
     def _can_queue_behind(self, rnd: BatchRound) -> bool:
         """Whether the round after ``rnd`` may be planned before ``rnd`` is
         committed: ``rnd`` drafts nothing (its commit takes its one token whatever
@@ -349,9 +360,9 @@ class Batch:
     def _plan(self, ahead: int = 0) -> None:
         """Set each row's drafts for the next round: ``row.k`` from its policy (its
         heads) or its lookup draft (``row.lookup``), capped by its room (``ahead``:
-        tokens it yields before that round) and by `_cap`. The heads rows draft 0
-        when the longest of them is shorter than the MTP layers in use: a heads
-        round runs all of them or none (see `Run.plan`)."""
+        tokens it yields before that round) and by `_cap`. A heads round runs every
+        MTP layer in use, however few drafts its rows ask for (`draft_rows`), so
+        that every layer's frontier moves (see `Run.plan`)."""
         for r in self.rows:
             room = r.run.room(r.stats.emitted + ahead)
             r.k = min(r.run.policy.next(), room)
@@ -370,10 +381,6 @@ class Batch:
                     r.k = len(r.lookup or ())
                 elif free:
                     r.k = min(r.k, cap)
-        longest = max((r.k for r in self.rows if r.lookup is None), default=0)
-        if longest < max(self.depth, 1):
-            for r in self.rows:
-                r.k = r.k if r.lookup else 0
 
     def _cap(self, asks: List[int], auto: List[bool]) -> Optional[int]:
         """The cap `BatchLength` puts on the auto rows' drafts (its costs measured
@@ -605,6 +612,7 @@ def draft_rows(model, caches: Caches, rows: List[Row], ks: List[int], depth: int
         return mx.zeros((B, 0), dtype=mx.int32), None
     if model.assistant is not None:
         return draft_assisted_rows(model, trunk_caches, rows, ks)
+    steps = max(K, depth)  # every layer in use runs, so every frontier may move
     counts = [len(r.state.tokens) - 1 - r.state.frontier for r in rows]
     width = max(counts)
     pads = [width - c for c in counts]
@@ -614,9 +622,9 @@ def draft_rows(model, caches: Caches, rows: List[Row], ks: List[int], depth: int
     # each row's keys as alone: one per draft it makes (k_b of the K), none for a
     # row drafting nothing (its extra drafts are never accepted, any key does)
     keys = [mx.random.split(r.draft_key, max(k, 1)) for r, k in zip(rows, ks)]
-    keys = [[rk[min(j, rk.shape[0] - 1)] for j in range(K)] for rk in keys]
+    keys = [[rk[min(j, rk.shape[0] - 1)] for j in range(steps)] for rk in keys]
     tokens, logprobs = [], []
-    for j in range(K):
+    for j in range(steps):
         if j < depth:
             layer, ids = j, _layer_ids(rows, tokens, j, width)
             mtp_caches[layer].pad(pads)
@@ -627,6 +635,7 @@ def draft_rows(model, caches: Caches, rows: List[Row], ks: List[int], depth: int
         token, lp = _pick_rows(rows, logits, [k[j] for k in keys])
         tokens.append(token)
         logprobs.append(lp)
+    tokens, logprobs = tokens[:K], logprobs[:K]  # the deeper layers' ran for caches
     q = None
     if logprobs[0] is not None:
         q = [None if lps[0] is None else mx.concatenate(lps) for lps in zip(*logprobs)]

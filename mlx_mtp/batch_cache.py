@@ -309,6 +309,8 @@ def batch_support(model) -> Optional[str]:
     recurrent cache that records its states."""
     from .cache import make_caches
 
+    if model.group is not None:
+        return "a trunk sharded over several ranks decodes one stream at a time"
     caches = make_caches(model)
     for c in caches.trunk + caches.mtp:
         parts = c.caches if type(c) is ListCache else [c]

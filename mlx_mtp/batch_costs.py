@@ -150,18 +150,8 @@ def _time_verify(batch, n: int, reps: int) -> float:
 
 
 def _time_draft(batch, reps: int) -> float:
-    model, cache = batch.model, batch.caches.mtp[0]
-    B = len(batch)
-    h = mx.zeros((B, 1, model.args.hidden_size))
-    ids = mx.zeros((B, 1), dtype=mx.int32) + 5
-    frontier = [r.state.frontier for r in batch.rows]
-
-    def step():
-        z = model.mtp_forward(0, h, ids, cache)
-        mx.eval(mx.argmax(model.draft_logits(z[:, -1]), axis=-1))
-        cache.keep_below(frontier)
-
-    return _median_time(step, reps)
+    """One draft step of every row, as a round drafts it (`Batch.draft_once`)."""
+    return _median_time(batch.draft_once, reps)
 
 
 def _costs_file():
@@ -261,11 +251,14 @@ def expected_tokens(row, k: int) -> float:
 @dataclass
 class BatchLength:
     """The longest draft that pays for the batch, from its `BatchCosts` (see the
-    module docstring); ``depth``: the MTP layers in use (a heads round drafts 0 or at
-    least that many)."""
+    module docstring); ``depth``: the MTP layers in use. With drafting off, every
+    ``probe_every``-th round still lets the rows draft ``depth`` tokens, so that a
+    change of acceptance is noticed (as `AdaptiveLength` probes alone)."""
 
     costs: BatchCosts
     depth: int = 1
+    probe_every: int = 16  # with drafting off, let the rows draft this often
+    idle: int = 0  # rounds since drafting was last let through
 
     def rate(self, rows, asks: List[int], auto: List[bool], K: int) -> float:
         """Expected tokens of all rows per unit of cost with drafts capped at K."""
@@ -284,6 +277,12 @@ class BatchLength:
             return None
         options = [fixed] + [k for k in range(max(fixed + 1, self.depth), longest + 1)]
         best = max(options, key=lambda K: self.rate(rows, asks, auto, K))
+        if best == 0:  # a probe now and then, so that the rows' acceptance is seen
+            self.idle += 1
+            if self.idle < self.probe_every:
+                return 0
+            best = min(longest, max(self.depth, 1))
+        self.idle = 0
         return None if best >= longest else best
 
     def describe(self, sizes: Sequence[int], alpha: float, k: int) -> Dict[int, dict]:

@@ -314,8 +314,7 @@ def warm_costs_batched(model, max_batch: int) -> None:
     (`mlx_mtp.batch.warm_batch_costs`: the draft length of a batch's "auto" rows
     weighs them), before serving; nothing for a model that cannot batch, or one
     row."""
-    # (a Gemma 4 pair is left out for now: measuring its draft step fails)
-    if max_batch > 1 and batch_support(model) is None and model.assistant is None:
+    if max_batch > 1 and batch_support(model) is None:
         warm_batch_costs(model, max_batch, on_measure=_say_batch_timing)
 
 

@@ -266,3 +266,18 @@ def test_rows_leaving_while_rounds_are_queued_keep_exact_sessions(k, loaded):
             more, model, opts.replace(max_tokens=6), session=row.session
         )
         assert [o.token for o in steps] == plain(model, p + got + more, 6)
+
+
+def test_a_short_draft_in_a_deeper_batch_still_drafts(loaded):
+    """A row asking k = 1 in a batch using two MTP layers drafts (every layer in use
+    runs, so every frontier moves), exactly, and as it drafts alone."""
+    model, tokenizer = loaded("mimo", predictable=True)
+    batch = Batch(model, HEADS.replace(num_draft_tokens=3))
+    assert batch.depth == 2
+    ids = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    opts = [HEADS.replace(num_draft_tokens=k, max_tokens=16) for k in (1, 3)]
+    rows = [batch.join(batch.admit(i, p, o)) for i, (p, o) in enumerate(zip(ids, opts))]
+    out, _ = drive(batch, {})
+    for row, p, o in zip(rows, ids, opts):
+        assert out[row.uid] == plain(model, p, 16) == alone(model, p, o)
+        assert row.stats.drafted > 0
