@@ -18,15 +18,19 @@ output: every round is verified exactly.
 
 import json
 import math
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
 from .defaults import DEFAULT_MAX_DRAFT_TOKENS
-from .draft_length import MAX_COST, AdaptiveLength, _cost_key, _write_atomically
+from .draft_length import (
+    MAX_COST,
+    AdaptiveLength,
+    _cost_key,
+    _write_atomically,
+    median_time,
+)
 from .errors import MTPError
 from .files import read_json
 from .paths import home
@@ -124,15 +128,6 @@ def _monotone(times: Dict[int, List[float]]) -> Dict[int, List[float]]:
     return out
 
 
-def _median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps + 1):  # the first call warms up
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times[1:])
-
-
 def _time_verify(batch, n: int, reps: int) -> float:
     from .batch_cache import rewind_rows
     from .cache import begin_verify
@@ -146,12 +141,12 @@ def _time_verify(batch, n: int, reps: int) -> float:
         mx.eval(model.logits(model.hidden(ids, caches.trunk)))
         rewind_rows(caches.trunk, marks, [n] * B)
 
-    return _median_time(verify, reps)
+    return median_time(verify, reps)
 
 
 def _time_draft(batch, reps: int) -> float:
     """One draft step of every row, as a round drafts it (`Batch.draft_once`)."""
-    return _median_time(batch.draft_once, reps)
+    return median_time(batch.draft_once, reps)
 
 
 def _costs_file():

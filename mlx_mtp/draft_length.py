@@ -82,20 +82,12 @@ def time_round(
     caches = make_caches(model)
     mx.eval(model.hidden(ids[None], caches.trunk))
 
-    def median_time(fn) -> float:
-        times = []
-        for _ in range(reps + 1):  # the first call warms up
-            tic = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - tic)
-        return statistics.median(times[1:])
-
     def verify(n: int):
         marks = begin_verify(caches.trunk)
         mx.eval(model.logits(model.hidden(ids[None, :n], caches.trunk)))
         rewind(caches.trunk, marks, n)
 
-    t = [median_time(lambda: verify(n)) for n in range(1, max_k + 2)]
+    t = [median_time(lambda: verify(n), reps) for n in range(1, max_k + 2)]
     draft, drafts = 0.0, {}
     if model.assistant is not None:
         h = model.hidden(ids[None, -1:])
@@ -106,7 +98,7 @@ def time_round(
             logits, _ = model.assist(ids[None, -1:], h, kv, len(ids))
             mx.eval(mx.argmax(logits, axis=-1))
 
-        draft = median_time(step)
+        draft = median_time(step, reps)
     elif model.num_mtp_layers:
         h = model.hidden(ids[None, -1:])
         mx.eval(h)
@@ -115,9 +107,19 @@ def time_round(
             z = model.mtp_forward(0, h, ids[None, -1:])
             mx.eval(mx.argmax(model.draft_logits(z, vocab), axis=-1))
 
-        draft = median_time(step)
-        drafts = {n: median_time(lambda: step(n)) for n in vocabs}
+        draft = median_time(step, reps)
+        drafts = {n: median_time(lambda: step(n), reps) for n in vocabs}
     return t, draft, drafts
+
+
+def median_time(fn, reps: int) -> float:
+    """The median seconds of ``reps`` calls of ``fn`` (after one that warms up)."""
+    times = []
+    for _ in range(reps + 1):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times[1:])
 
 
 def model_costs(
