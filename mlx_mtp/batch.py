@@ -32,7 +32,14 @@ import mlx.core as mx
 from . import batch_cache
 from .batch_cache import batch_support, rewind_rows, to_batch
 from .batch_costs import BatchLength, model_batch_costs
-from .cache import Caches, begin_verify, check_rollback, make_caches
+from .cache import (
+    Caches,
+    Capture,
+    RecurrentCache,
+    begin_verify,
+    check_rollback,
+    make_caches,
+)
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
 from .options import DecodeOptions
@@ -345,6 +352,15 @@ class Batch:
             and not any(r.run.drafting.lookup_tokens for r in self.rows)
         )
 
+    def _bases(self) -> list:
+        """Marks for a plain round, which never rolls back: the recurrent caches'
+        contents before it (what a session taken meanwhile holds), and no
+        per-position recording."""
+        return [
+            Capture(list(c.cache)) if isinstance(c, RecurrentCache) else None
+            for c in self.caches.trunk
+        ]
+
     def _admit_joining(self) -> None:
         """Put the joining rows' caches into the batch (no round is launched)."""
         for row in self.joining:
@@ -410,7 +426,7 @@ class Batch:
         if pending is None:
             pending = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)
         ids = mx.concatenate([pending[:, None], drafts], axis=1)  # (B, K + 1)
-        marks = begin_verify(self.caches.trunk)
+        marks = begin_verify(self.caches.trunk) if ks and max(ks) else self._bases()
         hidden = self.model.hidden(ids, self.caches.trunk)  # (B, K + 1, H)
         logprobs = log_softmax(self.model.logits(hidden))  # (B, K + 1, V)
         accepted, next_tokens = accept_rows(rows, ks, drafts, q, logprobs)
