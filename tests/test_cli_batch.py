@@ -191,7 +191,10 @@ def test_output_is_written_whole_or_not_at_all(model_path, tmp_path, monkeypatch
 def test_ctrl_c_mid_generation_leaves_no_file(model_path, tmp_path, monkeypatch):
     """Ctrl-C while the prompts decode (the progress line up): the progress line,
     then one line, exit 130; no output file."""
-    import mlx_mtp.generate as gen
+    import importlib
+
+    # the module (the package's ``generate`` attribute is the function)
+    gen = importlib.import_module("mlx_mtp.generate")
 
     real = gen.batch_generate
 
