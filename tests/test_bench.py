@@ -85,6 +85,7 @@ def test_bench_with_sources_and_draft_vocabularies(checkpoint, tmp_path):
     assert "dv=64" in result.output
 
 
+@pytest.mark.slow  # 20 s: builds and measures two synthetic models
 @pytest.mark.parametrize("draft_vocab", [0, 256])
 def test_synthetic_model_lands_near_its_acceptance(tmp_path, draft_vocab):
     out = tmp_path / "syn"
