@@ -749,7 +749,8 @@ def run_batch(
         yield from _one_at_a_time(model, prompts, options, frozenset(eos))
         return
     widest = max(options, key=lambda o: depth_for(model, o))
-    batch = Batch(model, widest, eos, max_batch=max_batch)
+    # the batch sizes it reaches: the costs of larger ones are not measured
+    batch = Batch(model, widest, eos, max_batch=min(max_batch, len(prompts)))
     waiting = list(range(len(prompts)))
     while waiting or len(batch):
         while waiting and len(batch) < max_batch:
