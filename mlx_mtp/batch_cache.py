@@ -41,17 +41,26 @@ class RaggedKVCache(_BaseCache):
     Attributes:
         pos: ``(B, T)`` int32, the position of each entry in its row's sequence, or -1
             for an entry no query sees.
-        offset: ``(B,)`` int32, each row's next position (what RoPE reads).
+        offset: each row's next position (what RoPE reads): an int while every row
+            is at the same one (one stream, say: as mlx-lm's ``KVCache``), else a
+            ``(B,)`` int32 array.
         held: per row (host side), the number of entries with ``pos >= 0``.
         window: the sliding window of the layer (None: full attention).
+
+    The bookkeeping is on the host while it can be: the offsets always, and ``pos``
+    while the cache is *dense* (every row's entries are its last ``T`` positions, in
+    order: no hole, no padding). A dense cache's pass costs what a ``KVCache``'s
+    does; ``pos`` is stored (and written by each pass) from the first hole or
+    padding on.
     """
 
     step = 256
 
     def __init__(self, batch_size: int = 0, window: Optional[int] = None):
         self.keys = self.values = None
-        self.pos = mx.zeros((batch_size, 0), dtype=mx.int32)
-        self.offset = mx.zeros((batch_size,), dtype=mx.int32)
+        self._pos = None  # None: dense (see the class docstring)
+        self._off = [0] * batch_size  # host: each row's next position
+        self._off_array = None  # `offset`'s array, made on first need
         self.held = [0] * batch_size
         self.window = window
         self._idx = 0
@@ -60,28 +69,67 @@ class RaggedKVCache(_BaseCache):
     @classmethod
     def from_kv(cls, keys, values, positions: Sequence[int], window=None):
         """One row holding ``keys``/``values`` ``(1, heads, n, D)`` at ``positions``."""
+        positions = list(positions)
         c = cls(1, window)
         c.keys, c.values = keys, values
-        c.pos = mx.array([list(positions)], dtype=mx.int32)
         c._idx = keys.shape[2] if keys is not None else 0
-        nxt = positions[-1] + 1 if len(positions) else 0
-        c.offset = mx.array([nxt], dtype=mx.int32)
+        nxt = positions[-1] + 1 if positions else 0
+        c._set_offsets([nxt])
         c.held = [len(positions)]
+        if positions != list(range(nxt - len(positions), nxt)):
+            c._pos = mx.array([positions], dtype=mx.int32)
         return c
 
     @property
     def batch_size(self) -> int:
         return len(self.held)
 
+    @property
+    def offset(self):
+        off = self._off
+        if off and all(o == off[0] for o in off):
+            return off[0]
+        if self._off_array is None:
+            self._off_array = mx.array(off, dtype=mx.int32)
+        return self._off_array
+
+    def _set_offsets(self, offsets: Sequence[int]) -> None:
+        self._off, self._off_array = list(offsets), None
+
+    def _offsets(self) -> mx.array:
+        """``(B,)`` int32: each row's next position."""
+        off = self.offset
+        return off if isinstance(off, mx.array) else mx.full((len(self._off),), off)
+
+    @property
+    def pos(self) -> mx.array:
+        if self._pos is not None:
+            return self._pos
+        return self._dense_pos(self.keys.shape[2] if self.keys is not None else 0)
+
+    def _dense_pos(self, width: int) -> mx.array:
+        """A dense cache's ``pos`` over a buffer ``width`` wide (-1 past ``_idx``)."""
+        cols = mx.arange(width, dtype=mx.int32)[None]  # (1, T)
+        pos = self._offsets()[:, None] - self._idx + cols  # (B, T)
+        return mx.where(cols < self._idx, pos, -1)
+
+    def _store_pos(self) -> None:
+        """Leave the dense form: ``pos`` is stored from now on."""
+        if self._pos is None:
+            self._pos = self.pos
+
     def pad(self, padding: Sequence[int]) -> None:
         """Left-pad the next write: row b's first ``padding[b]`` inputs are filler
         (their entries get ``pos`` -1 and they take no position)."""
-        padding = mx.array(list(padding), dtype=mx.int32)
-        self._pad = padding
-        self.offset = self.offset - padding
+        padding = list(padding)
+        if not any(padding):
+            return
+        self._store_pos()
+        self._pad = mx.array(padding, dtype=mx.int32)
+        self._set_offsets([o - p for o, p in zip(self._off, padding)])
 
     def _new_pos(self, n: int) -> mx.array:
-        pos = self.offset[:, None] + mx.arange(n, dtype=mx.int32)[None]  # (B, n)
+        pos = self._offsets()[:, None] + mx.arange(n, dtype=mx.int32)[None]  # (B, n)
         if self._pad is not None:
             pos = mx.where(mx.arange(n)[None] < self._pad[:, None], -1, pos)
         return pos
@@ -93,26 +141,28 @@ class RaggedKVCache(_BaseCache):
         size = self.step * ((self._idx + n + self.step - 1) // self.step)
         new_k = mx.zeros((B, H, size, Dk), keys.dtype)
         new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
-        new_p = mx.full((B, size), -1, dtype=mx.int32)
         if self._idx:
             new_k[..., : self._idx, :] = self.keys[..., : self._idx, :]
             new_v[..., : self._idx, :] = self.values[..., : self._idx, :]
-            new_p[:, : self._idx] = self.pos[:, : self._idx]
-        self.keys, self.values, self.pos = new_k, new_v, new_p
+        if self._pos is not None:
+            new_p = mx.full((B, size), -1, dtype=mx.int32)
+            new_p[:, : self._idx] = self._pos[:, : self._idx]
+            self._pos = new_p
+        self.keys, self.values = new_k, new_v
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append a pass's ``(B, heads, n, D)`` keys and values at the shared index;
         returns every entry (`make_mask` says which each query sees)."""
         n = keys.shape[2]
-        new_pos = self._new_pos(n)
         self._grow(keys, values)
         end = self._idx + n
         self.keys[..., self._idx : end, :] = keys
         self.values[..., self._idx : end, :] = values
-        self.pos[:, self._idx : end] = new_pos
+        if self._pos is not None:
+            self._pos[:, self._idx : end] = self._new_pos(n)
         pads = [0] * self.batch_size if self._pad is None else self._pad.tolist()
         self.held = [h + n - p for h, p in zip(self.held, pads)]
-        self.offset = self.offset + n
+        self._set_offsets([o + n for o in self._off])
         self._idx, self._pad = end, None
         return self.keys[..., :end, :], self.values[..., :end, :]
 
@@ -135,7 +185,7 @@ class RaggedKVCache(_BaseCache):
             return create_causal_mask(N, self._idx) if return_array else "causal"
         if dense and N == 1 and self._idx + N <= window and not return_array:
             return None  # as `mlx_mtp.cache.WindowCache`
-        q = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]  # (B, N)
+        q = self._offsets()[:, None] + mx.arange(N, dtype=mx.int32)[None]  # (B, N)
         k = mx.concatenate([self.pos[:, : self._idx], self._new_pos(N)], axis=1)
         k, qq = k[:, None, :], q[:, :, None]  # (B, 1, T + N), (B, N, 1)
         mask = (k >= 0) & (k <= qq)
@@ -147,25 +197,35 @@ class RaggedKVCache(_BaseCache):
     def rewind_rows(self, drop: Sequence[int]) -> None:
         """Drop the last ``drop[b]`` entries of row b (written by the last pass)."""
         common = min(drop) if drop else 0
-        self._idx -= common
         rest = [d - common for d in drop]
-        self.offset = self.offset - mx.array(list(drop), dtype=mx.int32)
+        if any(rest):
+            self._store_pos()
+        self._idx -= common
+        self._set_offsets([o - d for o, d in zip(self._off, drop)])
         self.held = [h - d for h, d in zip(self.held, drop)]
         if any(rest):
             cols = mx.arange(self._idx)[None]
             hole = cols >= (self._idx - mx.array(rest, dtype=mx.int32))[:, None]
-            self.pos[:, : self._idx] = mx.where(hole, -1, self.pos[:, : self._idx])
+            self._pos[:, : self._idx] = mx.where(hole, -1, self._pos[:, : self._idx])
         self.compact_if_needed()
 
     def keep_below(self, limits: Sequence[int]) -> None:
         """Keep only row b's entries at positions < ``limits[b]`` (an MTP layer's
         cache falling back to its frontier); row b's next position is its limit."""
-        lim = mx.array(list(limits), dtype=mx.int32)
-        self.pos[:, : self._idx] = mx.where(
-            self.pos[:, : self._idx] >= lim[:, None], -1, self.pos[:, : self._idx]
-        )
-        self.offset = mx.minimum(self.offset, lim)
-        self.held = [min(h, x) for h, x in zip(self.held, limits)]
+        limits = list(limits)
+        cut = [max(o - x, 0) for o, x in zip(self._off, limits)]
+        if self._pos is None and len(set(cut)) <= 1:  # dense: a rewind of each row
+            common = min(cut[0] if cut else 0, self._idx)
+            self._idx -= common
+            self.held = [h - common for h in self.held]
+        else:
+            self._store_pos()
+            lim = mx.array(limits, dtype=mx.int32)
+            self._pos[:, : self._idx] = mx.where(
+                self._pos[:, : self._idx] >= lim[:, None], -1, self._pos[:, : self._idx]
+            )
+            self.held = [min(h, x) for h, x in zip(self.held, limits)]
+        self._set_offsets([min(o, x) for o, x in zip(self._off, limits)])
         self.compact_if_needed()
 
     def compact_if_needed(self) -> None:
@@ -181,7 +241,7 @@ class RaggedKVCache(_BaseCache):
         pos = self.pos[:, : self._idx]
         if self.window is not None:  # entries no later query sees (rollback: slack)
             pos = mx.where(
-                pos < self.offset[:, None] - self.window - COMPACT_SLACK, -1, pos
+                pos < self._offsets()[:, None] - self.window - COMPACT_SLACK, -1, pos
             )
         valid = pos >= 0
         order = mx.argsort(mx.where(valid, cols + self._idx, cols), axis=1)
@@ -194,31 +254,49 @@ class RaggedKVCache(_BaseCache):
         self.values = mx.take_along_axis(
             self.values[..., : self._idx, :], order[:, None, :, None], axis=2
         )
-        self.pos = mx.take_along_axis(pos, order, axis=1)
+        self._pos = mx.take_along_axis(pos, order, axis=1)
         self.held = counts.tolist()
         self._idx = width
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep ``rows``, in that order."""
-        idx = mx.array(list(rows), dtype=mx.int32)
+        rows = list(rows)
+        idx = mx.array(rows, dtype=mx.int32)
         if self.keys is not None:
             self.keys, self.values = self.keys[idx], self.values[idx]
-        self.pos, self.offset = self.pos[idx], self.offset[idx]
+        if self._pos is not None:
+            self._pos = self._pos[idx]
+        self._set_offsets([self._off[r] for r in rows])
         self.held = [self.held[r] for r in rows]
         self.compact_if_needed()
 
     def join(self, other: "RaggedKVCache") -> None:
         """Append ``other``'s rows (both right-aligned to the wider buffer)."""
+        dense = self._pos is None and other._pos is None
         if other.keys is None and self.keys is None:
-            self.pos = mx.concatenate([self.pos, other.pos])
+            if not dense:
+                self._pos = mx.concatenate([self.pos, other.pos])
+        elif (
+            dense
+            and self._idx == other._idx
+            and self.keys is not None
+            and other.keys is not None
+        ):
+            width = min(self.keys.shape[2], other.keys.shape[2])
+            self.keys = mx.concatenate(
+                [self.keys[..., :width, :], other.keys[..., :width, :]]
+            )
+            self.values = mx.concatenate(
+                [self.values[..., :width, :], other.values[..., :width, :]]
+            )
         else:
             width = max(self._idx, other._idx)
             parts = [self._aligned(width, other), other._aligned(width, self)]
-            self.keys, self.values, self.pos = (
+            self.keys, self.values, self._pos = (
                 mx.concatenate([p[i] for p in parts]) for i in range(3)
             )
             self._idx = width
-        self.offset = mx.concatenate([self.offset, other.offset])
+        self._set_offsets(self._off + other._off)
         self.held = self.held + other.held
 
     def _aligned(self, width: int, like: "RaggedKVCache"):
@@ -238,7 +316,10 @@ class RaggedKVCache(_BaseCache):
     def row_kv(self, b: int, below: Optional[int] = None):
         """Row b's visible entries (at positions < ``below``): ``(keys, values,
         positions)``, positions in order, keys and values ``(1, heads, n, D)``."""
-        pos = self.pos[b, : self._idx].tolist()
+        if self._pos is None:
+            pos = list(range(self._off[b] - self._idx, self._off[b]))
+        else:
+            pos = self._pos[b, : self._idx].tolist()
         below = float("inf") if below is None else below
         cols = [i for i, p in enumerate(pos) if 0 <= p < below]
         if not cols or self.keys is None:
@@ -259,15 +340,14 @@ class RaggedKVCache(_BaseCache):
 
     @property
     def state(self):
-        return [
-            a for a in (self.keys, self.values, self.pos, self.offset) if a is not None
-        ]
+        return [a for a in (self.keys, self.values, self._pos) if a is not None]
 
     @property
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes + self.pos.nbytes
+        held = self._pos.nbytes if self._pos is not None else 0
+        return self.keys.nbytes + self.values.nbytes + held
 
 
 class RaggedList(ListCache):

@@ -243,12 +243,21 @@ def expected_tokens(row, k: int) -> float:
     return total
 
 
+def _unseen(rows, asks: List[int], auto: List[bool]) -> bool:
+    """Whether an auto row asks for drafts and has never drafted: its first round
+    drafts, so that its own acceptance is measured (and its reply shows drafts)."""
+    return any(
+        free and a > 0 and r.stats.drafted == 0 for r, a, free in zip(rows, asks, auto)
+    )
+
+
 @dataclass
 class BatchLength:
     """The longest draft that pays for the batch, from its `BatchCosts` (see the
     module docstring); ``depth``: the MTP layers in use. With drafting off, every
     ``probe_every``-th round still lets the rows draft ``depth`` tokens, so that a
-    change of acceptance is noticed (as `AdaptiveLength` probes alone)."""
+    change of acceptance is noticed (as `AdaptiveLength` probes alone), and so does
+    the first round of a row that has not drafted yet (its acceptance unknown)."""
 
     costs: BatchCosts
     depth: int = 1
@@ -272,10 +281,11 @@ class BatchLength:
             return None
         options = [fixed] + [k for k in range(max(fixed + 1, self.depth), longest + 1)]
         best = max(options, key=lambda K: self.rate(rows, asks, auto, K))
-        if best == 0:  # a probe now and then, so that the rows' acceptance is seen
-            self.idle += 1
+        if best == 0 and not _unseen(rows, asks, auto):
+            self.idle += 1  # a probe now and then, so that acceptance is seen
             if self.idle < self.probe_every:
                 return 0
+        if best == 0:
             best = min(longest, max(self.depth, 1))
         self.idle = 0
         return None if best >= longest else best

@@ -223,7 +223,8 @@ def test_stored_batch_costs_are_checked():
 
 def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
     """At a batch size where a wider pass costs its share, auto rows are capped at
-    0 (batched plain); where verification is nearly free they draft."""
+    0 (batched plain) once each has drafted (a row's first round drafts, to measure
+    its acceptance); where verification is nearly free they draft."""
     model, tokenizer = loaded("qwen3_5", predictable=True)
     cheap = [1.0, 1.02, 1.04, 1.06, 1.08]
     costs = BatchCosts(
@@ -238,6 +239,9 @@ def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
             batch.join(batch.admit(i, tokenizer.encode("x y z"), opts))
             for i in range(B)
         ]
+        assert length.cap(rows, [3] * B, [True] * B) in (None, 1), B  # unseen rows
+        for r in rows:
+            r.stats.record(1, 1)
         cap = length.cap(rows, [3] * B, [True] * B)
         assert (cap is None or cap > 0) == expect_drafts, (B, cap)
 
