@@ -617,6 +617,7 @@ def _generate_file(model, decode, ignore_chat_template, batch: dict, options: di
     except pf.PromptsFileError as e:
         _fail(str(e), 2)
     _rank_vocabulary(mdl, tokenizer, options, 0)
+    _warm_batch_costs(mdl, min(batch["max_batch"], len(prompts)), options["verbose"])
     show = options["verbose"] and (batch["progress"] or sys.stderr.isatty())
     with pf.Progress(len(prompts), show=show) as progress:
         response = batch_generate(
@@ -635,6 +636,24 @@ def _generate_file(model, decode, ignore_chat_template, batch: dict, options: di
     pf.write(records, batch["output"])
     if options["verbose"]:
         click.echo(pf.summary(response), err=True)
+
+
+def _warm_batch_costs(model, rows: int, verbose: bool) -> None:
+    """Read, or time once (saying so), the batched rounds' costs of up to ``rows``
+    rows, before the progress bar starts (`mlx_mtp.batch.warm_batch_costs`)."""
+    from .batch import warm_batch_costs
+    from .batch_cache import batch_support
+
+    def say():
+        if verbose:
+            click.echo(
+                "timing the model's batched rounds (once for this model and "
+                "machine)...",
+                err=True,
+            )
+
+    if rows > 1 and batch_support(model) is None:
+        warm_batch_costs(model, rows, on_measure=say)
 
 
 def _file_prompt_ids(tokenizer, prompt, path, ignore_chat_template, options):

@@ -15,6 +15,13 @@ draft source they can be longer than k) over all its runs. Every run's tokens ar
 compared with mlx-lm's, prompt by prompt (greedy decoding is exact): the script says
 whether all were equal and exits with status 1 if any was not.
 
+Decoding alone (``decode``): the tokens/s after each side's first decoding step, to
+its last (so prefill is left out when every prompt starts at once: ``--prompts B``),
+as a ratio of mlx-mtp's to mlx-lm's. ``ideal``: the best such ratio the model's
+measured batch costs t(B, n) allow at B (`mlx_mtp.batch_costs`, over k = 1..5, or 1
+for plain), with the acceptance per position mlx-mtp measured; ``of ideal``: the
+ratio measured over that one.
+
 PATH: a model both load, e.g. one from make_synthetic_model.py (mlx-lm ignores the MTP
 tensors; its trunk emits tokens spread evenly over the vocabulary, so give it
 ``--draft-vocab full`` to measure the heads as built: "auto" may draft from fewer
@@ -65,27 +72,67 @@ def make_prompts(tokenizer, n: int):
 
 
 def run_lm(model, tokenizer, prompts, tokens: int, B: int):
-    """mlx-lm's batch_generate; returns (seconds, token ids per prompt)."""
-    from mlx_lm.generate import batch_generate
+    """mlx-lm's batch_generate, as that function drives its ``BatchGenerator``;
+    returns (seconds, token ids per prompt, `Decode` times)."""
+    from mlx_lm.generate import BatchGenerator
 
     tic = time.perf_counter()
-    r = batch_generate(
+    gen = BatchGenerator(
         model,
-        tokenizer,
-        prompts,
-        max_tokens=tokens,
-        return_token_ids=True,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
         completion_batch_size=B,
         prefill_batch_size=B,
     )
-    return time.perf_counter() - tic, r.token_ids
+    uids = gen.insert(prompts, [tokens] * len(prompts))
+    results = {uid: [] for uid in uids}
+    decode = Decode()
+    while responses := gen.next_generated():
+        decode.tick(len(responses))
+        for r in responses:
+            if r.finish_reason != "stop":
+                results[r.uid].append(r.token)
+    gen.close()
+    return time.perf_counter() - tic, [results[u] for u in uids], decode
+
+
+class Decode:
+    """Decoding alone: the tokens after the first step that gave any, over the time
+    from that step to the last (prefill excluded, for a batch that starts whole)."""
+
+    def __init__(self):
+        self.first = self.last = None
+        self.tokens = 0
+
+    def tick(self, tokens: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.tokens += tokens
+        self.last = now
+
+    @property
+    def rate(self) -> float:
+        span = (self.last or 0) - (self.first or 0)
+        return self.tokens / span if span > 0 else float("nan")
 
 
 def run_mtp(model, tokenizer, prompts, tokens: int, B: int, k, args):
     """mlx_mtp.batch_generate, greedy; returns (seconds, token ids, stats, the rows'
-    rounds per batch size, all rows together)."""
+    rounds per batch size, all rows together, `Decode` times)."""
     import mlx_mtp
 
+    decode, seen = Decode(), set()
+
+    def on_output(out):  # per row and round: the first round ends at a repeated row
+        if out.uid in seen and decode.first is None:
+            decode.first = calls[0]
+        decode.tokens += len(out.tokens) if decode.first is not None else 0
+        decode.last = time.perf_counter()
+        calls.append(decode.last)
+        seen.add(out.uid)
+
+    calls = []
     tic = time.perf_counter()
     r = mlx_mtp.batch_generate(
         model,
@@ -93,6 +140,7 @@ def run_mtp(model, tokenizer, prompts, tokens: int, B: int, k, args):
         prompts,
         max_tokens=tokens,
         max_batch=B,
+        on_output=on_output,
         num_draft_tokens=k,
         draft_source=args.draft_source,
         draft_vocab=args.draft_vocab,
@@ -106,28 +154,32 @@ def run_mtp(model, tokenizer, prompts, tokens: int, B: int, k, args):
     for per_prompt in r.batch_sizes:
         for b, n in per_prompt.items():
             sizes[b] = sizes.get(b, 0) + n
-    return seconds, r.token_ids, stats, sizes
+    return seconds, r.token_ids, stats, sizes, decode
 
 
 def bench_batch(lm, ours, prompts, args, B: int, mismatches: list) -> dict:
     """Every run at batch size ``B``; the medians and mlx-mtp's statistics."""
     runs = ["mlx-lm"] + [f"k={k}" for k in args.k]
     seconds = {name: [] for name in runs}
+    decoding = {name: [] for name in runs}  # tok/s after the first round
     stats, sizes, generated = {}, {}, {}
     for rep in range(args.reps):
         order = runs if rep % 2 == 0 else runs[::-1]
         results = {}
         for name in order:
             if name == "mlx-lm":
-                t, ids = run_lm(*lm, prompts, args.tokens, B)
+                t, ids, decode = run_lm(*lm, prompts, args.tokens, B)
             else:
                 k = _draft_length(name[2:])
-                t, ids, s, used = run_mtp(*ours, prompts, args.tokens, B, k, args)
+                t, ids, s, used, decode = run_mtp(
+                    *ours, prompts, args.tokens, B, k, args
+                )
                 stats[name] = stats[name] + s if name in stats else s
                 per_size = sizes.setdefault(name, {})
                 for b, n in used.items():
                     per_size[b] = per_size.get(b, 0) + n
             seconds[name].append(t)
+            decoding[name].append(decode.rate)
             results[name] = ids
             generated[name] = sum(len(x) for x in ids)
         for name in runs[1:]:
@@ -135,9 +187,11 @@ def bench_batch(lm, ours, prompts, args, B: int, mismatches: list) -> dict:
                 if list(a) != list(b):
                     mismatches.append((B, name, rep, i))
     rate = {n: generated[n] / statistics.median(seconds[n]) for n in runs}
+    dec = {n: statistics.median(decoding[n]) for n in runs}
     rows = []
     for name in runs[1:]:
         s = stats[name]
+        best_k, ideal = ideal_speedup(ours[0], B, s)
         rows.append(
             {
                 "B": B,
@@ -145,6 +199,12 @@ def bench_batch(lm, ours, prompts, args, B: int, mismatches: list) -> dict:
                 "mlx_lm_tok_s": rate["mlx-lm"],
                 "mlx_mtp_tok_s": rate[name],
                 "ratio": rate[name] / rate["mlx-lm"],
+                "mlx_lm_decode_tok_s": dec["mlx-lm"],
+                "mlx_mtp_decode_tok_s": dec[name],
+                "decode_ratio": dec[name] / dec["mlx-lm"],
+                "ideal_k": best_k,
+                "ideal_decode_ratio": ideal,
+                "of_ideal": dec[name] / dec["mlx-lm"] / ideal,
                 "acceptance": s.acceptance_rate,
                 "mean_draft_length": s.mean_draft_length,
                 "tokens_per_round": s.tokens_per_round,
@@ -155,17 +215,43 @@ def bench_batch(lm, ours, prompts, args, B: int, mismatches: list) -> dict:
     return rows
 
 
+def ideal_speedup(model, B: int, stats) -> tuple:
+    """The best decoding speedup over batched plain that the model's measured batch
+    costs allow at batch size B, with the acceptance measured (conditional per
+    position; a position never reached takes the last one measured): (k, ratio)."""
+    from mlx_mtp.batch import filled_batch
+    from mlx_mtp.batch_costs import model_batch_costs
+
+    costs = model_batch_costs(model, max(B, 1), filled_batch)
+    alphas, reached = [], stats.drafted_per_position[0] if stats.drafted else 0
+    for hits in stats.accepted_per_position:
+        if not reached:
+            break
+        alphas.append(hits / reached)
+        reached = hits
+    best = (0, 1.0)
+    for k in range(1, 6):
+        run, expected = 1.0, 1.0
+        for j in range(k):
+            run *= alphas[min(j, len(alphas) - 1)] if alphas else 0.0
+            expected += run
+        ratio = expected / costs.round(B, k) * costs.round(B, 0)
+        best = max(best, (k, ratio), key=lambda x: x[1])
+    return best
+
+
 HEADER = (
     f"{'B':>3} {'k':>5} {'mlx-lm tok/s':>13} {'mlx-mtp tok/s':>14} {'ratio':>6} "
-    f"{'accept':>7} {'draft len':>9}"
+    f"{'decode':>7} {'ideal':>6} {'of ideal':>8} {'accept':>7} {'draft len':>9}"
 )
 
 
 def format_row(r: dict) -> str:
     return (
         f"{r['B']:>3} {r['k']:>5} {r['mlx_lm_tok_s']:>13.1f} "
-        f"{r['mlx_mtp_tok_s']:>14.1f} {r['ratio']:>6.2f} {r['acceptance']:>7.2f} "
-        f"{r['mean_draft_length']:>9.2f}"
+        f"{r['mlx_mtp_tok_s']:>14.1f} {r['ratio']:>6.2f} {r['decode_ratio']:>7.2f} "
+        f"{r['ideal_decode_ratio']:>6.2f} {r['of_ideal']:>8.2f} "
+        f"{r['acceptance']:>7.2f} {r['mean_draft_length']:>9.2f}"
     )
 
 
