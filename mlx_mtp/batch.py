@@ -19,8 +19,10 @@ under sampling each row is exact speculative sampling). K is chosen per round fo
 whole batch (`mlx_mtp.draft_length.BatchLength`), 0 when drafting does not pay: then
 the round is batched plain decoding through the same loop.
 
-A stream is prefilled alone, in chunks (`Admission`), then joins between rounds; a
-finished or removed stream leaves between rounds (`Batch.remove`).
+A stream is prefilled in chunks (`Admission`), alone or with streams arriving with it
+whose prompts are about as long (`prefill_together`: one padded pass per chunk), then
+joins between rounds; a finished or removed stream leaves between rounds
+(`Batch.remove`).
 """
 
 import os
@@ -54,6 +56,7 @@ from .speculative import (
     Session,
     append,
     draft_lookup,
+    extend_mtp,
     prefill,
 )
 from .stats import MTPStats
@@ -171,6 +174,7 @@ class Admission:
                     f"the batch with {batch.depth}"
                 )
         session = session if session is not None else Session()
+        self.fresh = session.caches is None  # nothing prefilled: `prefill_together`
         session.caches = session.caches or make_caches(model)
         if plan.policy.max_k or plan.lookup_tokens:
             check_rollback(session.caches.trunk)
@@ -192,6 +196,7 @@ class Admission:
 
     def advance(self) -> None:
         """Run the trunk over the next chunk of the prompt."""
+        self.fresh = False
         chunk, self.todo = self.todo[: self.step], self.todo[self.step :]
         model, s, kv = self.batch.model, self.run.session, self.options.kv
         if s.state is None:
@@ -204,6 +209,76 @@ class Admission:
         run.stats = MTPStats(run.policy.max_k, run.drafting.lookup_tokens)
         run.seen = len(run.state.tokens) - 1
         return Row(self.uid, run, frozenset(eos))
+
+
+PAD_WASTE = 1.25  # prompts prefilled together: padded tokens over real ones, at most
+
+
+def prefill_groups(admissions: Sequence[Admission]) -> List[List[Admission]]:
+    """The fresh ``admissions`` in groups to prefill together (`prefill_together`):
+    longest prompt first, each group padded to its longest with at most
+    `PAD_WASTE` times its tokens; the others (going on from a session, or begun)
+    alone, in order."""
+    fresh = sorted(
+        (a for a in admissions if a.fresh), key=lambda a: len(a.todo), reverse=True
+    )
+    groups: List[List[Admission]] = []
+    for a in fresh:
+        g = groups[-1] if groups else None
+        if g and (len(g) + 1) * len(g[0].todo) <= PAD_WASTE * (
+            sum(len(x.todo) for x in g) + len(a.todo)
+        ):
+            g.append(a)
+        else:
+            groups.append([a])
+    return groups + [[a] for a in admissions if not a.fresh]
+
+
+def prefill_together(admissions: Sequence[Admission]) -> None:
+    """Prefill fresh admissions of one batch in one trunk pass per chunk: their
+    prompts left-padded to the longest, in one-off batch caches (padded entries
+    hidden, recurrent layers masked as mlx-lm's batched prefill masks them). Each is
+    then ready, its session as its own `Admission.advance` calls would leave it."""
+    alone = [a for a in admissions if not a.fresh or len(a.todo) < 2]
+    if len(admissions) - len(alone) < 2:
+        alone = admissions
+    for a in alone:  # a one-token prompt runs no trunk pass
+        while not a.ready:
+            a.advance()
+    admissions = [a for a in admissions if not a.ready]
+    if not admissions:
+        return
+    batch = admissions[0].batch
+    model, depth = batch.model, batch.depth
+    todos = [a.todo[:-1] for a in admissions]  # the last token is left pending
+    step = min(a.step for a in admissions)
+    group = to_batch(admissions[0].session.caches)
+    for i, a in enumerate(admissions[1:], 1):
+        group = batch_cache.join(group, to_batch(a.session.caches), [i, 1])
+    longest = max(map(len, todos))
+    padded = [[0] * (longest - len(t)) + t for t in todos]
+    hidden: List[list] = [[] for _ in admissions]
+    for start in range(0, longest, step):
+        width = min(step, longest - start)
+        pads = [min(max(longest - len(t) - start, 0), width) for t in todos]
+        ids = mx.array([p[start : start + width] for p in padded], dtype=mx.int32)
+        batch_cache.pad_pass(group.trunk, pads)
+        h = model.hidden(ids, group.trunk)  # (B, width, H)
+        batch_cache.pad_pass(group.trunk, None)
+        if depth:
+            for i, pad in enumerate(pads):
+                hidden[i].append(h[i : i + 1, pad:])
+        mx.eval([c.state for c in group.trunk], [x[-1:] for x in hidden if x])
+        mx.clear_cache()
+    for i, a in enumerate(admissions):
+        session = a.run.session
+        session.caches = batch_cache.to_single(group, i, make_caches(model))
+        session.state = DecodeState(list(a.todo), None, 0, depth)
+        if depth:
+            rows = hidden[i] or [mx.zeros((1, 0, model.args.hidden_size))]
+            session.state.hidden = mx.concatenate(rows, axis=1)
+            extend_mtp(model, session.caches.mtp, session.state, step)
+        a.todo, a.fresh = [], False
 
 
 class Batch:
@@ -753,9 +828,14 @@ def run_batch(
     batch = Batch(model, widest, eos, max_batch=min(max_batch, len(prompts)))
     waiting = list(range(len(prompts)))
     while waiting or len(batch):
-        while waiting and len(batch) < max_batch:
+        new = []  # prompts arriving together are prefilled together
+        while waiting and len(batch) + len(new) < max_batch:
             i = waiting.pop(0)
-            batch.join(batch.admit(i, prompts[i], options[i]))
+            new.append(batch.admit(i, prompts[i], options[i]))
+        for group in prefill_groups(new):
+            prefill_together(group)
+        for admission in new:
+            batch.join(admission)
         yield from batch.step()
 
 

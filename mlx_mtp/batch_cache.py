@@ -404,6 +404,20 @@ def batch_support(model) -> Optional[str]:
     return None
 
 
+def pad_pass(caches: List[Any], padding: Optional[Sequence[int]]) -> None:
+    """Left-pad the next pass over trunk ``caches`` (row b's first ``padding[b]``
+    inputs are filler: hidden from attention, masked in recurrent layers as in
+    mlx-lm's batched prefill); None: after the pass, no padding."""
+    for c in caches:
+        if isinstance(c, RAGGED):
+            if padding is not None:
+                c.pad(padding)
+        elif padding is not None and any(padding):
+            c.left_padding = mx.array(list(padding), dtype=mx.int32)
+        else:
+            c.left_padding = c.lengths = None
+
+
 def to_batch(caches: Caches) -> Caches:
     """One stream's caches (filled by the single-stream prefill) as one-row batch
     caches."""

@@ -70,7 +70,15 @@ from mlx_lm import server as lm_server
 from mlx_lm.generate import generation_stream, wired_limit
 
 from . import draft_vocab
-from .batch import Admission, Batch, Row, RowOutput, warm_batch_costs
+from .batch import (
+    Admission,
+    Batch,
+    Row,
+    RowOutput,
+    prefill_groups,
+    prefill_together,
+    warm_batch_costs,
+)
 from .batch_cache import COMPACT_SLACK, batch_support
 from .cache import ListCache, RecurrentCache, WindowCache, make_caches
 from .defaults import DEFAULT_MAX_BATCH, MAX_DRAFT_TOKENS, SERVER_MAX_TOKENS
@@ -632,12 +640,13 @@ class _Scheduler:
     prefilled alone (`Admission`), going on from the session of its conversation if
     `Sessions` keeps one: while rows decode, one chunk of prompt
     (``prefill_step_size`` tokens) per round at most, shared by prompts shorter than
-    that; all at once while none does. Prefilled, it joins the `Batch` between
-    rounds, and its reply starts. A round's tokens of a row go through the row's own
-    detokenizer and stop sequences to its reply, as `MTPResponseGenerator._decode`
-    does alone. A row leaves the batch when it is done, its stop sequence matched,
-    its client went away or it failed; its caches then go to `Sessions` (not after a
-    failure)."""
+    that; all at once while none does. Requests taken together whose prompts are
+    about as long are prefilled together, in one padded pass (`prefill_groups`).
+    Prefilled, it joins the `Batch` between rounds, and its reply starts. A round's
+    tokens of a row go through the row's own detokenizer and stop sequences to its
+    reply, as `MTPResponseGenerator._decode` does alone. A row leaves the batch when
+    it is done, its stop sequence matched, its client went away or it failed; its
+    caches then go to `Sessions` (not after a failure)."""
 
     def __init__(self, generator: "MTPResponseGenerator"):
         self.gen = generator
@@ -716,13 +725,43 @@ class _Scheduler:
     def _admit(self) -> None:
         while self.waiting and self._fits(self.waiting[0]):
             self._start(self.waiting.popleft())
-        done = 0  # prompt tokens prefilled this round
+        done = self._prefill_together()  # prompt tokens prefilled this round
         for s in list(self.admitting):
             if self.rows and done >= self.chunk:
                 break
             done += self._prefill(s, self.chunk - done if self.rows else None)
             if s.admission is not None and s.admission.ready:
                 self._join(s)
+
+    def _prefill_together(self) -> int:
+        """Prefill the fresh admissions (not begun, no session) in groups
+        (`prefill_groups`: prompts of about the same length, in one padded pass per
+        chunk), those that fit in this round's chunk of prompt while rows decode,
+        and join them; returns the prompt tokens that ran. A failure is the
+        group's only."""
+        by_admission = {id(s.admission): s for s in self.admitting}
+        fresh = [s.admission for s in self.admitting if s.admission.fresh]
+        done = 0
+        for group in prefill_groups(fresh) if len(fresh) > 1 else []:
+            tokens = sum(len(a.todo) for a in group)
+            if len(group) < 2 or self.gen._stop:
+                continue
+            if self.rows and done + tokens > self.chunk:
+                continue
+            streams = [by_admission[id(a)] for a in group]
+            try:
+                prefill_together(group)
+            except Exception as e:
+                for s in streams:
+                    self.admitting.remove(s)
+                    s.admission = None
+                    _fail(s.responses, e)
+                continue
+            done += tokens
+            for s in streams:
+                s.left = 0
+                self._join(s)
+        return done
 
     def _prefill(self, s: _Stream, room: Optional[int]) -> int:
         """Prefill ``s`` a chunk at a time while fewer than ``room`` prompt tokens

@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 import mlx_mtp.batch as batch_module
 import mlx_mtp.batch_cache as batch_cache
 from mlx_mtp import batch_generate, generate
-from mlx_mtp.batch import Batch, run_batch
+from mlx_mtp.batch import Batch, prefill_groups, prefill_together, run_batch
 from mlx_mtp.batch_cache import RaggedKVCache, batch_support
 from mlx_mtp.batch_costs import BatchCosts, BatchLength, parse_batch_costs
 from mlx_mtp.errors import MTPError
@@ -35,17 +35,20 @@ def alone(model, ids, options):
     return [o.token for o in mtp_generate_step(ids, model, options)]
 
 
-def drive(batch, joins, removals=()):
+def drive(batch, joins, removals=(), together=False):
     """Step ``batch`` until it is empty: ``joins`` maps a round number to the
-    (uid, ids, options) that join before it, ``removals`` a round number to uids
-    removed before it. Returns the tokens per uid and the per-round accepted counts
-    of every row."""
+    (uid, ids, options) that join before it (``together``: prefilled together,
+    `prefill_together`), ``removals`` a round number to uids removed before it.
+    Returns the tokens per uid and the per-round accepted counts of every row."""
     out, accepted, rnd = {}, [], 0
     joins, removals = dict(joins), dict(removals)
     while len(batch) or any(r >= rnd for r in joins):
-        for uid, ids, opts in joins.pop(rnd, ()):
-            batch.join(batch.admit(uid, ids, opts))
-            out.setdefault(uid, [])
+        new = [batch.admit(uid, ids, opts) for uid, ids, opts in joins.pop(rnd, ())]
+        if together and new:
+            prefill_together(new)
+        for admission in new:
+            batch.join(admission)
+            out.setdefault(admission.uid, [])
         batch.remove(removals.pop(rnd, ()))
         outputs = batch.step()
         accepted.append({o.uid: sum(o.from_draft) for o in outputs})
@@ -285,3 +288,86 @@ def test_a_short_draft_in_a_deeper_batch_still_drafts(loaded):
     for row, p, o in zip(rows, ids, opts):
         assert out[row.uid] == plain(model, p, 16) == alone(model, p, o)
         assert row.stats.drafted > 0
+
+
+def _cache_arrays(caches):
+    """Every array a session's caches hold, in order (K/V up to the offset)."""
+    out = []
+    for c in caches.trunk + caches.mtp:
+        for part in getattr(c, "caches", [c]):
+            if hasattr(part, "keys"):
+                if part.keys is not None:
+                    n = part.offset
+                    out += [part.keys[..., :n, :], part.values[..., :n, :]]
+            else:
+                out += [x for x in part.cache if x is not None]
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "step3p5"])
+def test_prompts_prefilled_together_decode_as_alone(family, loaded):
+    """Prompts of different lengths (one of a single token) prefilled in one padded
+    pass per chunk: each session holds what its own prefill gives (padding hidden
+    from attention, masked in the recurrent layers; chunks narrower than the
+    padding), and each row then decodes as plain greedy decoding."""
+    model, tokenizer = loaded(family, predictable=True)
+    opts = HEADS.replace(num_draft_tokens=2, prefill_step_size=4)
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    batch = Batch(model, opts)
+    together = [batch.admit(i, p, opts) for i, p in enumerate(ids)]
+    alone_ = [batch.admit(i, p, opts) for i, p in enumerate(ids)]
+    prefill_together(together)
+    for a, b in zip(together, alone_):
+        while not b.ready:
+            b.advance()
+        assert a.ready and not a.fresh
+        x, y = a.session.state, b.session.state
+        assert x.tokens == y.tokens and x.frontier == y.frontier
+        assert mx.allclose(x.hidden, y.hidden, atol=1e-5)
+        got, want = _cache_arrays(a.session.caches), _cache_arrays(b.session.caches)
+        assert len(got) == len(want) and (got or len(x.tokens) == 1)
+        assert all(g.shape == w.shape for g, w in zip(got, want))
+        assert all(mx.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
+    lengths = [12, 7, 10, 9]
+    joins = {
+        0: [
+            (i, p, opts.replace(max_tokens=n))
+            for i, (p, n) in enumerate(zip(ids, lengths))
+        ]
+    }
+    out, _ = drive(Batch(model, opts), joins, together=True)
+    for i, (p, n) in enumerate(zip(ids, lengths)):
+        assert out[i] == plain(model, p, n), (family, i)
+
+
+def test_prefill_groups_bound_the_padding():
+    """Fresh admissions group longest first while padding stays within PAD_WASTE
+    of their tokens; an admission already begun is prefilled alone."""
+    from types import SimpleNamespace
+
+    def adm(n, fresh=True):
+        return SimpleNamespace(todo=[0] * n, fresh=fresh)
+
+    a = [adm(10), adm(50), adm(1), adm(48), adm(9), adm(30, fresh=False)]
+    groups = [[len(x.todo) for x in g] for g in prefill_groups(a)]
+    assert groups == [[50, 48], [10, 9], [1], [30]]
+
+
+def test_a_dense_ragged_cache_keeps_its_bookkeeping_on_the_host():
+    """One stream's cache (no hole, no padding) stores no positions and gives an int
+    offset, as mlx-lm's KVCache does, through passes and uniform rollbacks; a
+    ragged rollback stores them, and the mask is then the same as computed."""
+    kv = mx.ones((1, 2, 3, 4))
+    c = RaggedKVCache.from_kv(kv, kv, range(3))
+    assert c.offset == 3 and c._pos is None
+    c.update_and_fetch(mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))
+    c.rewind_rows([1])
+    c.keep_below([3])
+    assert c.offset == 3 and c._pos is None and c.held == [3]
+    assert c.make_mask(1) is None and c.make_mask(2) == "causal"
+    c.join(RaggedKVCache.from_kv(kv[..., :1, :], kv[..., :1, :], range(1)))
+    assert c._pos is not None and c.offset.tolist() == [3, 1]
+    assert c.pos[:, : c._idx].tolist() == [[0, 1, 2], [-1, -1, 0]]
+    c.update_and_fetch(mx.ones((2, 2, 2, 4)), mx.ones((2, 2, 2, 4)))
+    c.rewind_rows([1, 2])
+    assert c.pos[:, : c._idx].tolist() == [[0, 1, 2, 3], [-1, -1, 0, -1]]

@@ -1,6 +1,7 @@
 """Batched greedy decoding over every fixture family that batches: each row equals
 plain greedy decoding token for token, rows joining at different rounds, at k = 1, 3
-and auto (families that cannot batch decode one at a time, as `run_batch` says)."""
+and auto, and prompts prefilled together (families that cannot batch decode one at
+a time, as `run_batch` says)."""
 
 import pytest
 
@@ -28,6 +29,28 @@ def test_every_family_batches_exactly(family, k, loaded):
     out, _ = drive(Batch(model, opts), joins)
     for i, (p, n) in enumerate(zip(ids, lengths)):
         assert out[i] == plain(model, p, n), (family, k, i)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_prefills_together_exactly(family, loaded):
+    """Prompts of different lengths prefilled in one padded pass
+    (`prefill_together`), on every family that batches: each row then decodes as
+    plain greedy decoding."""
+    model, tokenizer = loaded(family, predictable=True)
+    if batch_support(model) is not None:
+        pytest.skip(batch_support(model))
+    opts = HEADS.replace(num_draft_tokens=2, prefill_step_size=5)
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    lengths = [14, 9, 12, 10]
+    joins = {
+        0: [
+            (i, p, opts.replace(max_tokens=n))
+            for i, (p, n) in enumerate(zip(ids, lengths))
+        ]
+    }
+    out, _ = drive(Batch(model, opts), joins, together=True)
+    for i, (p, n) in enumerate(zip(ids, lengths)):
+        assert out[i] == plain(model, p, n), (family, i)
 
 
 @pytest.mark.parametrize("kind", ["e2b", "dense"])

@@ -17,6 +17,7 @@ import pytest
 
 from mlx_mtp import generate as mtp_generate
 from mlx_mtp import server as server_module
+from mlx_mtp.batch import prefill_together
 from mlx_mtp.errors import MTPError
 from mlx_mtp.server import Server, server_args
 
@@ -98,11 +99,20 @@ def ask(server, i, **extra):
 
 def test_four_requests_at_once_each_equal_its_lone_reply(served, local, monkeypatch):
     """Greedy: each of 4 concurrent replies equals its lone reply and `generate`'s,
-    drafts in every ``mtp`` block; they ran together (batch size 4)."""
+    drafts in every ``mtp`` block; they ran together (batch size 4), their prompts
+    prefilled in groups of about the same length."""
     model, tokenizer = local
     alone = [ask(served, i) for i in range(4)]
+    groups = []
+
+    def spy(admissions):
+        groups.append(len(admissions))
+        return prefill_together(admissions)
+
+    monkeypatch.setattr(server_module, "prefill_together", spy)
     gathered(served.generator, 4, monkeypatch)
     together = at_once(lambda i: ask(served, i), 4)
+    assert groups and max(groups) >= 2, groups
     for i in range(4):
         want = mtp_generate(model, tokenizer, PROMPTS[i], max_tokens=LENGTHS[i])
         assert alone[i].choices[0].text == want
