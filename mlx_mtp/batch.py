@@ -625,7 +625,8 @@ def warm_batch_costs(model, max_batch: int = DEFAULT_MAX_BATCH, on_measure=None)
 def filled_batch(model, rows: int, context: int) -> "Batch":
     """A batch of ``rows`` streams of ``context`` tokens each (to time its passes:
     `mlx_mtp.batch_costs.measure_batch_costs`)."""
-    opts = DecodeOptions(num_draft_tokens=1 if model.num_mtp_layers else 0)
+    k = 1 if model.num_mtp_layers else 0
+    opts = DecodeOptions(num_draft_tokens=k, draft_source="heads")
     batch = Batch(model, opts)
     V = model.args.vocab_size
     for b in range(rows):

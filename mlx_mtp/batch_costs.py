@@ -27,6 +27,7 @@ from .defaults import DEFAULT_MAX_DRAFT_TOKENS
 from .draft_length import (
     MAX_COST,
     AdaptiveLength,
+    FixedLength,
     _cost_key,
     _write_atomically,
     median_time,
@@ -36,6 +37,9 @@ from .files import read_json
 from .paths import home
 
 VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
+MAX_PROBE_INTERVAL = 256  # rounds between probes, at most, while drafting is off
+DRAFT_FLOOR = 0.02  # a draft costs at least this share of a plain round
+VERSION = "rounds-2"  # how the costs are measured (older entries are measured anew)
 MAX_GRID = 16  # batch sizes one stored entry may hold
 
 
@@ -100,17 +104,40 @@ def grid(max_batch: int) -> List[int]:
 def measure_batch_costs(
     model, sizes: Sequence[int], filled, reps: int = 5, context: int = 64
 ) -> BatchCosts:
-    """`BatchCosts` for ``sizes``, timed as the batched loop runs its passes (ragged
-    caches, rollback marks, a pass, its rewind) on ``filled(model, B, context)``, a
-    `mlx_mtp.batch.Batch` of B rows of ``context`` tokens."""
+    """`BatchCosts` for ``sizes``, timed on ``filled(model, B, context)``, a
+    `mlx_mtp.batch.Batch` of B rows of ``context`` tokens drafting one token each,
+    from the heads. A plain round (``verify[B][0]``) and a round drafting one token
+    are timed whole, as the loop runs them (`Batch.step`: drafts, verify, accept,
+    commit; plain rounds launched ahead, no states recorded); wider verify passes
+    as a round runs them (rollback marks, the pass, its rewind). ``draft[B]`` is
+    all that the round drafting one token costs beyond its verify pass (the draft
+    step, sampling, acceptance, rollback, the MTP caches' upkeep), counted for
+    every draft of a longer round, which errs towards drafting less."""
     times, drafts = {}, {}
     for B in sizes:
         batch = filled(model, B, context)
-        times[B] = [_time_verify(batch, n, reps) for n in range(1, VERIFY_WIDTHS + 1)]
-        drafts[B] = _time_draft(batch, reps) if model.num_mtp_layers else 0.0
+        wide = [_time_verify(batch, n, reps) for n in range(2, VERIFY_WIDTHS + 1)]
+        plain = _time_rounds(batch, 0, reps)
+        times[B] = [plain] + wide
+        if model.num_mtp_layers:
+            one = _time_rounds(batch, 1, reps)
+            drafts[B] = max(one - max(wide[0], plain), DRAFT_FLOOR * plain)
+        else:
+            drafts[B] = 0.0
     if sizes[0] != 1:
         raise MTPError("batch costs are measured from a batch of one row")
     return BatchCosts(_monotone(times), {B: d / times[1][0] for B, d in drafts.items()})
+
+
+def _time_rounds(batch, k: int, reps: int) -> float:
+    """The median time of one `Batch.step` with every row drafting ``k`` tokens
+    (after two rounds that settle what was planned before); the batch keeps a
+    launched round afterwards."""
+    for row in batch.rows:
+        row.run.policy = FixedLength(k)
+    batch.step()
+    batch.step()
+    return median_time(batch.step, reps)
 
 
 def _monotone(times: Dict[int, List[float]]) -> Dict[int, List[float]]:
@@ -193,6 +220,7 @@ def model_batch_costs(model, max_batch: int, filled, on_measure=None) -> BatchCo
     if costs is not None and set(sizes) <= set(costs.sizes):
         return costs
     key = _cost_key(model)
+    key = f"{VERSION}:{key}" if key else key
     table = _stored()
     stored = parse_batch_costs(table.get(key)) if key else None
     if stored is None or not set(sizes) <= set(stored.sizes):
@@ -257,12 +285,16 @@ class BatchLength:
     module docstring); ``depth``: the MTP layers in use. With drafting off, every
     ``probe_every``-th round still lets the rows draft ``depth`` tokens, so that a
     change of acceptance is noticed (as `AdaptiveLength` probes alone), and so does
-    the first round of a row that has not drafted yet (its acceptance unknown)."""
+    the first round of a row that has not drafted yet (its acceptance unknown). The
+    interval doubles after each probe while drafting still does not pay (up to
+    `MAX_PROBE_INTERVAL` rounds: a probe costs a drafting round where one does not
+    pay), and is ``probe_every`` again once it pays."""
 
     costs: BatchCosts
     depth: int = 1
-    probe_every: int = 16  # with drafting off, let the rows draft this often
+    probe_every: int = 16  # with drafting off, let the rows draft this often at first
     idle: int = 0  # rounds since drafting was last let through
+    interval: int = 0  # the rounds between probes now (0: ``probe_every``)
 
     def rate(self, rows, asks: List[int], auto: List[bool], K: int) -> float:
         """Expected tokens of all rows per unit of cost with drafts capped at K."""
@@ -281,10 +313,14 @@ class BatchLength:
             return None
         options = [fixed] + [k for k in range(max(fixed + 1, self.depth), longest + 1)]
         best = max(options, key=lambda K: self.rate(rows, asks, auto, K))
+        interval = self.interval or self.probe_every
         if best == 0 and not _unseen(rows, asks, auto):
             self.idle += 1  # a probe now and then, so that acceptance is seen
-            if self.idle < self.probe_every:
+            if self.idle < interval:
                 return 0
+            self.interval = min(2 * interval, MAX_PROBE_INTERVAL)  # none paid
+        elif best > 0:
+            self.interval = 0
         if best == 0:
             best = min(longest, max(self.depth, 1))
         self.idle = 0

@@ -305,7 +305,10 @@ def main():
         "model's batch costs, once per model and machine)",
         flush=True,
     )
-    for k in args.k:  # compilation, costs, draft-length tables
+    from mlx_mtp.batch import warm_batch_costs
+
+    warm_batch_costs(ours[0], max(args.batch))  # every size a run reaches
+    for k in args.k:  # compilation, draft-length tables
         run_mtp(*ours, prompts[:2], 8, max(args.batch), k, args)
     run_lm(*lm, prompts[:2], 8, max(args.batch))
     print(HEADER, flush=True)

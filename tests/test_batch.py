@@ -3,6 +3,8 @@ its own single-stream decoding (and mlx-lm's), whatever else is in the batch and
 whenever it joined or the others left; each row's caches roll back on their own;
 sampled rows are exact, and a seeded row gives its lone text."""
 
+import json
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -247,6 +249,8 @@ def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
             r.stats.record(1, 1)
         cap = length.cap(rows, [3] * B, [True] * B)
         assert (cap is None or cap > 0) == expect_drafts, (B, cap)
+    probes = [i for i in range(200) if length.cap(rows, [3] * B, [True] * B)]
+    assert probes == [14, 46, 110], probes  # every 16, 32, 64 rounds: none paid
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -371,3 +375,26 @@ def test_a_dense_ragged_cache_keeps_its_bookkeeping_on_the_host():
     c.update_and_fetch(mx.ones((2, 2, 2, 4)), mx.ones((2, 2, 2, 4)))
     c.rewind_rows([1, 2])
     assert c.pos[:, : c._idx].tolist() == [[0, 1, 2, 3], [-1, -1, 0, -1]]
+
+
+def test_batch_costs_time_whole_rounds_as_the_loop_runs_them(loaded, monkeypatch):
+    """The plain round and the round drafting one token are timed whole, through
+    `Batch.step` (drafts, verify, accept, commit), on every batch size measured;
+    the costs are then well formed."""
+    from mlx_mtp.batch import filled_batch
+    from mlx_mtp.batch_costs import measure_batch_costs
+
+    model, _ = loaded("qwen3_5", predictable=True)
+    ks, real = [], Batch.step
+
+    def step(self):
+        ks.append((len(self.rows), sorted({r.run.policy.next() for r in self.rows})))
+        return real(self)
+
+    monkeypatch.setattr(Batch, "step", step)
+    costs = measure_batch_costs(model, [1, 2], filled_batch, reps=1, context=8)
+    for B in (1, 2):
+        assert ks.count((B, [0])) >= 3 and ks.count((B, [1])) >= 3, ks
+    entry = {"verify": costs.verify, "draft": costs.draft}
+    assert parse_batch_costs(json.loads(json.dumps(entry))) is not None
+    assert costs.verify[1][0] == 1 and all(d > 0 for d in costs.draft.values())
