@@ -1157,7 +1157,8 @@ def train_heads(model, data, mlx_path, **options):
     "--prompt-cache-bytes",
     type=click.IntRange(min=1),
     default=None,
-    help="Bound the kept conversations' cache memory [no bound].",
+    help="Bound the kept conversations' cache memory [a quarter of the memory the "
+    "weights leave].",
 )
 @click.option(
     "--max-batch",

@@ -585,8 +585,9 @@ def device_memory() -> int:
 
 def default_budget(model) -> int:
     """The cache memory of the batch unless ``batch_cache_bytes`` says: half of what
-    `device_memory` leaves after the weights (the other half for the copy of the
-    caches a join makes, the kept conversations and the rounds' activations)."""
+    `device_memory` leaves after the weights (the other half for the kept
+    conversations, half of it unless ``prompt_cache_bytes`` says, the copy of the
+    caches a join makes and the rounds' activations)."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return max(0, (device_memory() - weights) // 2)
 
@@ -1901,7 +1902,10 @@ class Server:
         self.httpd.context = getattr(
             provider.model.args, "max_position_embeddings", None
         )
-        sessions = Sessions(args.prompt_cache_size, args.prompt_cache_bytes)
+        kept = args.prompt_cache_bytes
+        if kept is None:  # a quarter of what the weights leave (`default_budget`)
+            kept = default_budget(provider.model) // 2
+        sessions = Sessions(args.prompt_cache_size, kept)
         self.generator = MTPResponseGenerator(provider, sessions)
         self.port = self.httpd.server_address[1]
         self._thread = None

@@ -256,6 +256,8 @@ def test_max_batch_and_the_cache_memory_bound_the_rows(model_path, local):
     positions = len(tokenizer.encode(PROMPTS[3])) + LENGTHS[3]
     for options in ({"max_batch": 1}, {"batch_cache_bytes": cost.bytes([positions])}):
         server = Server(server_args(model=model_path, port=0, **options)).start()
+        kept = server.generator.sessions.max_bytes  # the kept conversations: bounded
+        assert kept == server_module.default_budget(model) // 2 > 0
         try:
             replies = at_once(lambda i: ask(server, i), 4)
             if "batch_cache_bytes" in options:
