@@ -258,6 +258,12 @@ def format_row(r: dict) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
+    p.add_argument(
+        "--lm-model",
+        default=None,
+        help="the folder mlx-lm loads (default --model): the same trunk without the "
+        "MTP tensors, for a layout whose sanitize keeps them",
+    )
     p.add_argument("--prompts", type=int, default=8, help="prompts per run")
     p.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -296,7 +302,7 @@ def main():
 
     print(f"BLAS: {blas}; device {mx.default_device()}; model {args.model}", flush=True)
     ours = mlx_mtp.load(args.model)
-    lm = mlx_lm.load(args.model)
+    lm = mlx_lm.load(args.lm_model or args.model)
     prompts = make_prompts(ours[1], args.prompts)
     print(
         f"{args.prompts} prompts of {min(map(len, prompts))}-"

@@ -26,7 +26,8 @@ The script starts both servers (each its own process, on a free port) and measur
    together), and whether the first token came within the prefill plus two rounds.
 
 PATH: a model both load, e.g. an MLX conversion with heads from
-make_synthetic_model.py (mlx-lm ignores the MTP tensors). ``--max-batch`` is passed to
+make_synthetic_model.py (mlx-lm ignores the MTP tensors of the Qwen3.5 layout; for
+the llama layout give ``--lm-model`` the trunk alone: scripts/strip_mtp.py). ``--max-batch`` is passed to
 mlx-mtp serve (its rows at most); without it the server's default applies;
 ``--serve-args`` adds options of its own (on the synthetic models, ``--draft-vocab
 full`` measures the heads as built). On Linux CPUs it first switches MLX's float32
@@ -212,9 +213,11 @@ def wait(port: int, proc, log: Path, timeout: float = 1800) -> None:
     first); exit with its log's tail if it stops."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-            raise SystemExit(f"server on port {port} exited:\n" + "\n".join(tail))
+        text = log.read_text(errors="replace")
+        if proc.poll() is not None or "generation thread died" in text:
+            proc.kill()  # mlx_lm.server answers 503 for ever once its thread died
+            tail = [x for x in text.splitlines() if "GET /health" not in x][-8:]
+            raise SystemExit(f"server on port {port} failed:\n" + "\n".join(tail))
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
@@ -267,7 +270,7 @@ def servers(args, logs: Path):
             raise SystemExit("this mlx-mtp serve has no --max-batch option")
         ours += ["--max-batch", str(args.max_batch)]
     ours += shlex.split(args.serve_args)
-    lm = [sys.executable, "-m", "mlx_lm.server", "--model", args.model]
+    lm = [sys.executable, "-m", "mlx_lm.server", "--model", args.lm_model or args.model]
     return {
         "mlx-mtp": start("mlx-mtp", ours, logs),
         "mlx-lm": start("mlx-lm", lm, logs),
@@ -339,6 +342,12 @@ def by_clients(ports: dict, args) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
+    p.add_argument(
+        "--lm-model",
+        default=None,
+        help="the folder mlx_lm.server loads (default --model): the same trunk "
+        "without the MTP tensors, for a layout whose sanitize keeps them",
+    )
     p.add_argument("--tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--requests", type=int, default=2, help="requests per client")
     p.add_argument("--reps", type=int, default=3)
