@@ -27,8 +27,9 @@ The script starts both servers (each its own process, on a free port) and measur
 
 PATH: a model both load, e.g. an MLX conversion with heads from
 make_synthetic_model.py (mlx-lm ignores the MTP tensors of the Qwen3.5 layout; for
-the llama layout give ``--lm-model`` the trunk alone: scripts/strip_mtp.py). ``--max-batch`` is passed to
-mlx-mtp serve (its rows at most); without it the server's default applies;
+the llama layout give ``--lm-model`` the trunk alone: scripts/strip_mtp.py).
+``--max-batch`` is passed to mlx-mtp serve (its rows at most); without it the
+server's default applies;
 ``--serve-args`` adds options of its own (on the synthetic models, ``--draft-vocab
 full`` measures the heads as built). On Linux CPUs it first switches MLX's float32
 matmuls to OpenBLAS with one thread (fast_blas.py), for this process and both servers.
