@@ -8,8 +8,9 @@ from mlx_mtp.loading import load, load_model
 from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 
 # The slowest modules (the exactness sweeps over every family, conversions, several
-# ranks): behind the ``slow`` marker, so that ``python -m pytest`` stays a few minutes;
-# ``python -m pytest -m slow`` runs them, and CI (.ci/run) runs both.
+# ranks, full-disk and interrupted writes): behind the ``slow`` marker, so that
+# ``python -m pytest`` stays a few minutes; ``python -m pytest -m slow`` runs them,
+# and CI (.ci/run) runs both.
 SLOW_MODULES = {
     "test_batch_greedy",
     "test_batch_sampling",
@@ -18,6 +19,7 @@ SLOW_MODULES = {
     "test_draft_vocab",
     "test_gemma4",
     "test_greedy",
+    "test_safety",
     "test_lookup",
     "test_sampling",
     "test_window",

@@ -332,7 +332,12 @@ def test_prompts_prefilled_together_decode_as_alone(family, loaded):
         assert len(got) == len(want) and (got or len(x.tokens) == 1)
         assert all(g.shape == w.shape for g, w in zip(got, want))
         assert all(mx.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
-    lengths = [12, 7, 10, 9]
+    assert_together_exact(model, ids, opts, [12, 7, 10, 9])
+
+
+def assert_together_exact(model, ids, opts, lengths):
+    """Prompts ``ids`` joining at once, prefilled together, prompt i decoding
+    ``lengths[i]`` tokens: each equals plain greedy decoding."""
     joins = {
         0: [
             (i, p, opts.replace(max_tokens=n))
@@ -341,7 +346,7 @@ def test_prompts_prefilled_together_decode_as_alone(family, loaded):
     }
     out, _ = drive(Batch(model, opts), joins, together=True)
     for i, (p, n) in enumerate(zip(ids, lengths)):
-        assert out[i] == plain(model, p, n), (family, i)
+        assert out[i] == plain(model, p, n), i
 
 
 def test_prefill_groups_bound_the_padding():

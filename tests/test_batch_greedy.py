@@ -10,7 +10,7 @@ from mlx_mtp.batch_cache import batch_support
 from mlx_mtp.options import DecodeOptions
 from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import FAMILIES
-from tests.test_batch import PROMPTS, drive, plain
+from tests.test_batch import PROMPTS, assert_together_exact, drive, plain
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -41,16 +41,7 @@ def test_every_family_prefills_together_exactly(family, loaded):
         pytest.skip(batch_support(model))
     opts = HEADS.replace(num_draft_tokens=2, prefill_step_size=5)
     ids = [tokenizer.encode(p) for p in PROMPTS]
-    lengths = [14, 9, 12, 10]
-    joins = {
-        0: [
-            (i, p, opts.replace(max_tokens=n))
-            for i, (p, n) in enumerate(zip(ids, lengths))
-        ]
-    }
-    out, _ = drive(Batch(model, opts), joins, together=True)
-    for i, (p, n) in enumerate(zip(ids, lengths)):
-        assert out[i] == plain(model, p, n), (family, i)
+    assert_together_exact(model, ids, opts, [14, 9, 12, 10])
 
 
 @pytest.mark.parametrize("kind", ["e2b", "dense"])
