@@ -16,7 +16,8 @@ signal.signal(signal.SIGINT, _interrupted)
 
 
 def run():
+    from .cli import on_sigint
     from .cli import run as run_cli
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, on_sigint)
     run_cli()

@@ -26,6 +26,40 @@ def _fail(message: str, code: int = 1):
     sys.exit(code)
 
 
+def _exit_interrupted():
+    """One line and exit 130, after Ctrl-C was caught.
+
+    CPython 3.11 and 3.12 mark a KeyboardInterrupt that leaves an ``exec`` of a string
+    (dataclasses and namedtuples build their methods so, while modules import) as
+    unhandled, even once caught, and then end the process by SIGINT instead of with
+    its exit code. Any ``exec`` that completes clears that mark."""
+    click.echo("\ninterrupted", err=True)
+    exec("")
+    sys.exit(130)
+
+
+_sigint_seen = False  # set by `on_sigint`, the handler `mlx-mtp` runs under
+
+
+def on_sigint(signum, frame):
+    """Python's own SIGINT handler (raise KeyboardInterrupt), remembering that it ran."""
+    global _sigint_seen
+    _sigint_seen = True
+    raise KeyboardInterrupt
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    """Whether ``e`` is Ctrl-C: a KeyboardInterrupt, the ImportError a compiled
+    extension (``mlx.core``) raises from one that hit it while it initialised, or
+    any ImportError after Ctrl-C (a library that swallowed it and half-imported)."""
+    if isinstance(e, KeyboardInterrupt):
+        return True
+    cause = e.__cause__ or e.__context__
+    return isinstance(e, ImportError) and (
+        _sigint_seen or isinstance(cause, KeyboardInterrupt)
+    )
+
+
 def friendly_errors(fn):
     """Turn user errors into one line and an exit code; Ctrl-C into exit 130.
 
@@ -39,9 +73,10 @@ def friendly_errors(fn):
 
         try:
             return fn(*args, **kwargs)
-        except KeyboardInterrupt:
-            click.echo("\ninterrupted", err=True)
-            sys.exit(130)
+        except (KeyboardInterrupt, ImportError) as e:
+            if not _is_interrupt(e):
+                raise
+            _exit_interrupted()
         except MTPError as e:
             _fail(one_line(e, limit=1000))
         except OSError as e:
@@ -131,8 +166,11 @@ def run(args=None):
         e.show()
         sys.exit(e.exit_code)
     except (click.Abort, KeyboardInterrupt):
-        click.echo("\ninterrupted", err=True)
-        sys.exit(130)
+        _exit_interrupted()
+    except ImportError as e:
+        if not _is_interrupt(e):
+            raise
+        _exit_interrupted()
     sys.exit(code if isinstance(code, int) else 0)
 
 
