@@ -51,6 +51,7 @@ FAMILIES = (
     "bailing_moe_v3",
     "deepseek_v3",
     "deepseek_v32",
+    "deepseek_v4",
     "ernie4_5_moe",
     "exaone_moe",
     "glm4_moe_lite",
@@ -66,10 +67,12 @@ FAMILIES = (
     "step3p5",
 )
 
-# Families whose reference is a module of its own (same functions as here).
+# Families whose reference is a module of its own (same functions as here, or its
+# own ``reference_logits(ckpt_dir, tokens)`` when the head is not ``hidden @ lm_head``).
 SEPARATE = {
     "bailing_hybrid": "numpy_bailing_hybrid",
     "bailing_moe_v3": "numpy_bailing_moe_v3",
+    "deepseek_v4": "numpy_deepseek_v4",
     "ernie4_5_moe": "numpy_ernie4_5_moe",
     "exaone_moe": "numpy_exaone_moe",
     "longcat_flash": "numpy_longcat_flash",
@@ -835,6 +838,8 @@ def reference_logits(ckpt_dir, tokens):
     tokens = [int(t) for t in tokens]
     if family in SEPARATE:
         module = importlib.import_module(f".{SEPARATE[family]}", __package__)
+        if hasattr(module, "reference_logits"):
+            return module.reference_logits(ckpt_dir, tokens)
         cfg = config
         head = W["lm_head.weight"]
         hidden = module.trunk_hidden(W, cfg, tokens)

@@ -1595,6 +1595,197 @@ def _bailing_moe_v3(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+# DeepSeek-V4 (release layout: DeepSeek's own tensor names, no ``model.`` prefix)
+
+V4_COMPRESS_RATIOS = [0, 4, 16, 4, 0]  # window, CSA, HCA, CSA; the MTP layer's last
+V4_HC_FN_STD = 0.05  # HF inits mHC fn at 0.02; larger so pre/post/comb vary
+V4_HC_NOISE_STD = 0.1  # noise on the mHC base (HF: zeros) and scale (HF: ones)
+V4_INDEXER_STD = 0.3  # indexer projections, as DSA_INDEXER (spread index scores)
+V4_SINK_STD = 0.5
+V4_APE_STD = 0.1
+V4_ROUTER_BIAS_STD = 0.1
+
+
+def _v4_config(vocab_size: int, **options) -> dict:
+    """DeepSeek-V4-Flash's config keys (the release's legacy names) at tiny sizes."""
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "qk_rope_head_dim": 8,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 1.0,
+        "num_hash_layers": 2,
+        "sliding_window": 8,
+        "compress_ratios": list(V4_COMPRESS_RATIOS),
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "index_n_heads": 8,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 4,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    unknown = set(options) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown deepseek_v4 options: {sorted(unknown)}")
+    cfg.update(options)
+    return cfg
+
+
+def _v4_hc(init: _Init, name: str, cfg: dict, mixes: int, scales: int) -> Tensors:
+    """``{name}_fn`` (mixes, hc * D), ``{name}_base`` (mixes), ``{name}_scale``."""
+    width = cfg["hc_mult"] * cfg["hidden_size"]
+    return {
+        f"{name}_fn": init.normal((mixes, width), V4_HC_FN_STD),
+        f"{name}_base": init.normal((mixes,), V4_HC_NOISE_STD),
+        f"{name}_scale": 1.0 + init.normal((scales,), V4_HC_NOISE_STD),
+    }
+
+
+def _v4_compressor(
+    init: _Init, prefix: str, cfg: dict, dim: int, ratio: int
+) -> Tensors:
+    """Gated pooling over blocks of ``ratio`` rows; twice as wide with overlap (4)."""
+    width = (2 if ratio == 4 else 1) * dim
+    hidden = cfg["hidden_size"]
+    return {
+        f"{prefix}wkv.weight": init.linear(width, hidden),
+        f"{prefix}wgate.weight": init.linear(width, hidden),
+        f"{prefix}ape": init.normal((ratio, width), V4_APE_STD),
+        f"{prefix}norm.weight": init.norm(dim),
+    }
+
+
+def _v4_attention(init: _Init, prefix: str, cfg: dict, ratio: int) -> Tensors:
+    """Shared-KV MQA with sinks, a grouped output projection and, for ``ratio`` > 0,
+    a compressor (and for ``ratio`` == 4 the indexer with its own compressor)."""
+    hidden, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    q_rank, groups = cfg["q_lora_rank"], cfg["o_groups"]
+    t = {
+        f"{prefix}wq_a.weight": init.linear(q_rank, hidden),
+        f"{prefix}q_norm.weight": init.norm(q_rank),
+        f"{prefix}wq_b.weight": init.linear(heads * d, q_rank),
+        f"{prefix}wkv.weight": init.linear(d, hidden),
+        f"{prefix}kv_norm.weight": init.norm(d),
+        f"{prefix}wo_a.weight": init.linear(
+            groups * cfg["o_lora_rank"], heads * d // groups
+        ),
+        f"{prefix}wo_b.weight": init.linear(hidden, groups * cfg["o_lora_rank"]),
+        f"{prefix}attn_sink": init.normal((heads,), V4_SINK_STD),
+    }
+    if ratio > 0:
+        t.update(_v4_compressor(init, f"{prefix}compressor.", cfg, d, ratio))
+    if ratio == 4:
+        ih, c = cfg["index_n_heads"], cfg["index_head_dim"]
+        ix = f"{prefix}indexer."
+        t[f"{ix}wq_b.weight"] = init.linear(ih * c, q_rank, V4_INDEXER_STD)
+        t[f"{ix}weights_proj.weight"] = init.linear(ih, hidden, V4_INDEXER_STD)
+        t.update(_v4_compressor(init, f"{ix}compressor.", cfg, c, ratio))
+    return t
+
+
+def _v4_swiglu(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """``w1`` (gate), ``w2`` (down), ``w3`` (up)."""
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    return {
+        f"{prefix}w1.weight": init.linear(inter, hidden),
+        f"{prefix}w2.weight": init.linear(hidden, inter),
+        f"{prefix}w3.weight": init.linear(inter, hidden),
+    }
+
+
+def _v4_moe(init: _Init, prefix: str, cfg: dict, hashed: bool) -> Tensors:
+    """Router (hash table ``tid2eid`` or a float32 ``bias``), experts, shared."""
+    n_experts, top_k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    t = {f"{prefix}gate.weight": init.linear(n_experts, cfg["hidden_size"])}
+    if hashed:  # each token's row: top_k distinct experts
+        draws = init.rng.random((cfg["vocab_size"], n_experts))
+        t[f"{prefix}gate.tid2eid"] = np.argsort(draws, axis=1)[:, :top_k].astype(
+            np.int32
+        )
+    else:
+        t[f"{prefix}gate.bias"] = init.normal((n_experts,), V4_ROUTER_BIAS_STD)
+    for e in range(n_experts):
+        t.update(_v4_swiglu(init, f"{prefix}experts.{e}.", cfg))
+    t.update(_v4_swiglu(init, f"{prefix}shared_experts.", cfg))
+    return t
+
+
+def _v4_block(init: _Init, prefix: str, cfg: dict, layer_id: int) -> Tensors:
+    """One V4 block: mHC for attention and FFN, their norms, attention, MoE."""
+    hidden, hc = cfg["hidden_size"], cfg["hc_mult"]
+    t = {
+        f"{prefix}attn_norm.weight": init.norm(hidden),
+        f"{prefix}ffn_norm.weight": init.norm(hidden),
+    }
+    for site in ("attn", "ffn"):
+        t.update(_v4_hc(init, f"{prefix}hc_{site}", cfg, (2 + hc) * hc, 3))
+    ratio = cfg["compress_ratios"][layer_id]
+    t.update(_v4_attention(init, f"{prefix}attn.", cfg, ratio))
+    hashed = layer_id < cfg["num_hash_layers"]
+    t.update(_v4_moe(init, f"{prefix}ffn.", cfg, hashed))
+    return t
+
+
+def _deepseek_v4(init: _Init, vocab_size: int, **options) -> Tuple[dict, Tensors]:
+    """DeepSeek-V4-Flash in its release layout (DeepSeek's names, as HF
+    ``deepseek-ai/DeepSeek-V4-Flash`` ships them): 4 layers (window + hash MoE, CSA +
+    hash MoE, HCA, CSA; ``compress_ratios`` [0, 4, 16, 4] plus the MTP layer's 0),
+    mHC streams (``hc_mult`` 4), ``hc_head_*``, and one MTP layer ``mtp.0.``
+    (``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm``, ``hc_head_*`` and a
+    window-only V4 block with a biased router; no embed/head copies).
+    ``options`` override config keys. ``tid2eid`` is int32; ``hc_*``, ``ape``,
+    ``attn_sink`` and ``gate.bias`` stay float32 when written (``_to_mx``)."""
+    cfg = _v4_config(vocab_size, **options)
+    hidden, hc, L = cfg["hidden_size"], cfg["hc_mult"], cfg["num_hidden_layers"]
+    if len(cfg["compress_ratios"]) != L + cfg["num_nextn_predict_layers"]:
+        raise ValueError("compress_ratios needs one entry per layer and MTP layer")
+    t = {"embed.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i in range(L):
+        t.update(_v4_block(init, f"layers.{i}.", cfg, i))
+    t["norm.weight"] = init.norm(hidden)
+    t.update(_v4_hc(init, "hc_head", cfg, hc, 1))
+    t["head.weight"] = init.linear(vocab_size, hidden)
+    for j in range(cfg["num_nextn_predict_layers"]):
+        prefix = f"mtp.{j}."
+        t[f"{prefix}e_proj.weight"] = init.linear(hidden, hidden)
+        t[f"{prefix}h_proj.weight"] = init.linear(hidden, hidden)
+        t[f"{prefix}enorm.weight"] = init.norm(hidden)
+        t[f"{prefix}hnorm.weight"] = init.norm(hidden)
+        t.update(_v4_block(init, prefix, cfg, L + j))
+        t[f"{prefix}norm.weight"] = init.norm(hidden)
+        t.update(_v4_hc(init, f"{prefix}hc_head", cfg, hc, 1))
+    return cfg, t
+
+
 def _nextn_layers(
     init: _Init, cfg: dict, trunk: Tensors, layer: Callable[[str, int], Tensors]
 ) -> Tensors:
@@ -1713,10 +1904,26 @@ def _make_predictable(
 # ---------------------------------------------------------------------------
 
 
+# Kept in float32 whatever the checkpoint dtype, as the releases store them: router
+# correction biases; DeepSeek-V4's mHC tensors (``hc_*``), compressor ``ape``,
+# attention sinks and router ``gate.bias``.
+_FLOAT32_SUFFIXES = (
+    "e_score_correction_bias",
+    "router_bias",
+    "expert_bias",
+    ".ape",
+    ".attn_sink",
+    ".gate.bias",
+)
+
+
 def _to_mx(name: str, value: np.ndarray, dtype) -> mx.array:
-    """Cast to the checkpoint dtype; router correction biases stay float32."""
+    """Cast to the checkpoint dtype, except the float32 tensors above; V4's hash
+    routing table ``tid2eid`` stays int32."""
     arr = mx.array(value)
-    if name.endswith(("e_score_correction_bias", "router_bias", "expert_bias")):
+    if name.endswith(".tid2eid"):
+        return arr.astype(mx.int32)
+    if name.endswith(_FLOAT32_SUFFIXES) or name.rsplit(".", 1)[-1].startswith("hc_"):
         return arr.astype(mx.float32)
     return arr.astype(dtype)
 
