@@ -1637,7 +1637,7 @@ def _v4_config(vocab_size: int, **options) -> dict:
         "rope_scaling": {
             "type": "yarn",
             "factor": 4,
-            "original_max_position_embeddings": 64,
+            "original_max_position_embeddings": 1024,  # = 4096 / factor
             "beta_fast": 32,
             "beta_slow": 1,
         },
