@@ -93,7 +93,13 @@ MLA_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa")
 
 def _load_bf16_safetensors(path):
     """Read a safetensors file by hand; numpy has no bfloat16 dtype."""
-    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+    dtypes = {
+        "F64": np.float64,
+        "F32": np.float32,
+        "F16": np.float16,
+        "I64": np.int64,
+        "I32": np.int32,  # DeepSeek-V4's tid2eid
+    }
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
