@@ -275,7 +275,7 @@ def prefill_together(admissions: Sequence[Admission]) -> None:
         session.caches = batch_cache.to_single(group, i, make_caches(model))
         session.state = DecodeState(list(a.todo), None, 0, depth)
         if depth:
-            rows = hidden[i] or [mx.zeros((1, 0, model.args.hidden_size))]
+            rows = hidden[i] or [mx.zeros((1, 0, model.hidden_width))]
             session.state.hidden = mx.concatenate(rows, axis=1)
             extend_mtp(model, session.caches.mtp, session.state, step)
         a.todo, a.fresh = [], False

@@ -465,6 +465,8 @@ def _adapter(cache):
     if isinstance(cache, CacheList):
         exact = all(_adapter(c) is not None for c in cache.caches)
         return ListRollback if exact else None
+    if getattr(cache, "rolls_back_by_trim", False):  # a family's own cache type
+        return TrimRollback
     return ADAPTERS.get(type(cache))
 
 

@@ -42,7 +42,7 @@ _sigint_seen = False  # set by `on_sigint`, the handler `mlx-mtp` runs under
 
 
 def on_sigint(signum, frame):
-    """Python's own SIGINT handler (raise KeyboardInterrupt), remembering that it ran."""
+    """Python's own SIGINT handler (raise KeyboardInterrupt), noting that it ran."""
     global _sigint_seen
     _sigint_seen = True
     raise KeyboardInterrupt

@@ -254,7 +254,7 @@ def prefill(
     """Run the trunk over all prompt tokens but the last, in chunks of ``step``."""
     state = DecodeState([], None, 0, depth)
     if depth:
-        state.hidden = mx.zeros((1, 0, model.args.hidden_size))
+        state.hidden = mx.zeros((1, 0, model.hidden_width))
     return append(model, caches, state, prompt, step, kv)
 
 

@@ -140,6 +140,11 @@ class Model(nn.Module):
         return self.family.text_args(self.trunk)
 
     @property
+    def hidden_width(self) -> int:
+        """The last axis of `hidden` (the family's ``hidden_width``)."""
+        return self.family.hidden_width(self.args)
+
+    @property
     def layers(self):
         return self.trunk.layers
 

@@ -66,7 +66,11 @@ Optional (default in brackets):
 - ``embed(trunk, ids)`` [`trunk_embed`]: token embeddings;
 - ``final_norm(trunk)`` [`trunk_final_norm`]: the norm ``hidden`` ends with;
 - ``fix_config(config) -> dict`` [no fixes]: config values mlx-lm's ``ModelArgs``
-  need to build the trunk as transformers would (merged over ``config.json``).
+  need to build the trunk as transformers would (merged over ``config.json``);
+- ``trunk_classes(config) -> (Model, ModelArgs)`` [None: mlx-lm's classes for the
+  ``model_type``]: the trunk's classes, for a model mlx-lm has none for;
+- ``hidden_width(args) -> int`` [``args.hidden_size``]: the last axis of ``hidden``
+  (wider when a family packs more than one state into it).
 """
 
 import difflib
@@ -94,6 +98,9 @@ class Layout:
             key), checked against the trunk and dropped.
         norm_prefix: ``norm_prefix(config, j)``, where the final norm sits when it is
             not under ``prefix`` (Nemotron-H: on the last sub-layer of the step).
+        halves: The checkpoint names of ``eh_proj``'s embedding and hidden halves
+            when the checkpoint keeps them apart (DeepSeek-V4's ``e_proj``,
+            ``h_proj``; ``fusion`` names the first as ``eh_proj``).
     """
 
     prefix: Callable[[dict, int], str]
@@ -101,6 +108,7 @@ class Layout:
     hidden_first: bool = False
     copies: Dict[str, str] = field(default_factory=dict)
     norm_prefix: Optional[Callable[[dict, int], str]] = None
+    halves: Optional[Tuple[str, str]] = None
 
     def name(self, schema: str) -> str:
         """The checkpoint name of a fusion tensor's schema name (``enorm`` ...)."""
@@ -119,6 +127,11 @@ class Layout:
 def trunk_args(trunk):
     """The default ``text_args``: the trunk's own args."""
     return trunk.args
+
+
+def args_hidden_size(args) -> int:
+    """The default ``hidden_width``: the model's width."""
+    return args.hidden_size
 
 
 def no_fixes(config: dict) -> dict:
@@ -173,6 +186,8 @@ class Family:
     embed: Callable = trunk_embed
     final_norm: Callable = trunk_final_norm
     fix_config: Callable[[dict], dict] = no_fixes
+    trunk_classes: Optional[Callable[[dict], tuple]] = None
+    hidden_width: Callable[[Any], int] = args_hidden_size
 
     def __post_init__(self):
         # The default count follows MTP_CONFIG_KEYS, also in a derived family that
