@@ -6,6 +6,7 @@ module and of MLX."""
 import json
 import struct
 from functools import partial
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -361,3 +362,47 @@ def test_malformed_pairs_are_one_line_errors():
         q.to_release(
             {"layers.0.ffn.experts.0.w2.weight": np.zeros((4, 16), np.float32)}
         )
+
+
+def test_mlx_lm_v41_sanitize_packs_the_expanded_release():
+    """`expand_release_scales` then mlx-lm's ``deepseek_v41`` sanitize (which the V4
+    trunk reuses) on the fixture builder's tensors: ``wo_a`` split into its groups and
+    the experts stacked, each packed tensor exactly the numpy decode."""
+    from mlx_lm.models import deepseek_v41
+
+    from mlx_mtp.testing import fixtures
+
+    cfg, tensors = fixtures._deepseek_v4(
+        fixtures._Init(np.random.default_rng(8)),
+        64,
+        num_hidden_layers=1,
+        compress_ratios=[0, 0],
+        num_hash_layers=0,
+    )
+    release = q.to_release(
+        {k: v for k, v in tensors.items() if k.startswith("layers.")}
+    )
+    expanded = q.expand_release_scales({k: mx.array(v) for k, v in release.items()})
+    me = SimpleNamespace(args=SimpleNamespace(o_groups=2, n_routed_experts=4))
+    weights = deepseek_v41.Model.sanitize(me, expanded)
+    config = q.quantization_config_for(weights)
+    attn, ffn = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    assert config[f"{attn}o_a_proj"] == config[f"{attn}q_a_proj"] == q.MXFP8
+    assert config[f"{ffn}experts.switch_mlp.down_proj"] == q.MXFP4
+    assert config[f"{ffn}shared_experts.up_proj"] == q.MXFP8
+    wo_a = decode_fp8(
+        release["layers.0.attn.wo_a.weight"], release["layers.0.attn.wo_a.scale"]
+    ).reshape(2, 16, -1)
+    for g in range(2):
+        w, s = (
+            weights[f"{attn}o_a_proj.weight"][g],
+            weights[f"{attn}o_a_proj.scales"][g],
+        )
+        np.testing.assert_array_equal(mx_dequant(w, s, "mxfp8"), wo_a[g])
+    name = "layers.0.ffn.experts.3.w2"
+    down = f"{ffn}experts.switch_mlp.down_proj"
+    got = mx_dequant(
+        weights[f"{down}.weight"][3], weights[f"{down}.scales"][3], "mxfp4"
+    )
+    expect = decode_fp4(release[f"{name}.weight"], release[f"{name}.scale"])
+    np.testing.assert_array_equal(got, expect)

@@ -11,6 +11,8 @@ keeps them packed and loses nothing:
 - `repack_fp8`, `repack_fp4`: one tensor pair to MLX's ``(uint32 weight, uint8
   scales)``; `repack_release`: every pair of a checkpoint dict (raw names), with the
   FP8 weights MLX cannot pack (input width not a multiple of 32) dequantized instead.
+- `expand_release_scales`: the same, in the form mlx-lm's ``deepseek_v41`` sanitize
+  packs (release names and bytes, scales per row).
 - `quantization_config_for`, `quantized_modes`: the per-path ``quantization`` entries
   mlx-lm's loader and ``nn.quantize`` take, from packed tensors or built modules.
 - `to_release`, `write_release_safetensors`, `release_config`: the inverse, for
@@ -175,6 +177,28 @@ def repack_release(
             out[key] = value
             continue
         out.update(_repack_pair(key[: -len(".weight")], value, scale, block, dtype))
+    return out
+
+
+def expand_release_scales(
+    weights: Dict[str, mx.array],
+    block: Tuple[int, int] = FP8_BLOCK,
+    dtype: mx.Dtype = mx.bfloat16,
+) -> Dict[str, mx.array]:
+    """`repack_release` for mlx-lm's ``deepseek_v41`` sanitize, which renames, stacks
+    the experts, splits ``wo_a`` into its groups and views each ``.weight`` beside a
+    ``.scale`` as uint32, but takes the scales per row (32x32 tiles): each release
+    pair keeps its names and weight bytes, its ``.scale`` becomes MLX's per row and 32
+    inputs; the FP8 weights MLX cannot pack become floats, without ``.scale``."""
+    packed = repack_release(weights, block, dtype)
+    out = {}
+    for key, value in packed.items():
+        if key.endswith(".scales") and key[:-1] in weights:
+            out[key[:-1]] = value
+        elif key.endswith(".weight") and key[:-6] + "scales" in packed:
+            out[key] = weights[key]
+        else:
+            out[key] = value
     return out
 
 
