@@ -167,7 +167,8 @@ class MTPSplit:
     def __call__(self, config: dict):
         from mlx_lm.utils import _get_classes
 
-        model_class, args_class = _get_classes(config)
+        classes = self.family.trunk_classes or _get_classes
+        model_class, args_class = classes(config)
         split = self
 
         class Trunk(model_class):
@@ -372,7 +373,11 @@ def _load_model(
         if not lazy:
             mx.eval(stack.parameters())
     elif check_declared(family, config, split.mtp, allow_missing_heads):
-        stack = build_mtp(trunk, family, split.mtp, config, split.raw)
+        try:
+            stack = build_mtp(trunk, family, split.mtp, config, split.raw)
+        except MissingHeadsError as e:
+            _without(e, allow_missing_heads, "MTP heads")
+            stack = MTPStack([])
         if not lazy:
             mx.eval(stack.parameters())
     model = Model(trunk, stack, family, source=model_path)

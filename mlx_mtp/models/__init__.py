@@ -14,6 +14,8 @@ FAMILIES = (
     "bailing_moe_v3",
     "deepseek_v3",
     "deepseek_v32",
+    "deepseek_v4",
+    "deepseek_v41",
     "ernie4_5_moe",
     "exaone_moe",
     "gemma3_text",
