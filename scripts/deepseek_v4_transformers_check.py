@@ -89,12 +89,20 @@ def hf_logits(model_dir: pathlib.Path, config: dict, tokens) -> np.ndarray:
     return out.logits[0].double().numpy()
 
 
-def numpy_logits(model_dir: pathlib.Path, tokens):
-    """The float64 reference: (trunk (n, V), [mtp_j (n-1-j, V)])."""
+def numpy_logits(model_dir: pathlib.Path, tokens, topk: int):
+    """The float64 reference: (trunk (n, V), [mtp_j (n-1-j, V)]); says which rows
+    tie at the indexer's top-k cut (where implementations may pick differently)."""
     sys.path.insert(0, str(ROOT))
-    from tests.numpy_deepseek_v4 import reference_logits
+    from tests.numpy_deepseek_v4 import reference_logits, topk_ties
 
-    return reference_logits(model_dir, tokens)
+    trace = {}
+    logits = reference_logits(model_dir, tokens, trace)
+    for name, scores in sorted(trace.items()):
+        tied = topk_ties(scores, topk) if name.startswith("index_") else []
+        if tied:
+            layer = name.split("_")[1]
+            print(f"note: layer {layer}: rows {tied} tie at the indexer's top-k cut")
+    return logits
 
 
 def mlx_logits(model_dir: pathlib.Path, tokens):
@@ -117,8 +125,8 @@ def mlx_logits(model_dir: pathlib.Path, tokens):
             mtp.append(np.array(model.logits(h)[0].astype(mx.float32)))
         return main, mtp
     except Exception as exc:  # any failure to load or run: report and skip
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"{type(exc).__name__}: {reason}"
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{type(exc).__name__}: {reason[:120]}"
 
 
 def compare(label: str, ours: np.ndarray, theirs: np.ndarray, atol: float) -> bool:
@@ -151,7 +159,7 @@ def main(argv=None) -> int:
         )
 
         hf = hf_logits(model_dir, config, tokens)
-        ref, ref_mtp = numpy_logits(model_dir, tokens)
+        ref, ref_mtp = numpy_logits(model_dir, tokens, config["index_topk"])
         ok = compare("transformers vs numpy (trunk)", hf, ref, args.atol)
         print(f"logits std: transformers {hf.std():.3f}, numpy {ref.std():.3f}")
 

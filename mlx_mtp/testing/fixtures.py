@@ -1641,7 +1641,7 @@ def _v4_config(vocab_size: int, **options) -> dict:
             "beta_fast": 32,
             "beta_slow": 1,
         },
-        "index_n_heads": 8,
+        "index_n_heads": 16,  # 8 gave exact top-k ties at 0 (every ReLU off)
         "index_head_dim": 16,
         "index_topk": 4,
         "hc_mult": 4,
