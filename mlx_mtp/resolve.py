@@ -5,7 +5,7 @@ Nothing here changes the output: it only decides what is drafted.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 from .draft_length import (
     AdaptiveLength,
@@ -15,7 +15,7 @@ from .draft_length import (
     SourceChoice,
     model_costs,
 )
-from .errors import MTPError
+from .errors import MTPError, RollbackError
 from .options import DecodeOptions, check_draft_count
 
 
@@ -47,6 +47,8 @@ def drafting(
     source = options.draft_source
     if options.num_draft_tokens == 0 and source == "auto":
         source = "heads"  # k = 0 is plain decoding unless lookup is asked for
+    if source != "heads":
+        source = lookup_source(model, source)
     vocabs, coverage = draft_vocabs(model, options.draft_vocab)
     if policy is None:
         policy = draft_policy(
@@ -68,6 +70,40 @@ def drafting(
         costs = model_costs(model, max(policy.max_k, lookup), sizes)
         sources = SourceChoice(costs, policy.max_k, lookup, vocabs, coverage)
     return Drafting(policy, lookup, sources, coverage)
+
+
+def lookup_source(model, source: str) -> str:
+    """``source`` ("lookup" or "auto") when the trunk's caches roll back exactly, as
+    a rejected lookup draft needs; else, for "auto", "heads" (the heads' drafts, which
+    the decode loop refuses on such caches too, or plain decoding without heads).
+
+    Raises:
+        RollbackError: "lookup" on caches that cannot roll back.
+    """
+    bad = caches_without_rollback(model)
+    if not bad:
+        return source
+    if source == "lookup":
+        raise RollbackError(
+            "prompt lookup (draft_source lookup) needs exact cache rollback, which "
+            f"mlx-mtp does not support for {', '.join(bad)} in this model; decode "
+            "without it (draft_source heads)"
+        )
+    return "heads"
+
+
+def caches_without_rollback(model) -> List[str]:
+    """The kinds of the model's trunk caches that cannot roll back exactly (none: it
+    can draft), sorted."""
+    from .cache import check_rollback, make_caches
+
+    bad = set()
+    for c in make_caches(model).trunk:
+        try:
+            check_rollback([c])
+        except RollbackError:
+            bad.add(type(c).__name__)
+    return sorted(bad)
 
 
 def draft_vocabs(model, value: Union[int, str]):

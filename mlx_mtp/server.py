@@ -87,7 +87,7 @@ from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
 from .loading import load
 from .options import DecodeOptions
-from .resolve import draft_vocabs
+from .resolve import caches_without_rollback, draft_vocabs
 from .sampling import SamplingError
 from .server_checks import (
     MAX_DEPTH,
@@ -310,6 +310,8 @@ def warm_costs(model, defaults: DecodeOptions) -> None:
     from each draft vocabulary that "auto", "full" and the server's ``draft_vocab``
     (``defaults``) draft from; a request that would need another is refused
     (`times_costs`)."""
+    if caches_without_rollback(model):
+        return  # no request drafts (`mlx_mtp.resolve.lookup_source`)
     sizes = set()
     for value in {"auto", "full", defaults.draft_vocab} - {None}:
         vocabs, _ = draft_vocabs(model, value)
