@@ -9,6 +9,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from mlx_mtp.cache import Caches, check_rollback, make_caches, mtp_caches
 from mlx_mtp.draft_length import DraftPolicy
 from mlx_mtp.errors import RollbackError
+from mlx_mtp.models.deepseek_v4_cache import V4Cache
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import FAMILIES
@@ -33,6 +34,8 @@ def assert_same_cache(cache, fresh):
         assert len(cache.caches) == len(fresh.caches)
         for ours, ref in zip(cache.caches, fresh.caches):
             assert_same_cache(ours, ref)
+    elif isinstance(fresh, V4Cache):
+        assert_same_v4_cache(cache, fresh)
     elif isinstance(fresh, ArraysCache):
         assert len(cache.cache) == len(fresh.cache)
         for ours, ref in zip(cache.cache, fresh.cache):
@@ -40,6 +43,30 @@ def assert_same_cache(cache, fresh):
     else:
         assert cache.offset == fresh.offset
         assert_same_kv(cache, fresh)
+
+
+def assert_same_v4_cache(cache, fresh):
+    """The window rows both caches hold (at least a window's), every compressed
+    entry, and the projections both keep for the open blocks."""
+    assert cache.offset == fresh.offset
+    n = min(cache.keys.shape[2], fresh.keys.shape[2])
+    assert n >= min(fresh.offset, cache.window - 1)
+    np.testing.assert_allclose(
+        np.array(cache.keys[:, :, -n:]), np.array(fresh.keys[:, :, -n:]), atol=1e-4
+    )
+    for ours, ref in zip(cache._compressors(), fresh._compressors()):
+        assert ours.end == ref.end and ours.count == ref.count
+        if ref.count:
+            np.testing.assert_allclose(
+                np.array(ours.entries), np.array(ref.entries), atol=1e-4
+            )
+        n = min(ours.end - ours.start, ref.end - ref.start)
+        for a, b in ((ours.kv, ref.kv), (ours.gate, ref.gate)):
+            np.testing.assert_allclose(
+                np.array(a[:, a.shape[1] - n :]),
+                np.array(b[:, b.shape[1] - n :]),
+                atol=1e-4,
+            )
 
 
 def held_positions(caches) -> int:

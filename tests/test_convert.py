@@ -83,6 +83,9 @@ def test_round_trip_greedy_identity(family, precision, checkpoint, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
+    """mlx-lm loads the trunk of every conversion whose model type it has."""
+    if get_family({"model_type": family}).trunk_classes:
+        pytest.skip(f"mlx-lm 0.32 has no {family} trunk (mlx-mtp brings its own)")
     out = convert(
         str(checkpoint(family)), tmp_path / "mlx", quantize=True, progress=False
     )

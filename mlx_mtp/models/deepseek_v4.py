@@ -468,13 +468,24 @@ def sanitize(weights: dict, config: dict, trunk: Model, raw: bool = True) -> dic
 
 def _fuse(out: dict, j: int) -> None:
     """``layers.{j}.{e,h}_proj.*`` -> ``layers.{j}.eh_proj.*`` (along the input, which
-    keeps quantized weights exact: their groups do not straddle the halves)."""
+    keeps quantized weights exact: their groups do not straddle the halves).
+
+    Raises:
+        MissingHeadsError: the halves' shapes differ.
+    """
     e, h = (f"layers.{j}.{half}." for half in LAYOUT.halves)
     for key in [k for k in out if k.startswith(e)]:
         part = key[len(e) :]
         if h + part not in out:
-            return
+            return  # loading then names the missing eh_proj
         halves = [out.pop(e + part), out.pop(h + part)]
+        if halves[0].shape != halves[1].shape:
+            ours, theirs = (f"mtp.{j}.{n}.{part}" for n in LAYOUT.halves)
+            raise MissingHeadsError(
+                f"{ours} has shape {tuple(halves[0].shape)} but {theirs}'s is "
+                f"{tuple(halves[1].shape)}: the MTP layer is damaged or from "
+                "another model"
+            )
         out[f"layers.{j}.eh_proj.{part}"] = mx.concatenate(halves, axis=-1)
 
 

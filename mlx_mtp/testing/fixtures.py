@@ -1606,6 +1606,13 @@ V4_APE_STD = 0.1
 V4_ROUTER_BIAS_STD = 0.1
 
 
+_V4_LAYER_TYPES = {
+    0: "sliding_attention",
+    4: "compressed_sparse_attention",
+    16: "heavily_compressed_attention",
+}
+
+
 def _v4_config(vocab_size: int, **options) -> dict:
     """DeepSeek-V4-Flash's config keys (the release's legacy names) at tiny sizes."""
     cfg = {
@@ -1657,6 +1664,14 @@ def _v4_config(vocab_size: int, **options) -> dict:
     if unknown:
         raise ValueError(f"unknown deepseek_v4 options: {sorted(unknown)}")
     cfg.update(options)
+    # transformers reads the legacy ratios only as 0, 4 or 128; its own keys say the
+    # tiny HCA ratio (mlx-mtp, like DeepSeek's code, reads compress_ratios)
+    layers = cfg["compress_ratios"][: cfg["num_hidden_layers"]]
+    cfg["layer_types"] = [_V4_LAYER_TYPES[r] for r in layers]
+    cfg["compress_rates"] = {
+        "compressed_sparse_attention": 4,
+        "heavily_compressed_attention": 16,
+    }
     return cfg
 
 
@@ -1808,6 +1823,7 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
     "bailing_moe_v3": _bailing_moe_v3,
     "deepseek_v3": _deepseek_v3,
     "deepseek_v32": _deepseek_v32,
+    "deepseek_v4": _deepseek_v4,
     "ernie4_5_moe": _ernie4_5_moe,
     "exaone_moe": _exaone_moe,
     "glm4_moe": _glm4_moe,
@@ -1885,7 +1901,11 @@ def _make_predictable(
             np.float32
         )
         halves = [noise, eye] if layout.hidden_first else [eye, noise]
-        tensors[layout.key(text, j, "eh_proj")] = np.concatenate(halves, axis=1)
+        if layout.halves:  # kept apart: the embedding's, then the hidden state's
+            for name, half in zip(layout.halves, halves):
+                tensors[f"{layout.prefix(text, j)}{name}.weight"] = half
+        else:
+            tensors[layout.key(text, j, "eh_proj")] = np.concatenate(halves, axis=1)
         tensors[layout.key(text, j, "enorm")] = np.full(
             hidden, unit_norm, dtype=np.float32
         )
@@ -1894,7 +1914,7 @@ def _make_predictable(
             tensors[layout.key(text, j, "norm")] = final_norm
     for key in tensors:
         if family.mtp_layer_of(key, cfg) is not None and key.endswith(
-            ("o_proj.weight", "down_proj.weight")
+            ("o_proj.weight", "down_proj.weight", "wo_b.weight", ".w2.weight")
         ):
             tensors[key] = tensors[key] * np.float32(PREDICTABLE_DAMPING)
 
