@@ -76,6 +76,7 @@ def single_process(model, tokenizer):
 
 SHARDED = {
     "deepseek_v3": "tensor",
+    "deepseek_v4": "tensor",  # heads, output groups and experts split; mHC whole
     "glm4_moe": "tensor",
     "qwen3_5": "tensor",  # Gated-DeltaNet heads split over the ranks
     "qwen3_next": "pipeline",  # mlx-lm pipelines it (no tensor parallelism)
