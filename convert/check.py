@@ -43,7 +43,9 @@ MAX_TOKENS = 256
 def _bits(q: Optional[dict]) -> str:
     if not q:
         return "float"
-    return f"{q['bits']}-bit {q.get('mode', 'affine')} (group {q['group_size']})"
+    text = f"{q['bits']}-bit {q.get('mode', 'affine')} (group {q['group_size']})"
+    modes = sorted({v["mode"] for v in q.values() if isinstance(v, dict)})
+    return text + (f", some layers {'/'.join(modes)}" if modes else "")
 
 
 @dataclass

@@ -36,6 +36,7 @@ from mlx_mtp.loading import (
     read_config,
 )
 from mlx_mtp.models import get_family
+from mlx_mtp.models.deepseek_v4_quant import quantized_modes
 
 from .assistant import convert_assistant, pair_section
 from .gguf import gguf_to_hf, is_gguf
@@ -198,15 +199,22 @@ def _convert_folder(
         if stack is not None:
             _cast(stack, getattr(mx, dtype), None)
     trunk_quant = None
+    # A release's packed layers (DeepSeek-V4's mxfp8/mxfp4) stay as released; -q
+    # quantizes the float ones, and the config names every packed layer's mode.
+    packed = quantized_modes(trunk)
     if o.quantize:
         from mlx_lm.utils import quantize_model
 
+        config.pop("quantization", None)  # so that -q's settings are the default
         trunk, config = quantize_model(
             trunk, config, o.q_group_size, o.q_bits, mode=o.q_mode
         )
         trunk_quant = {
             k: config["quantization"][k] for k in ("group_size", "bits", "mode")
         }
+    if packed:
+        config["quantization"] = {**config["quantization"], **packed}
+        config["quantization_config"] = config["quantization"]
     heads_quant = quantize_heads(stack, o.head_bits) if stack is not None else None
 
     record = provenance(
@@ -219,7 +227,7 @@ def _convert_folder(
     )
     config["mlx_mtp"] = record
     if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
-        del config["quantization_config"]  # dequantized on the way
+        del config["quantization_config"]  # dequantized or repacked on the way
     with staged_folder(dst, o.overwrite, protect) as tmp:
         if stack is not None:
             save_heads(tmp / HEADS_FILE, stack)

@@ -31,6 +31,7 @@ from . import __version__
 from .errors import MissingHeadsError, MTPError
 from .files import read_json, safetensors_header
 from .models import get_family
+from .models.deepseek_v4_quant import quantized_modes
 from .models.mtp import MTPStack
 
 FORMAT = "mlx-mtp/1"
@@ -42,40 +43,42 @@ def has_heads_file(config: dict) -> bool:
 
 
 def quantize_heads(stack: MTPStack, bits: int, group_size: int = 64) -> Optional[dict]:
-    """Quantize every linear layer of the heads whose input width allows it (affine).
+    """Quantize every float linear layer of the heads whose input width allows it
+    (affine); layers that came quantized (a release's mxfp8/mxfp4) stay as they are.
 
-    Returns the quantization record for the config, or None when ``bits`` is 16 (the
-    heads keep the float dtype).
+    Returns the quantization record for the config: the affine settings, plus one
+    entry per layer that came quantized; None when nothing is (``bits`` 16, no packed
+    layers: the heads keep the float dtype).
     """
+    packed = quantized_modes(stack)
     if bits >= 16:
-        return None
+        return {**next(iter(packed.values())), **packed} if packed else None
 
     def predicate(path, m):
         return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
 
     nn.quantize(stack, group_size=group_size, bits=bits, class_predicate=predicate)
-    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+    return {"group_size": group_size, "bits": bits, "mode": "affine", **packed}
 
 
 def quantize_like(
     module: nn.Module, weights: dict, quantization: Optional[dict]
 ) -> None:
-    """Quantize the layers of ``module`` whose tensors come quantized (``.scales``)."""
-    if not quantization:
-        return
+    """Quantize the layers of ``module`` whose tensors come quantized (``.scales``):
+    as ``quantization`` names the layer's path, else in the mode, bits and group size
+    mlx-lm infers from its tensors (as its loader does)."""
+    from mlx_lm.utils import infer_quant_config
+
+    quantization = quantization or {}
 
     def predicate(path, m):
         if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        return quantization.get(path, True)
+        if isinstance(quantization.get(path), dict):
+            return quantization[path]
+        return infer_quant_config(path, m, weights)
 
-    nn.quantize(
-        module,
-        group_size=quantization["group_size"],
-        bits=quantization["bits"],
-        mode=quantization.get("mode", "affine"),
-        class_predicate=predicate,
-    )
+    nn.quantize(module, class_predicate=predicate)
 
 
 def load_strict(stack: MTPStack, weights: dict) -> MTPStack:

@@ -39,6 +39,7 @@ from mlx_lm.models import deepseek_v41 as lm
 from ..errors import MissingHeadsError
 from .base import split_mtp
 from .deepseek_v4_cache import CompressorState, V4Cache
+from .deepseek_v4_quant import MXFP8, expand_release_scales
 from .family import Layout, define
 
 LAYOUT = Layout(
@@ -359,10 +360,11 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict) -> dict:
         """DeepSeek's names and dtypes to this model's (V4.1's sanitize, with V4's
-        ``hc_head``); an MLX conversion passes unchanged."""
+        ``hc_head``; the release's FP8 128x128 blocks and FP4 experts stay packed, as
+        mxfp8 and mxfp4); an MLX conversion passes unchanged."""
         if any(key.startswith("model.") for key in weights):
             return weights
-        out = lm.Model.sanitize(self, weights)
+        out = lm.Model.sanitize(self, expand_release_scales(weights))
         return {_HC_HEAD.sub(r"\1hc_head.\2", k): v for k, v in out.items()}
 
     @property
@@ -410,6 +412,16 @@ def _pack(streams: mx.array, out: mx.array) -> mx.array:
     """``(B, L, hc, D)`` streams and their ``(B, L, D)`` normed collapse, packed."""
     flat = streams.reshape(*streams.shape[:2], -1)
     return mx.concatenate([flat, out.astype(flat.dtype)], axis=-1)
+
+
+def fix_config(config: dict) -> dict:
+    """A release (FP8 ``quantization_config``, no MLX ``quantization``) loads packed:
+    with a ``quantization`` entry, mlx-lm's loader quantizes each layer whose tensors
+    come with ``.scales``, in the mode it infers from them (mxfp8 or mxfp4)."""
+    released = config.get("quantization_config") or {}
+    if released.get("quant_method") == "fp8" and "quantization" not in config:
+        return {"quantization": dict(MXFP8)}
+    return {}
 
 
 def trunk_classes(config: dict):
@@ -512,6 +524,7 @@ FAMILY = define(
     sanitize=sanitize,
     make_layer=make_layer,
     trunk_classes=trunk_classes,
+    fix_config=fix_config,
     hidden=hidden,
     logits=logits,
     hidden_width=hidden_width,
