@@ -102,6 +102,7 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
         "deepseek_v3",
         "glm4_moe_lite",
         "deepseek_v32",
+        "deepseek_v4",
         "exaone_moe",
         "ernie4_5_moe",
         "longcat_flash",
