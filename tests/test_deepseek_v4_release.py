@@ -14,9 +14,12 @@ from mlx.utils import tree_flatten
 from mlx_mtp.convert import convert
 from mlx_mtp.loading import load_model
 from mlx_mtp.models import deepseek_v4_quant as q
+from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import write_checkpoint
 
 from .test_deepseek_v4_quant import decode_fp4, decode_fp8
+from .test_greedy import plain_greedy
 
 TOKENS = mx.array([[1, 5, 9, 3, 7, 2, 11, 13, 17, 4, 6, 8, 10, 12, 14, 19, 21, 23]])
 
@@ -107,3 +110,20 @@ def test_conversion_keeps_the_release_packed(release, quantize, tmp_path):
     else:
         assert _modes(model.trunk) == {"mxfp8": 34, "mxfp4": 12}
         assert mx.array_equal(_logits(model), _logits(reference))
+
+
+def test_a_packed_release_drafts_and_decodes_as_plain_decoding(release, tmp_path):
+    """Greedy k = 1..3 on the packed release, and on its -q conversion, emit plain
+    decoding's tokens."""
+    converted = convert(
+        str(release[0]), str(tmp_path / "q"), quantize=True, rank_vocab=False
+    )
+    prompt = TOKENS[0].tolist()
+    for path in (release[0], converted):
+        model = load_model(str(path), group=None)[0]
+        expected = plain_greedy(model, prompt, 24)
+        for k in (1, 2, 3):
+            steps = mtp_generate_step(
+                prompt, model, HEADS, num_draft_tokens=k, max_tokens=24
+            )
+            assert [o.token for o in steps] == expected, (path, k)
