@@ -26,6 +26,7 @@ from mlx_mtp.heads import (
     heads_section,
     provenance,
     quantize_heads,
+    quantized_modes,
     save_heads,
 )
 from mlx_mtp.loading import (
@@ -36,7 +37,6 @@ from mlx_mtp.loading import (
     read_config,
 )
 from mlx_mtp.models import get_family
-from mlx_mtp.models.deepseek_v4_quant import quantized_modes
 
 from .assistant import convert_assistant, pair_section
 from .gguf import gguf_to_hf, is_gguf

@@ -21,7 +21,7 @@ The trunk's own provenance is the config's ``"mlx_mtp"`` section (same keys).
 import hashlib
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,7 +31,6 @@ from . import __version__
 from .errors import MissingHeadsError, MTPError
 from .files import read_json, safetensors_header
 from .models import get_family
-from .models.deepseek_v4_quant import quantized_modes
 from .models.mtp import MTPStack
 
 FORMAT = "mlx-mtp/1"
@@ -40,6 +39,18 @@ HEADS_FILE = "mtp.safetensors"
 
 def has_heads_file(config: dict) -> bool:
     return isinstance(config.get("mtp"), dict)
+
+
+def quantized_modes(module: nn.Module) -> Dict[str, dict]:
+    """``{path: {"group_size", "bits", "mode"}}`` of the leaf modules of ``module``
+    that are already quantized (e.g. built packed from a release), as ``nn.quantize``'s
+    per-path predicate returns them."""
+    leaves = tree_flatten(module.leaf_modules(), is_leaf=nn.Module.is_module)
+    return {
+        path: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
+        for path, m in leaves
+        if "scales" in m and all(hasattr(m, a) for a in ("group_size", "bits", "mode"))
+    }
 
 
 def quantize_heads(stack: MTPStack, bits: int, group_size: int = 64) -> Optional[dict]:

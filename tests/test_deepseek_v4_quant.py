@@ -16,7 +16,9 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import infer_quant_config
 
 from mlx_mtp.errors import MTPError
+from mlx_mtp.heads import quantized_modes
 from mlx_mtp.models import deepseek_v4_quant as q
+from mlx_mtp.testing import deepseek_v4_release as rel
 
 # e2m1 by code: sign bit 3, then magnitude codes 0-7.
 E2M1 = np.array(
@@ -140,16 +142,16 @@ def fixture_tensors(rng):
 
 def release_decode(release, name):
     base = name[: -len(".weight")]
-    if q.release_kind_of_name(name) == "fp4":
+    if rel.release_kind_of_name(name) == "fp4":
         return decode_fp4(release[name], release[f"{base}.scale"])
     return decode_fp8(release[name], release[f"{base}.scale"])
 
 
 def test_to_release_dtypes_shapes_and_accuracy():
     tensors = fixture_tensors(np.random.default_rng(3))
-    release = q.to_release(tensors)
+    release = rel.to_release(tensors)
     for name, value in tensors.items():
-        kind = q.release_kind_of_name(name)
+        kind = rel.release_kind_of_name(name)
         if kind is None:
             assert release[name] is value and name[:-6] + "scale" not in release
             continue
@@ -174,14 +176,16 @@ def test_to_release_dtypes_shapes_and_accuracy():
             np.abs(value) * step, scale * (2.0**-10 if kind == "fp8" else 0.25)
         )
         assert np.all(np.abs(decoded - value) <= bound), name
-    assert q.release_kind_of_name("layers.0.attn.compressor.wkv.weight") is None
-    assert q.release_kind_of_name("layers.0.attn.indexer.compressor.wkv.weight") is None
+    assert rel.release_kind_of_name("layers.0.attn.compressor.wkv.weight") is None
+    assert (
+        rel.release_kind_of_name("layers.0.attn.indexer.compressor.wkv.weight") is None
+    )
 
 
 def test_to_release_rounds_like_mlx_to_fp8():
     """The FP8 codes are the nearest e4m3 values, as MLX's own conversion rounds."""
     w = np.random.default_rng(4).standard_normal((64, 128)).astype(np.float32)
-    codes, s = q.quantize_fp8_np(w)
+    codes, s = rel.quantize_fp8_np(w)
     scaled = w.astype(np.float64) / e8m0(s)[0, 0]
     assert np.array_equal(
         codes, np.array(mx.to_fp8(mx.array(scaled.astype(np.float32))))
@@ -194,11 +198,11 @@ def test_to_release_ties_go_to_even_and_scales_are_tight():
     fp8 = np.float32(
         [[448.0, 1 + 1 / 16, 1 + 3 / 16, -(2**-10), 3 * 2**-10] + [0] * 27]
     )
-    codes, s = q.quantize_fp8_np(fp8)
+    codes, s = rel.quantize_fp8_np(fp8)
     assert s.tolist() == [[127]]
     assert codes[0, :5].tolist() == [0x7E, 0x38, 0x3A, 0x80, 0x02]
     fp4 = np.float32([[6.0, 0.25, 0.75, 2.5, -5.0, 1.25] + [0] * 26])
-    packed, s = q.quantize_fp4_np(fp4)
+    packed, s = rel.quantize_fp4_np(fp4)
     assert s.tolist() == [[127]]
     assert decode_fp4(packed, s)[0, :6].tolist() == [6.0, 0.0, 1.0, 2.0, -4.0, 1.0]
 
@@ -206,13 +210,13 @@ def test_to_release_ties_go_to_even_and_scales_are_tight():
 def test_release_round_trip_through_mlx():
     """float -> release bytes -> `repack_release` -> MLX dequantized equals the numpy
     decode of the release bytes; fp8 weights of width 16 (no mxfp8) load as floats."""
-    release = q.to_release(fixture_tensors(np.random.default_rng(5)))
+    release = rel.to_release(fixture_tensors(np.random.default_rng(5)))
     loaded = q.repack_release(
         {k: mx.array(v) for k, v in release.items()}, dtype=mx.float32
     )
     assert not any(k.endswith(".scale") for k in loaded)
     for name in release:
-        kind = q.release_kind_of_name(name)
+        kind = rel.release_kind_of_name(name)
         if kind is None:
             continue
         expect = release_decode(release, name)
@@ -232,8 +236,8 @@ def test_release_round_trip_through_mlx():
 def test_written_file_loads_as_the_repack_expects(tmp_path):
     tensors = fixture_tensors(np.random.default_rng(6))
     tensors["layers.0.ffn.gate.tid2eid"] = np.arange(8, dtype=np.int32).reshape(4, 2)
-    release = q.to_release(tensors)
-    path = q.write_release_safetensors(tmp_path / "model.safetensors", release)
+    release = rel.to_release(tensors)
+    path = rel.write_release_safetensors(tmp_path / "model.safetensors", release)
     raw = path.read_bytes()
     header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
     assert header["layers.0.attn.wq_a.weight"]["dtype"] == "F8_E4M3"
@@ -266,7 +270,9 @@ def test_bfloat16_floats_keep_the_release_float32_ones(tmp_path):
         "layers.0.attn.attn_sink": np.float32([0.1]),
         "layers.0.ffn.gate.bias": np.float32([0.2]),
     }
-    path = q.write_release_safetensors(tmp_path / "m.safetensors", tensors, "bfloat16")
+    path = rel.write_release_safetensors(
+        tmp_path / "m.safetensors", tensors, "bfloat16"
+    )
     loaded = mx.load(str(path))
     assert loaded["embed.weight"].dtype == mx.bfloat16
     expect = mx.array(tensors["embed.weight"]).astype(mx.bfloat16)
@@ -296,8 +302,8 @@ def test_quantization_config_builds_layers_that_load_and_match():
     rng = np.random.default_rng(7)
     n = partial(normal, rng)
     release = {"wo_b.weight": n(64, 16)}
-    release["wq_a.weight"], release["wq_a.scale"] = q.quantize_fp8_np(n(40, 64))
-    release["experts.weight"], release["experts.scale"] = q.quantize_fp4_np(
+    release["wq_a.weight"], release["wq_a.scale"] = rel.quantize_fp8_np(n(40, 64))
+    release["experts.weight"], release["experts.scale"] = rel.quantize_fp4_np(
         n(2, 32, 64)
     )
     weights = q.repack_release({k: mx.array(v) for k, v in release.items()})
@@ -314,7 +320,7 @@ def test_quantization_config_builds_layers_that_load_and_match():
 
     nn.quantize(model, **q.MXFP8, class_predicate=predicate)
     model.load_weights(list(weights.items()), strict=True)
-    assert q.quantized_modes(model) == {"wq_a": q.MXFP8, "experts": q.MXFP4}
+    assert quantized_modes(model) == {"wq_a": q.MXFP8, "experts": q.MXFP4}
 
     x = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
     w = decode_fp8(release["wq_a.weight"], release["wq_a.scale"])
@@ -330,7 +336,7 @@ def test_float_only_weights_have_no_quantization():
 
 
 def test_release_config_declares_the_release_keys():
-    config = q.release_config()
+    config = rel.release_config()
     assert config["expert_dtype"] == "fp4"
     assert config["quantization_config"] == {
         "activation_scheme": "dynamic",
@@ -359,7 +365,7 @@ def test_malformed_pairs_are_one_line_errors():
     with pytest.raises(MTPError, match="powers of two"):
         q.repack_fp8(w, mx.full((1, 1), 0.3))
     with pytest.raises(ValueError, match="fp4 needs an input width"):
-        q.to_release(
+        rel.to_release(
             {"layers.0.ffn.experts.0.w2.weight": np.zeros((4, 16), np.float32)}
         )
 
@@ -379,7 +385,7 @@ def test_mlx_lm_v41_sanitize_packs_the_expanded_release():
         compress_ratios=[0, 0],
         num_hash_layers=0,
     )
-    release = q.to_release(
+    release = rel.to_release(
         {k: v for k, v in tensors.items() if k.startswith("layers.")}
     )
     expanded = q.expand_release_scales({k: mx.array(v) for k, v in release.items()})

@@ -13,9 +13,9 @@ from mlx.utils import tree_flatten
 
 from mlx_mtp.convert import convert
 from mlx_mtp.loading import load_model
-from mlx_mtp.models import deepseek_v4_quant as q
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
+from mlx_mtp.testing import deepseek_v4_release as rel
 from mlx_mtp.testing.fixtures import write_checkpoint
 
 from .test_deepseek_v4_quant import decode_fp4, decode_fp8
@@ -27,7 +27,7 @@ TOKENS = mx.array([[1, 5, 9, 3, 7, 2, 11, 13, 17, 4, 6, 8, 10, 12, 14, 19, 21, 2
 def _decoded(release: dict) -> dict:
     out = {}
     for name, value in release.items():
-        kind = q.release_kind_of_name(name)
+        kind = rel.release_kind_of_name(name)
         if name.endswith(".scale") and kind is None:
             continue
         scale = release.get(name[: -len("weight")] + "scale")
@@ -41,7 +41,7 @@ def _decoded(release: dict) -> dict:
 
 def _folder(src, dst, tensors: dict, config: dict):
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model*.safetensors*"))
-    q.write_release_safetensors(dst / "model.safetensors", tensors)
+    rel.write_release_safetensors(dst / "model.safetensors", tensors)
     merged = json.loads((dst / "config.json").read_text()) | config
     (dst / "config.json").write_text(json.dumps(merged))
     return dst
@@ -55,9 +55,9 @@ def release(tmp_path_factory):
     tensors = {}
     for f in sorted(src.glob("model*.safetensors")):
         tensors |= {k: np.array(v) for k, v in mx.load(str(f)).items()}
-    packed = q.to_release(tensors)
+    packed = rel.to_release(tensors)
     return (
-        _folder(src, root / "release", packed, q.release_config()),
+        _folder(src, root / "release", packed, rel.release_config()),
         _folder(src, root / "twin", _decoded(packed), {}),
     )
 
