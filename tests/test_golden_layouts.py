@@ -3,9 +3,10 @@ from the releases' own files: each records its source), not only against the
 fixtures' reading of the layout.
 
 The tensors are zero-strided views of their real shapes (no memory), so the whole
-path runs at full size: FP8 dequantization, the family's split (trunk vs MTP, copies
-checked and dropped), its sanitize, and a strict load into the MTP layers the family
-builds from the release's config.
+path runs at full size: FP8 dequantization (or, for DeepSeek-V4, FP8 and FP4 kept
+packed as mxfp8 and mxfp4), the family's split (trunk vs MTP, copies checked and
+dropped), its sanitize, a strict load into the MTP layers the family builds from the
+release's config, and the trunk's sample against the trunk's own parameters.
 """
 
 import json
@@ -15,14 +16,25 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
+from mlx_mtp.heads import quantize_like
 from mlx_mtp.loading import build_mtp, config_fixes, dequantize_fp8, fp8_block
 from mlx_mtp.models import get_family
 
 GOLDEN = Path(__file__).parent / "golden"
 LAYOUTS = sorted(p.stem for p in GOLDEN.glob("*.json"))
-DTYPES = {"BF16": mx.bfloat16, "F32": mx.float32, "F8_E4M3": mx.uint8}
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# As mx.load reads them (float8 as its bytes).
+DTYPES = {
+    "BF16": mx.bfloat16,
+    "F32": mx.float32,
+    "F8_E4M3": mx.uint8,
+    "F8_E8M0": mx.uint8,
+    "I8": mx.int8,
+    "I64": mx.int64,
+}
 
 
 def expand(pattern: str) -> list:
@@ -54,8 +66,28 @@ def tensors(table: dict) -> dict:
     return out
 
 
-def elements(weights: dict) -> int:
-    return sum(v.size for v in weights.values())
+def values(weights: dict) -> int:
+    """The number of weight values ``weights`` hold, scales not counted: a release's
+    FP4 ``W.weight`` (int8 beside ``W.scale``) two per byte, an MLX microscaled one
+    (uint32 beside ``W.scales``, group 32) 32 per scale, any other tensor one per
+    element."""
+    total = 0
+    for key, value in weights.items():
+        base, _, kind = key.rpartition(".")
+        if kind in ("scale", "scales") and f"{base}.weight" in weights:
+            continue
+        if value.dtype == mx.int8 and f"{base}.scale" in weights:
+            total += 2 * value.size
+        elif value.dtype == mx.uint32 and f"{base}.scales" in weights:
+            total += 32 * weights[f"{base}.scales"].size
+        else:
+            total += value.size
+    return total
+
+
+def classes(family, config: dict):
+    """The trunk's classes, as loading takes them: the family's, else mlx-lm's."""
+    return (family.trunk_classes or _get_classes)(config)
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
@@ -89,9 +121,10 @@ def test_split_finds_exactly_the_mtp_tensors(golden):
 def test_sanitize_maps_every_mtp_tensor_into_the_layers(golden):
     """The MTP tensors, sanitized, load strictly into the layers the family builds
     from the release's config (every name and shape as the heads want), and none is
-    dropped on the way (the same number of elements: stacked, split or renamed)."""
+    dropped on the way (the same number of weight values: stacked, split, renamed or
+    repacked)."""
     doc, family, config, weights = golden
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = classes(family, config)
     trunk_model = model_class(args_class.from_dict(config))
     _, mtp = family.split_weights(dict(weights), config)
     raw = family.is_raw(weights, config)
@@ -99,4 +132,26 @@ def test_sanitize_maps_every_mtp_tensor_into_the_layers(golden):
     declared = family.declared_mtp_layers(config)
     assert len(stack.layers) == (declared or len(stack.layers)) >= 1
     sanitized = family.sanitize(mtp, config, trunk_model, raw=raw)
-    assert elements(sanitized) == elements(mtp)
+    assert values(sanitized) == values(mtp)
+
+
+def test_the_trunk_sample_loads_into_the_trunk(golden):
+    """The trunk's tensors, through the trunk class's own sanitize (the family's,
+    for a trunk mlx-lm has not: DeepSeek-V4), are the parameters of the model built
+    from the release's config, quantized as mlx-lm's loader quantizes it: every name
+    and shape of the top level and of each sampled layer (what the sanitize drops,
+    such as a vision tower, is not counted)."""
+    doc, family, config, weights = golden
+    model_class, args_class = classes(family, config)
+    trunk_model = model_class(args_class.from_dict(config))
+    trunk, _ = family.split_weights(dict(weights), config)
+    sanitize = getattr(trunk_model, "sanitize", dict)
+    sanitized = sanitize(dict(trunk))
+    quantize_like(trunk_model, sanitized, config.get("quantization"))
+    sampled = {int(m[1]) for key in sanitized if (m := LAYER.search(key))}
+    expected = {
+        name: value.shape
+        for name, value in tree_flatten(trunk_model.parameters())
+        if not (m := LAYER.search(name)) or int(m[1]) in sampled
+    }
+    assert {name: value.shape for name, value in sanitized.items()} == expected
