@@ -13,7 +13,9 @@ from mlx_mtp.models import deepseek_v4_cache
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 
+from .numpy_deepseek_v4 import reference_logits
 from .test_greedy import plain_greedy
+from .test_numerics import teacher_forced
 
 N = 90  # > the window (8), 22 blocks of the CSA layers (4), 5 of the HCA layer (16)
 TOKENS = np.random.default_rng(1).integers(0, 500, (1, N)).tolist()
@@ -27,6 +29,25 @@ def v4(loaded):
 
 def logits(model, ids, cache=None):
     return model.logits(model.hidden(mx.array(ids), cache))
+
+
+@pytest.mark.parametrize("predictable", (False, True))
+def test_long_prompts_match_the_numpy_reference(loaded, checkpoint, predictable):
+    """Over 80 tokens (`tests/test_numerics.py`'s prompt is shorter than the first
+    HCA block and top-k's reach): the indexer prunes, HCA entries are seen, the MTP
+    layer reads packed states; trunk and MTP logits within 1e-4 of float64."""
+    model, _ = loaded("deepseek_v4", predictable)
+    tokens = TOKENS[0][:80]
+    trace = {}
+    ref_main, ref_mtp = reference_logits(
+        checkpoint("deepseek_v4", predictable), tokens, trace
+    )
+    for csa in ("entries_1", "entries_3"):  # top-k keeps 4 of up to 20 entries
+        assert trace[csa].sum(axis=1).max() == 4 < trace[csa].shape[1]
+    assert trace["entries_2"].sum(axis=1).max() == 80 // 16  # HCA sees all closed
+    main, mtp = teacher_forced(model, tokens)
+    np.testing.assert_allclose(main, ref_main, atol=1e-4)
+    np.testing.assert_allclose(mtp[0], ref_mtp[0], atol=1e-4)
 
 
 def test_a_pass_in_chunks_equals_one_pass(v4):
