@@ -17,6 +17,9 @@ the others':
 - The trunk's recurrent layers keep a `mlx_mtp.cache.RecurrentCache` with B rows; its
   per-position capture has every row's states, and `rewind_rows` puts back, per row,
   the state at that row's accepted length.
+- DeepSeek-V4's attention layers keep a `V4Rows`
+  (`mlx_mtp.models.deepseek_v4_cache`): one `V4Cache` per row, each at its own block
+  phase, rolled back by a trim of its own count; left padding never enters it.
 
 `to_batch` turns one stream's caches (as `mlx_mtp.cache.make_caches` makes them and the
 single-stream prefill fills them) into one-row batch caches, `join` stacks rows,
@@ -31,6 +34,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from .cache import Caches, Capture, ListCache, RecurrentCache, WindowCache
+from .models.deepseek_v4_cache import V4Cache, V4Rows
 
 COMPACT_SLACK = 64  # holes of the widest row tolerated before `compact`
 
@@ -380,13 +384,14 @@ class RaggedList(ListCache):
             c.join(o)
 
 
-RAGGED = (RaggedKVCache, RaggedList)
+RAGGED = (RaggedKVCache, RaggedList, V4Rows)  # caches whose rows have positions
 
 
 def batch_support(model) -> Optional[str]:
     """None when the model's streams can be decoded in one batch, else why not (one
-    line): every trunk and MTP cache must be a full or sliding-window KV cache or a
-    recurrent cache that records its states."""
+    line): every trunk and MTP cache must be a full or sliding-window KV cache, a
+    recurrent cache that records its states, or DeepSeek-V4's `V4Cache` (batched
+    as one per row, `V4Rows`)."""
     from .cache import make_caches
 
     if model.group is not None:
@@ -397,6 +402,8 @@ def batch_support(model) -> Optional[str]:
         for part in parts:
             kind = type(part)
             if kind in (KVCache, WindowCache) and not getattr(part, "keep", 0):
+                continue
+            if kind is V4Cache:
                 continue
             if kind is RecurrentCache and part is c:
                 continue
@@ -445,6 +452,8 @@ def _row_cache(c):
         out = RecurrentCache(len(c.cache))
         out.cache = list(c.cache)
         return out
+    if isinstance(c, V4Cache):
+        return V4Rows([c.copy()])
     raise TypeError(f"no batched cache for {type(c).__name__}")
 
 
@@ -498,6 +507,8 @@ def _single(c, b: int, like, below=None, mark=None):
     if isinstance(c, RaggedList):
         parts = zip(c.caches, like.caches)
         return ListCache(*(_single(x, b, y, below) for x, y in parts))
+    if isinstance(c, V4Rows):
+        return c.row(b, below)
     if isinstance(c, RecurrentCache):
         out = RecurrentCache(len(c.cache))
         slots = mark.base if mark is not None else c.cache

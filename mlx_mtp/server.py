@@ -86,6 +86,7 @@ from .draft_length import model_costs
 from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
 from .loading import load
+from .models.deepseek_v4_cache import V4Cache
 from .options import DecodeOptions
 from .resolve import caches_without_rollback, draft_vocabs
 from .sampling import SamplingError
@@ -564,6 +565,11 @@ def cache_cost(model, depth: int) -> CacheCost:
     for c in [p for c in every for p in (c.caches if type(c) is ListCache else [c])]:
         if isinstance(c, RecurrentCache):
             per_row += sum(a.nbytes for a in c.cache if a is not None)
+        elif isinstance(c, V4Cache):  # DeepSeek-V4: a window, entries per block
+            window, per_position, kept = c.footprint()
+            windows.append((window, c.window + COMPACT_SLACK))
+            per_token += per_position
+            per_row += kept
         elif c.keys is not None:  # else an MTP layer not in use
             per_position = (c.keys.nbytes + c.values.nbytes) / c.keys.shape[-2] + 4
             if isinstance(c, WindowCache):

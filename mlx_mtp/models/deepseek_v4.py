@@ -38,7 +38,7 @@ from mlx_lm.models import deepseek_v41 as lm
 
 from ..errors import MissingHeadsError
 from .base import split_mtp
-from .deepseek_v4_cache import CompressorState, V4Cache
+from .deepseek_v4_cache import CompressorState, V4Cache, V4Rows
 from .deepseek_v4_quant import MXFP8, expand_release_scales
 from .family import Layout, define
 
@@ -171,17 +171,49 @@ class Attention(lm.Attention):
 
     def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
         """A pass over ``x`` (B, L, D) at ``cache.offset`` (a `V4Cache`; in the MTP
-        layer, a `mlx_mtp.cache.WindowCache`; None: a pass from position 0)."""
-        B, L, _ = x.shape
+        layer, a `mlx_mtp.cache.WindowCache`; None: a pass from position 0; a
+        `V4Rows`: each row at its own, `_by_row`)."""
+        if isinstance(cache, V4Rows):
+            return self._by_row(x, cache)
         cache = V4Cache(self.window, self.ratio) if cache is None else cache
-        offset = cache.offset
+        q_residual, q, kv = self._project(x)
+        return self._output(self._attend(x, q_residual, q, kv, cache), x.dtype)
+
+    def _project(self, x: mx.array):
+        """The pass's query residual, per-head normed queries ``(B, L, H, d)`` and
+        K = V rows ``(B, L, d)``, before RoPE (they read no cache)."""
+        B, L, _ = x.shape
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).reshape(B, L, self.num_heads, self.head_dim)
         q = q * mx.rsqrt(
             mx.mean(q.astype(mx.float32) ** 2, -1, keepdims=True) + self.eps
         )
+        return q_residual, q, self.kv_norm(self.kv_proj(x))
+
+    def _by_row(self, x: mx.array, rows: V4Rows) -> mx.array:
+        """A pass of B streams, each at its own position: the projections and the
+        output batched, the part that reads a cache row by row over the row's
+        inputs past its left padding (its padded outputs are zeros, seen by no
+        other position)."""
+        L = x.shape[1]
+        q_residual, q, kv = self._project(x)
+        outs = []
+        for b, (cache, pad) in enumerate(zip(rows.rows, rows.take_padding())):
+            part = [mx.zeros((1, pad, self.num_heads, self.head_dim))] if pad else []
+            if pad < L:
+                mine = (slice(b, b + 1), slice(pad, None))
+                args = (x[mine], q_residual[mine], q[mine], kv[mine])
+                part.append(self._attend(*args, cache))
+            outs.append(mx.concatenate(part, axis=1))
+        return self._output(mx.concatenate(outs), x.dtype)
+
+    def _attend(self, x, q_residual, q, kv, cache) -> mx.array:
+        """``(B, L, H, d)``: the attention of the pass's queries at ``cache.offset``
+        over the window and compressed entries (``cache`` updated), RoPE undone."""
+        B, L, _ = x.shape
+        offset = cache.offset
         q = _rope(q, self.rope, offset=offset).astype(mx.float32)
-        kv = _rope(self.kv_norm(self.kv_proj(x)), self.rope, offset=offset)  # (B, L, d)
+        kv = _rope(kv, self.rope, offset=offset)  # (B, L, d)
         window = cache.make_mask(L, return_array=True)  # (L, W), before the update
         keys, _ = cache.update_and_fetch(kv[:, None], kv[:, None, :, :0])
         keys = keys.astype(mx.float32)  # (B, 1, W, d)
@@ -203,8 +235,12 @@ class Attention(lm.Attention):
             mask=mask,
             sinks=self.sinks.astype(mx.float32),
         )  # (B, H, L, d)
-        out = _rope(out.transpose(0, 2, 1, 3), self.rope, offset=offset, inverse=True)
-        out = out.astype(x.dtype).reshape(B * L, self.o_groups, 1, -1)
+        return _rope(out.transpose(0, 2, 1, 3), self.rope, offset=offset, inverse=True)
+
+    def _output(self, out: mx.array, dtype) -> mx.array:
+        """The grouped output projection of `_attend`'s ``(B, L, H, d)``."""
+        B, L = out.shape[:2]
+        out = out.astype(dtype).reshape(B * L, self.o_groups, 1, -1)
         out = self.o_a_proj(out, self._group_ids)  # (B L, groups, 1, o_lora_rank)
         return self.o_b_proj(out.reshape(B, L, -1))
 

@@ -19,9 +19,14 @@ unchanged and nothing is recomputed. Rolling back further than ``slack`` is a
 `RollbackError`, never a wrong answer. The window keeps ``slack`` more rows for the
 same reason, as `mlx_mtp.cache.WindowCache` does (whose ``update_and_fetch`` and
 ``make_mask`` V4's attention also reads in its MTP layer).
+
+Streams decoded together (`mlx_mtp.batch`) sit at different positions, hence at
+different block phases: `V4Rows` holds one `V4Cache` per row, V4's attention runs
+each row's cache part on that row's tokens alone, and each row rolls back by its own
+count (a trim of its own cache). Left padding (``pad``) never enters a row's cache.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -105,6 +110,14 @@ class CompressorState:
         self.kv = self.kv[:, : end - self.start]
         self.gate = self.gate[:, : end - self.start]
 
+    def copy(self) -> "CompressorState":
+        """A state that goes on independently (the arrays are shared: no method
+        writes into one)."""
+        out = CompressorState(self.ratio, self.overlap, self.slack)
+        out.entries, out.kv, out.gate = self.entries, self.kv, self.gate
+        out.start, out.end = self.start, self.end
+        return out
+
     @property
     def arrays(self) -> List[mx.array]:
         return [a for a in (self.entries, self.kv, self.gate) if a is not None]
@@ -162,6 +175,28 @@ class V4Cache:
             s.trim_to(self.offset)
         return n
 
+    def copy(self) -> "V4Cache":
+        """A cache that goes on independently of this one (arrays shared: no method
+        writes into one, each makes new ones)."""
+        out = V4Cache(self.window, self.ratio, self.slack)
+        out.keys, out.start, out.offset = self.keys, self.start, self.offset
+        out.compressed = self.compressed and self.compressed.copy()
+        out.index = self.index and self.index.copy()
+        return out
+
+    def footprint(self) -> Tuple[float, float, float]:
+        """For a memory budget, read off a cache that has seen a position: the
+        window's bytes per position it keeps (``window - 1 + slack`` at most), the
+        compressed entries' bytes per position seen, and the most bytes of the
+        projections its compressors keep (``slack + 2 r`` positions)."""
+        window = self.keys.nbytes / self.keys.shape[2]
+        per_position = kept = 0.0
+        for s in self._compressors():
+            row = s.kv.nbytes / s.kv.shape[1]  # one position's kv (gate: the same)
+            per_position += (row / 2 if s.overlap else row) / s.ratio
+            kept += 2 * row * (s.slack + 2 * s.ratio)
+        return window, per_position, kept
+
     def size(self) -> int:
         return self.offset
 
@@ -176,3 +211,78 @@ class V4Cache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
+
+
+class V4Rows:
+    """One V4 attention layer's caches of B streams decoded together: a `V4Cache`
+    per row (``rows``), each at its row's own position and block phase.
+
+    V4's attention, given this, runs the part that reads a cache (RoPE, window,
+    compressor, indexer, attention) row by row on that row's tokens past its
+    left padding, so a row's cache holds exactly what the row's lone decoding
+    would: padded positions never enter it, and a row rolls back by its own count
+    (`rewind_rows`: a trim of its cache).
+
+    Attributes:
+        padding: Per row, the filler inputs at the start of the next pass (None:
+            none); the pass consumes it (`take_padding`).
+    """
+
+    def __init__(self, rows: List[V4Cache]):
+        self.rows = list(rows)
+        self.padding: Optional[List[int]] = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def offset(self) -> List[int]:
+        """Each row's next position."""
+        return [c.offset for c in self.rows]
+
+    def pad(self, padding: Sequence[int]) -> None:
+        """Left-pad the next pass: row b's first ``padding[b]`` inputs are filler,
+        seen by no row's cache."""
+        self.padding = list(padding) if any(padding) else None
+
+    def take_padding(self) -> List[int]:
+        """The next pass's padding per row (0s when none); it applies to that pass
+        only."""
+        padding, self.padding = self.padding, None
+        return padding or [0] * len(self.rows)
+
+    def rewind_rows(self, drop: Sequence[int]) -> None:
+        """Forget the last ``drop[b]`` positions of row b."""
+        for c, n in zip(self.rows, drop):
+            if n:
+                c.trim(n)
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep ``rows``, in that order."""
+        self.rows = [self.rows[r] for r in rows]
+
+    def join(self, other: "V4Rows") -> None:
+        """Append ``other``'s rows."""
+        self.rows += other.rows
+
+    def row(self, b: int, below: Optional[int] = None) -> V4Cache:
+        """Row b's cache on its own (a copy), its positions below ``below``."""
+        out = self.rows[b].copy()
+        if below is not None and out.offset > below:
+            out.trim(out.offset - below)
+        return out
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return all(c.empty() for c in self.rows)
+
+    @property
+    def state(self) -> List[mx.array]:
+        return [a for c in self.rows for a in c.state]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.rows)
