@@ -380,13 +380,16 @@ class Session:
 
 def _copy_cache(cache):
     """A cache object whose arrays are new array objects (their writes, in place on
-    the array objects, then stay apart); no rollback record is kept."""
+    the array objects, then stay apart), and so are its parts' (a layer's several
+    caches, DeepSeek-V4's compressor states); no rollback record is kept."""
 
     def fresh(v):
         if isinstance(v, mx.array):
             return mx.array(v)
         if isinstance(v, (list, tuple)):
             return type(v)(fresh(x) for x in v)
+        if hasattr(v, "__dict__") and not isinstance(v, type):
+            return _copy_cache(v)
         return v
 
     out = copy.copy(cache)

@@ -130,3 +130,36 @@ def test_every_mtp_cache_reaches_the_frontier_after_turns_ending_at_max_tokens(
         offsets = [c.offset for c in session.caches.mtp]
         assert offsets[:depth] == [session.state.frontier] * depth
         assert offsets[depth:] == [0] * (model.num_mtp_layers - depth)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "deepseek_v4", "qwen3_5"])
+def test_a_snapshot_goes_on_apart_from_its_session(family, loaded):
+    """A server keeps a snapshot of a conversation and goes on with the live session:
+    the snapshot's caches (a layer's several caches, DeepSeek-V4's compressor state
+    included) stay as they were, so a later turn from it is plain decoding."""
+    model, tokenizer = loaded(family, predictable=True)
+    first, second = (tokenizer.encode(t) for t in ("def forward(self, x):", " return"))
+    session = Session()
+    reply = turn(model, session, first, 20, 2)
+    kept = session.snapshot()
+    for ours, theirs in zip(kept.caches.trunk, session.caches.trunk):
+        assert not shared_parts(ours, theirs)
+    turn(model, session, second, 30, 2)  # the live session moves on
+    out = turn(model, kept, second, 30, 2)
+    assert out == plain_greedy(model, first + reply + second, 30)
+
+
+def shared_parts(a, b) -> list:
+    """The objects (not arrays, numbers or strings) two caches hold in common."""
+    out = []
+    for name, value in vars(a).items():
+        other = vars(b).get(name)
+        pairs = (
+            zip(value, other) if isinstance(value, (list, tuple)) else [(value, other)]
+        )
+        out += [
+            name
+            for x, y in pairs
+            if x is y and hasattr(x, "__dict__") and not isinstance(x, type)
+        ]
+    return out
