@@ -68,7 +68,14 @@ import math
 
 import numpy as np
 
-from .numpy_reference import load_checkpoint, rmsnorm, sigmoid, silu, softplus
+from .numpy_reference import (
+    count_mtp_layers,
+    load_checkpoint,
+    rmsnorm,
+    sigmoid,
+    silu,
+    softplus,
+)
 
 # ---------------------------------------------------------------------------
 # RoPE
@@ -359,15 +366,7 @@ def trunk_streams(W, cfg, tokens, trace=None):
 
 def num_mtp_layers(W, cfg):
     """MTP layers ``mtp.{j}.`` present (checked against num_nextn_predict_layers)."""
-    count = 0
-    while f"mtp.{count}.e_proj.weight" in W:
-        count += 1
-    declared = cfg.get("num_nextn_predict_layers")
-    if count and declared is not None and declared != count:
-        raise ValueError(
-            f"config declares {declared} MTP layers, checkpoint has {count}"
-        )
-    return count
+    return count_mtp_layers(W, cfg, lambda j: f"mtp.{j}.e_proj.weight")
 
 
 def mtp_streams(W, cfg, j, streams, next_tokens):

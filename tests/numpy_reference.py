@@ -482,8 +482,14 @@ def mtp_prefix(cfg, family, j):
 def num_mtp_layers(W, cfg, family):
     """MTP layers present in the checkpoint (checked against the config)."""
     key = "input_proj.weight" if family == "mimo" else "eh_proj.weight"
+    return count_mtp_layers(W, cfg, lambda j: f"{mtp_prefix(cfg, family, j)}.{key}")
+
+
+def count_mtp_layers(W, cfg, key_of):
+    """How many j have a tensor ``key_of(j)``, checked against the config's
+    ``num_nextn_predict_layers``."""
     count = 0
-    while f"{mtp_prefix(cfg, family, count)}.{key}" in W:
+    while key_of(count) in W:
         count += 1
     declared = cfg.get("num_nextn_predict_layers")
     if count and declared is not None and declared != count:
