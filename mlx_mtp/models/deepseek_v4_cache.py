@@ -232,15 +232,6 @@ class V4Rows:
         self.rows = list(rows)
         self.padding: Optional[List[int]] = None
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.rows)
-
-    @property
-    def offset(self) -> List[int]:
-        """Each row's next position."""
-        return [c.offset for c in self.rows]
-
     def pad(self, padding: Sequence[int]) -> None:
         """Left-pad the next pass: row b's first ``padding[b]`` inputs are filler,
         seen by no row's cache."""
