@@ -19,7 +19,7 @@ read off independently of head quality. The construction:
   on greedy continuations equals --acceptance.
 
     python scripts/make_synthetic_model.py OUT --acceptance 0.7 [--params 300e6]
-        [--draft-vocab-size 4096] [--layout qwen3_5]
+        [--draft-vocab-size 4096] [--layout qwen3_5 | deepseek_v4]
 
 Without ``--draft-vocab-size`` the heads are in the Hugging Face layout
 (``model.layers.{L}.*``); with it, the folder is an mlx-mtp conversion (trunk in
@@ -33,6 +33,17 @@ Gated-DeltaNet ``out_proj``; the trunk is written as an MLX conversion
 ``load`` takes as is (it drops ``mtp.*``), and the head as Qwen's one MTP layer
 (``mtp.fc`` = ``eh_proj``, ``mtp.pre_fc_norm_*``, ``mtp.norm``, ``mtp.layers.0.*`` a
 full-attention decoder layer). At 300M, gamma 6.74 gives depth-1 agreement 0.70.
+
+``--layout deepseek_v4`` builds it on DeepSeek-V4-Flash's release layout (DeepSeek's
+tensor names, ``mtp.0.e_proj`` / ``h_proj`` kept apart), from the test fixtures' builder
+(`mlx_mtp.testing.fixtures`) at the release's shapes scaled by --hidden / 4096
+(`deepseek_v4_config`): compress ratios 0, 0, then 4 and 16 alternating (the release's
+128 scaled down; the fixture knows 0, 4 and 16), a 64-token window, 16 routed experts
+(top 2) and a shared one, hash routing on the first 3 layers, hc_mult 4 with 20
+Sinkhorn iterations. Its linear weights are rescaled to mlx-lm's initialisation (std
+1 / sqrt(3 fan-in)), the hyper-connections' ``fn`` to the fixture's spread, and the
+damped outputs are ``wo_b`` and the experts' ``w2``; the head's ``eh_proj`` is written
+as ``e_proj = I``, ``h_proj = gamma * R`` (applied to each of the 4 streams).
 
 ``--zipf S`` makes a model for sampling (temperature 1) instead (vocabulary 32768
 unless ``--vocab`` says otherwise; not with ``--draft-vocab-size``). Token
@@ -77,7 +88,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -175,13 +186,85 @@ def qwen3_5_config(params: float, vocab: int, hidden: int = 1024) -> dict:
     }
 
 
+V4_RATIOS = (4, 16)  # the compressed layers' ratios, alternating after two window ones
+V4_EXPERTS, V4_TOP_K, V4_WINDOW, V4_INDEX_TOPK, V4_HC = 16, 2, 64, 16, 4
+_V4_DERIVED = ("layer_types", "compress_rates")  # `_v4_config` writes these
+
+
+def deepseek_v4_config(params: float, vocab: int, hidden: int = 1024) -> dict:
+    """DeepSeek-V4-Flash's release config (the fixture's keys, `_v4_config`) with its
+    shapes scaled by ``hidden`` / 4096 (heads, head_dim, q / o ranks, indexer; experts
+    of width hidden / 4), as many layers as ``params`` allows, one MTP layer."""
+    from mlx_mtp.testing.fixtures import _v4_config
+
+    s = hidden / 4096
+    heads, d = max(4, round(64 * s)), max(32, round(512 * s))
+    groups, rank, inter = 4, max(32, round(1024 * s)), max(32, hidden // 4)
+    ih, c = max(4, round(64 * s)), max(16, round(128 * s))
+    attn = hidden * rank + rank * heads * d + hidden * d + heads * d * rank
+    attn += groups * rank * hidden
+    compressed = (4 * d * hidden + rank * ih * c + hidden * ih + 4 * c * hidden) / 2
+    compressed += d * hidden / 2  # the mean of a ratio-4 layer and a ratio-16 one
+    moe = (V4_EXPERTS + 1) * 3 * hidden * inter + V4_EXPERTS * hidden
+    hc = 2 * (2 + V4_HC) * V4_HC * V4_HC * hidden  # two hyper-connections' fn
+    layers = max(
+        3, round((params - 2 * vocab * hidden) / (attn + compressed + moe + hc))
+    )
+    ratios = ([0, 0] + list(V4_RATIOS) * layers)[:layers] + [0]
+    return _v4_config(
+        vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        head_dim=d,
+        qk_rope_head_dim=d // 8,
+        q_lora_rank=rank,
+        o_groups=groups,
+        o_lora_rank=rank,
+        moe_intermediate_size=inter,
+        n_routed_experts=V4_EXPERTS,
+        num_experts_per_tok=V4_TOP_K,
+        swiglu_limit=10.0,
+        num_hash_layers=3,
+        sliding_window=V4_WINDOW,
+        compress_ratios=ratios,
+        index_n_heads=ih,
+        index_head_dim=c,
+        index_topk=V4_INDEX_TOPK,
+        hc_mult=V4_HC,
+        hc_sinkhorn_iters=20,
+    )
+
+
+def deepseek_v4_weights(config: dict, seed: int) -> dict:
+    """The fixture builder's random release-layout tensors for ``config``, MTP layer
+    included: linear weights rescaled from the fixture's std to mlx-lm's init (its
+    0.1 at fan-in 64 would grow activations 3x a projection at 1024), ``hc_*_fn`` to
+    the spread of their logits at the fixture's hidden size."""
+    from mlx_mtp.testing import fixtures
+
+    options = {k: v for k, v in config.items() if k not in _V4_DERIVED}
+    init = fixtures._Init(np.random.default_rng(seed))
+    tensors = fixtures._deepseek_v4(init, **options)[1]
+    hc = np.sqrt(fixtures.HIDDEN / config["hidden_size"])
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith(".weight") and v.ndim == 2:
+            v = v / (fixtures.WEIGHT_STD * np.sqrt(3.0 * v.shape[1]))
+        elif k.endswith("_fn"):
+            v = v * hc
+        out[k] = mx.array(v)
+    return out
+
+
 @dataclass(frozen=True)
 class Arch:
     """What the construction needs of a layout: its config, mlx-lm trunk and MTP block
     classes, and the names of the tensors it rewires. The weights are named as the
     mlx-lm trunk's parameters (for llama also the Hugging Face names; for qwen3_5 an
     MLX conversion, which both loaders take as is), the MTP tensors as the family's
-    checkpoints name them."""
+    checkpoints name them; a layout with ``weights`` (deepseek_v4: mlx-lm has no
+    trunk for it) draws them all there, in its release's names."""
 
     model_type: str
     config: Callable[[float, int, int], dict]
@@ -189,6 +272,9 @@ class Arch:
     lm_head: str
     final_norm: str
     block_prefix: Callable[[dict], str]  # where the MTP block's tensors sit
+    # random weights in the checkpoint's names, MTP layer included (None: the mlx-lm
+    # trunk's and `block`'s)
+    weights: Optional[Callable[[dict, int], dict]] = None
 
     @property
     def layout(self):
@@ -236,9 +322,25 @@ ARCHS = {
         "language_model.model.norm.weight",
         lambda config: "mtp.layers.0.",
     ),
+    "deepseek_v4": Arch(
+        "deepseek_v4",
+        deepseek_v4_config,
+        "embed.weight",
+        "head.weight",
+        "norm.weight",
+        lambda config: "mtp.0.",
+        deepseek_v4_weights,
+    ),
 }
-# The trunk's and the head's block outputs, damped: attention, Gated-DeltaNet, MLP.
-DAMPED = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+# The trunk's and the head's block outputs, damped: attention, Gated-DeltaNet, MLP
+# (V4: attention's wo_b, the experts' w2).
+DAMPED = (
+    "o_proj.weight",
+    "out_proj.weight",
+    "down_proj.weight",
+    "wo_b.weight",
+    ".w2.weight",
+)
 
 
 def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0):
@@ -249,7 +351,10 @@ def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0)
 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
-    w = {k: v for k, v in tree_flatten(arch.trunk(config).parameters())}
+    if arch.weights is not None:
+        w = arch.weights(config, seed)
+    else:
+        w = {k: v for k, v in tree_flatten(arch.trunk(config).parameters())}
     text = config.get("text_config", config)
     V, H = text["vocab_size"], text["hidden_size"]
     embed = mx.random.normal((V, H)) * (EMBED_SCALE / np.sqrt(H))
@@ -271,8 +376,9 @@ def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0)
         emitted[order] = 4.0
         w[arch.lm_head] = unit[mx.array(inverse)] * mx.array(emitted)
     prefix = arch.block_prefix(config)
-    for k, v in tree_flatten(arch.block(config).parameters()):  # after the embedding
-        w[f"{prefix}{k}"] = v * (DAMPING if k.endswith(DAMPED) else 1.0)
+    if arch.weights is None:  # else the block came with them (and is damped)
+        for k, v in tree_flatten(arch.block(config).parameters()):  # after embed
+            w[f"{prefix}{k}"] = v * (DAMPING if k.endswith(DAMPED) else 1.0)
     layout = arch.layout
     for name in ("enorm", "hnorm"):
         w[layout.key(config, 0, name)] = mx.ones((H,))
@@ -515,9 +621,17 @@ def write_conversion(out: Path, arch: Arch, config: dict, w: dict, vocab, info) 
 def set_gamma(
     arch: Arch, w: dict, config: dict, gamma: float, passthrough=None
 ) -> None:
+    """``eh_proj = [passthrough | gamma R]`` (its halves apart, where the layout
+    keeps them so)."""
     H = w["_noise"].shape[0]
     passthrough = mx.eye(H) if passthrough is None else passthrough
-    w[arch.layout.key(config, 0, "eh_proj")] = mx.concatenate(
+    layout = arch.layout
+    if layout.halves:
+        prefix = layout.prefix(config, 0)
+        for name, half in zip(layout.halves, (passthrough, gamma * w["_noise"])):
+            w[f"{prefix}{name}.weight"] = half
+        return
+    w[layout.key(config, 0, "eh_proj")] = mx.concatenate(
         [passthrough, gamma * w["_noise"]], axis=1
     )
 
@@ -553,7 +667,8 @@ def main():
         "--layout",
         choices=sorted(ARCHS),
         default="llama",
-        help="llama (dense) or qwen3_5 (Gated-DeltaNet and full attention, 3:1)",
+        help="llama (dense), qwen3_5 (Gated-DeltaNet and full attention, 3:1) or "
+        "deepseek_v4 (V4-Flash's release layout)",
     )
     p.add_argument(
         "--draft-vocab-size",
@@ -574,6 +689,8 @@ def main():
         help="with --zipf: the trunk's mean probability of its successor token",
     )
     args = p.parse_args()
+    if args.layout == "deepseek_v4" and args.zipf:
+        p.error("--zipf is not built for --layout deepseek_v4")
     if args.zipf and args.draft_vocab_size:
         p.error("--zipf cannot be combined with --draft-vocab-size")
     if args.zipf < 0:

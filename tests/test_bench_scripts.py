@@ -1,6 +1,7 @@
 """The batch and server benchmarks parse their arguments, and the synthetic-model
-builder's Qwen3.5 layout loads in both loaders with its heads agreeing by construction
-(how it lands on an acceptance is the llama test's, in test_bench.py: the same code)."""
+builder's Qwen3.5 layout loads in both loaders with its heads agreeing by construction,
+its DeepSeek-V4 layout in mlx-mtp's (how it lands on an acceptance is the llama test's,
+in test_bench.py: the same code)."""
 
 import json
 import subprocess
@@ -66,4 +67,37 @@ def test_synthetic_qwen3_5_loads_in_both_loaders(tmp_path, monkeypatch):
     )
     plain = [t for t, _ in generate_step(mx.array(prompt), trunk, max_tokens=24)]
     assert [o.token for o in outs] == plain
+    assert outs[-1].stats.acceptance_rate > 0.8
+
+
+def test_synthetic_deepseek_v4_is_the_release_layout(tmp_path, monkeypatch):
+    """V4-Flash's release layout from the fixture builder at the script's shapes:
+    DeepSeek's names with ``e_proj`` and ``h_proj`` apart, window, CSA and HCA layers,
+    hash routing; at gamma 0 the head drafts the trunk's next-but-one token, and
+    drafting decodes token for token as plain decoding."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import make_synthetic_model as syn
+
+    arch = syn.ARCHS["deepseek_v4"]
+    config = syn.deepseek_v4_config(7e5, 512, 64)  # 4 layers
+    ratios = config["compress_ratios"]
+    assert ratios[:4] == [0, 0, 4, 16] and ratios[-1] == 0
+    assert len(ratios) == config["num_hidden_layers"] + 1
+    w = syn.build_weights(arch, config, seed=0)[0]
+    syn.set_gamma(arch, w, config, 0.0)
+    w.pop("_noise")
+    assert {"mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "head.weight"} <= set(w)
+    assert "layers.0.ffn.gate.tid2eid" in w and "mtp.0.ffn.gate.bias" in w
+    write_tokenizer(tmp_path, 512)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), w)
+
+    model = load_model(str(tmp_path))[0]
+    assert model.num_mtp_layers == 1
+    prompt = np.random.default_rng(0).integers(0, 512, 12).tolist()
+    outs = list(
+        mtp_generate_step(prompt, model, HEADS, num_draft_tokens=1, max_tokens=24)
+    )
+    plain = mtp_generate_step(prompt, model, HEADS, num_draft_tokens=0, max_tokens=24)
+    assert [o.token for o in outs] == [o.token for o in plain]
     assert outs[-1].stats.acceptance_rate > 0.8
