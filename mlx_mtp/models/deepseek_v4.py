@@ -135,24 +135,25 @@ class Indexer(nn.Module):
 
     def __call__(
         self, x, q_residual, offset: int, state: CompressorState, rope
-    ) -> mx.array:
-        """``(B, L, N)``: True where a query attends to a compressed entry."""
+    ) -> Optional[mx.array]:
+        """``(B, L, topk)`` the entries each query attends to (-1: none), or None
+        when there are no more entries than ``topk`` (a query sees every closed
+        one)."""
         keys = self.compressor(x, state, rope)  # (B, N, c)
         B, L, N = x.shape[0], x.shape[1], keys.shape[1]
-        visible = visible_entries(offset, L, N, 4)
         if N <= self.topk:
-            return mx.broadcast_to(visible, (B, L, N))
+            return None
         q = self.q_b_proj(q_residual).reshape(B, L, self.num_heads, self.dim)
         q = _rope(q, rope, offset=offset).astype(mx.float32)
         scores = mx.maximum(q @ keys[:, None].swapaxes(-1, -2), 0.0)  # (B, L, h, N)
         weights = self.weights_proj(x).astype(mx.float32) * self.num_heads**-0.5
         scores = mx.sum(scores * weights[..., None], axis=2) * self.dim**-0.5
+        visible = visible_entries(offset, L, N, 4)
         scores = mx.where(visible, scores, -mx.inf)  # (B, L, N)
         top = mx.argpartition(-scores, self.topk - 1, axis=-1)[..., : self.topk]
-        chosen = mx.put_along_axis(
-            mx.zeros(scores.shape, dtype=mx.bool_), top, mx.array(True), axis=-1
-        )
-        return chosen & visible
+        top = top.astype(mx.int32)
+        seen = mx.take_along_axis(mx.broadcast_to(visible, scores.shape), top, -1)
+        return mx.where(seen, top, -1)
 
 
 class Attention(lm.Attention):
@@ -215,15 +216,19 @@ class Attention(lm.Attention):
         q = _rope(q, self.rope, offset=offset).astype(mx.float32)
         kv = _rope(kv, self.rope, offset=offset)  # (B, L, d)
         window = cache.make_mask(L, return_array=True)  # (L, W), before the update
+        held = cache.offset - getattr(cache, "start", 0)  # rows kept before the pass
         keys, _ = cache.update_and_fetch(kv[:, None], kv[:, None, :, :0])
         keys = keys.astype(mx.float32)  # (B, 1, W, d)
         mask = mx.broadcast_to(window, (B, 1, L, keys.shape[2]))
         if self.ratio:
             entries = self.compressor(x, cache.compressed, self.rope)  # (B, N, d)
+            top = None
             if self.ratio == 4:
-                seen = self.indexer(x, q_residual, offset, cache.index, self.rope)
-            else:
-                seen = visible_entries(offset, L, entries.shape[1], self.ratio)
+                top = self.indexer(x, q_residual, offset, cache.index, self.rope)
+            if top is not None:  # each query its own top-k entries: gather them
+                out = self._sparse(q, keys[:, 0], entries, top, held)
+                return _rope(out, self.rope, offset=offset, inverse=True)
+            seen = visible_entries(offset, L, entries.shape[1], self.ratio)
             seen = mx.broadcast_to(seen, (B, L, entries.shape[1]))[:, None]
             keys = mx.concatenate([keys, entries[:, None]], axis=2)
             mask = mx.concatenate([mask, seen], axis=-1)
@@ -236,6 +241,18 @@ class Attention(lm.Attention):
             sinks=self.sinks.astype(mx.float32),
         )  # (B, H, L, d)
         return _rope(out.transpose(0, 2, 1, 3), self.rope, offset=offset, inverse=True)
+
+    def _sparse(self, q, rows, entries, top, held: int) -> mx.array:
+        """``(B, L, H, d)``: attention of each query over its window (of ``rows``,
+        the ``held`` rows kept before the pass, then the pass's) and its ``top``
+        entries, gathered (V4.1's sparse attention): O(window + topk) keys per query
+        however many entries there are."""
+        B, L = q.shape[:2]
+        win = lm._window_indices(previous=held, length=L, window=self.window)
+        win = mx.broadcast_to(win, (B, *win.shape))
+        return lm._sparse_attention(
+            q, [rows, entries], [win, top], sinks=self.sinks, scale=self.head_dim**-0.5
+        )
 
     def _output(self, out: mx.array, dtype) -> mx.array:
         """The grouped output projection of `_attend`'s ``(B, L, H, d)``."""
