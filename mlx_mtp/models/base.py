@@ -182,7 +182,8 @@ class Model(nn.Module):
             mask[rows] = True
             return lambda h: mx.where(mask, self.logits(h), -mx.inf)
         rows_head, size = RowsHead(full, rows), full.weight.shape[0]
-        return lambda h: expand(rows_head(h), rows, size)
+        width = self.args.hidden_size  # a wider (packed) state ends with the head's
+        return lambda h: expand(rows_head(h[..., -width:]), rows, size)
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.family.embed(self.trunk, ids)

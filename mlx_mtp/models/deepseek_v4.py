@@ -492,6 +492,11 @@ def logits(trunk: Model, h: mx.array) -> mx.array:
     return trunk.lm_head(h[..., -trunk.args.hidden_size :])
 
 
+def head(trunk: Model) -> nn.Module:
+    """The projection `logits` applies to the last ``hidden_size`` entries."""
+    return trunk.lm_head
+
+
 def hidden_width(args: ModelArgs) -> int:
     return (args.hc_mult + 1) * args.hidden_size
 
@@ -580,5 +585,6 @@ FAMILY = define(
     fix_config=fix_config,
     hidden=hidden,
     logits=logits,
+    head=head,
     hidden_width=hidden_width,
 )

@@ -70,7 +70,8 @@ Optional (default in brackets):
 - ``trunk_classes(config) -> (Model, ModelArgs)`` [None: mlx-lm's classes for the
   ``model_type``]: the trunk's classes, for a model mlx-lm has none for;
 - ``hidden_width(args) -> int`` [``args.hidden_size``]: the last axis of ``hidden``
-  (wider when a family packs more than one state into it).
+  (wider when a family packs more than one state into it; the last ``hidden_size``
+  entries are then what its ``head`` projects).
 """
 
 import difflib
