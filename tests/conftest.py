@@ -7,17 +7,22 @@ import pytest
 from mlx_mtp.loading import load, load_model
 from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 
-# The slowest modules (the exactness sweeps over every family, conversions, several
-# ranks, full-disk and interrupted writes): behind the ``slow`` marker, so that
+# The slowest modules (the exactness sweeps over every family, conversions (GGUF, the
+# Gemma 4 pairs and DeepSeek-V4's release dtypes included), several ranks, batched V4
+# rows, full-disk and interrupted writes): behind the ``slow`` marker, so that
 # ``python -m pytest`` stays a few minutes; ``python -m pytest -m slow`` runs them,
 # and CI (.ci/run) runs both.
 SLOW_MODULES = {
     "test_batch_greedy",
     "test_batch_sampling",
     "test_convert",
+    "test_deepseek_v4_batch",
+    "test_deepseek_v4_release",
     "test_distributed",
     "test_draft_vocab",
     "test_gemma4",
+    "test_gemma4_convert",
+    "test_gguf",
     "test_greedy",
     "test_safety",
     "test_lookup",
