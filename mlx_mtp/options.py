@@ -7,8 +7,10 @@ nothing heavy (the CLI reads the defaults before MLX is loaded); `check` imports
 sampling rules when it runs.
 """
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Optional, Union
+from numbers import Integral, Real
+from typing import Any, Optional, Tuple, Union
 
 from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from .errors import MTPError
@@ -49,6 +51,15 @@ class DecodeOptions:
       heads' own rows or one of a few sizes, round by round, whichever the
       measured costs, acceptance and share of generated tokens inside say
       is fastest. The target distribution is never restricted.
+    - ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` (each
+      over its last ``*_context_size`` tokens) and ``logit_bias`` (token id to
+      bias, given as a dict or pairs): mlx-lm's logits processors, with its names
+      and meanings (None or 0: off); ``logits_processors``: more of them, mlx-lm's
+      ``f(tokens, logits)`` callables. Each applies at every position with that
+      position's own prefix, drafts included (`mlx_mtp.processors`).
+    - ``grammar``: a `mlx_mtp.grammar.GrammarSpec` (a JSON schema, any JSON
+      object, a regex) the output must follow: every target position and every
+      draft is masked by it.
     """
 
     max_tokens: int = 256
@@ -68,6 +79,28 @@ class DecodeOptions:
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
     quantized_kv_start: int = 5000
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None
+    presence_context_size: int = 20
+    frequency_penalty: Optional[float] = None
+    frequency_context_size: int = 20
+    logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None
+    logits_processors: Tuple[Any, ...] = ()
+    grammar: Any = None
+
+    def __post_init__(self):
+        """``logit_bias`` as sorted (token, bias) pairs, ``logits_processors`` as a
+        tuple: the options stay comparable."""
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(sorted(bias.items(), key=lambda kv: repr(kv[0])))
+        elif bias is not None and not isinstance(bias, tuple):
+            bias = tuple(tuple(kv) for kv in bias) if _iterable(bias) else bias
+        object.__setattr__(self, "logit_bias", bias or None)
+        procs = self.logits_processors
+        if isinstance(procs, list) or procs is None:
+            object.__setattr__(self, "logits_processors", tuple(procs or ()))
 
     @classmethod
     def names(cls) -> tuple:
@@ -133,7 +166,45 @@ class DecodeOptions:
         _check_int("prefill_step_size", self.prefill_step_size, 1)
         check_max_kv_size(self.max_kv_size)
         self._check_kv()
+        self._check_processors()
         return self
+
+    def _check_processors(self) -> None:
+        if self.repetition_penalty is not None:
+            if _real(self.repetition_penalty) is None or self.repetition_penalty < 0:
+                raise MTPError(
+                    "repetition_penalty must be a number >= 0, got "
+                    f"{self.repetition_penalty!r}"
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and _real(value) is None:
+                raise MTPError(f"{name} must be a finite number, got {value!r}")
+        for kind in ("repetition", "presence", "frequency"):
+            _check_int(f"{kind}_context_size", getattr(self, f"{kind}_context_size"), 1)
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, tuple) or not all(
+                isinstance(kv, tuple) and len(kv) == 2 for kv in bias
+            ):
+                raise MTPError("logit_bias must map token ids to numbers")
+            for token, value in bias:
+                if isinstance(token, bool) or not isinstance(token, Integral):
+                    raise MTPError(f"logit_bias keys must be token ids, got {token!r}")
+                if _real(value) is None:
+                    raise MTPError(
+                        f"logit_bias of token {token} must be a finite number, got "
+                        f"{value!r}"
+                    )
+        if not all(callable(p) for p in self.logits_processors):
+            raise MTPError("logits_processors must be callables f(tokens, logits)")
+        if self.grammar is not None:
+            from .grammar import GrammarSpec
+
+            if not isinstance(self.grammar, GrammarSpec):
+                raise MTPError(
+                    f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}"
+                )
 
     def _check_kv(self) -> None:
         if self.kv_bits is not None:
@@ -144,6 +215,22 @@ class DecodeOptions:
                 )
         _check_int("kv_group_size", self.kv_group_size, 1)
         _check_int("quantized_kv_start", self.quantized_kv_start, 0)
+
+
+def _iterable(value) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return not isinstance(value, (str, bytes))
+
+
+def _real(value) -> Optional[float]:
+    """``value`` as a finite float, or None when it is not a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return None
+    x = float(value)
+    return x if math.isfinite(x) else None
 
 
 def _check_int(name: str, value, low: int) -> None:

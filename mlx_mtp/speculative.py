@@ -44,6 +44,7 @@ from .draft_length import DraftPolicy
 from .errors import MTPError
 from .lookup import continuation
 from .options import DecodeOptions
+from .processors import Rules, make_rules
 from .rejection import AcceptResult, accept_greedy, accept_stochastic
 from .resolve import Drafting, drafting
 from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
@@ -94,8 +95,15 @@ class Round:
     result: AcceptResult
 
 
-def _pick(logits: mx.array, params: SamplingParams, key) -> tuple:
-    """One draft token from ``(1, V)`` logits, and its filtered distribution."""
+def _pick(logits: mx.array, params: SamplingParams, key, rules=None, drafts=()):
+    """One draft token from ``(1, V)`` logits, and its filtered distribution; with
+    `Rules`, the logits are first processed as the target's row after ``drafts``
+    will be (and the token goes to the grammar)."""
+    if rules is not None:
+        logits = rules.draft_logits(logits, drafts)
+        token, lp = _pick(logits, params, key)
+        rules.push(token)
+        return token, lp
     if params.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None
     logprobs = filtered_logprobs(logits, params)  # (1, V)
@@ -118,9 +126,12 @@ def draft(
     params,
     key,
     vocab: Optional[int] = None,
+    rules=None,
 ) -> Draft:
     """Draft k tokens: MTP layers in order over the pending rows, then chain the last,
-    each token from the rows of the draft vocabulary ``vocab`` (`Model.draft_logits`).
+    each token from the rows of the draft vocabulary ``vocab`` (`Model.draft_logits`)
+    processed by ``rules`` (`mlx_mtp.processors.Rules`) as its target row will be;
+    a grammar that allows none of the vocabulary's rows drafts from the whole head.
 
     Layer j < depth runs on every row from the frontier to the newest; a layer used past
     its own depth (k > number of layers) runs on its own output at the next position.
@@ -130,7 +141,7 @@ def draft(
     if k == 0 or state.depth == 0 or rows <= 0:
         return Draft(mx.zeros((0,), dtype=mx.int32), None, 0)
     if model.assistant is not None:
-        return draft_assisted(model, caches.trunk, state, k, params, key)
+        return draft_assisted(model, caches.trunk, state, k, params, key, rules)
     mtp_caches = caches.mtp
     keys = mx.random.split(key, k)
     h, tokens, logprobs = state.hidden, [], []
@@ -140,14 +151,27 @@ def draft(
         else:
             layer, h, ids = state.depth - 1, h[:, -1:], tokens[-1][None]
         h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (1, R, H)
-        token, lp = _pick(model.draft_logits(h[:, -1], vocab), params, keys[j])
+        logits = model.draft_logits(h[:, -1], vocab)
+        if rules is not None and rules.needs_tokens:
+            logits = _allowed_rows(model, h[:, -1], logits, rules, tokens)
+        token, lp = _pick(logits, params, keys[j], rules, tokens)
         tokens.append(token)
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)
     return Draft(mx.concatenate(tokens), q, min(k, state.depth), vocab=vocab)
 
 
-def draft_assisted(model, trunk_caches, state: DecodeState, k: int, params, key):
+def _allowed_rows(model, h, logits, rules, drafts):
+    """The draft vocabulary's ``(1, V)`` logits, or the whole head's when the
+    grammar allows none of its rows (read on the host: a grammar syncs anyway)."""
+    if mx.isfinite(rules.draft_logits(logits, drafts)).any().item():
+        return logits
+    return model.logits(h)
+
+
+def draft_assisted(
+    model, trunk_caches, state: DecodeState, k: int, params, key, rules=None
+):
     """Draft k tokens with an assistant: every step at the position n of the pending
     token t_n, from (t_n, h_{n-1}) and then (its last draft, its own h'), reading the
     trunk's K/V of positions < n; nothing is written to any cache."""
@@ -158,7 +182,7 @@ def draft_assisted(model, trunk_caches, state: DecodeState, k: int, params, key)
     h, tokens, logprobs = state.hidden[:, -1:], [], []  # h_{n-1}: (1, 1, H)
     for j in range(k):
         logits, h = model.assist(token[None], h, kv, n)  # (1, 1, V), (1, 1, H)
-        token, lp = _pick(logits[:, -1], params, keys[j])
+        token, lp = _pick(logits[:, -1], params, keys[j], rules, tokens)
         tokens.append(token)
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)
@@ -176,13 +200,19 @@ def draft_lookup(tokens: List[int], params, vocab_size: int) -> Draft:
     return Draft(ids, q, 0, "lookup")
 
 
-def verify(model, trunk_cache, pending: Union[int, mx.array], d: Draft) -> Verified:
-    """One trunk pass over [t_n, d_1..d_k] (t_n may still be lazy)."""
+def verify(
+    model, trunk_cache, pending: Union[int, mx.array], d: Draft, rules=None
+) -> Verified:
+    """One trunk pass over [t_n, d_1..d_k] (t_n may still be lazy); with ``rules``,
+    row j's logits processed with the prefix that ends in d_1..d_j."""
     t_n = mx.array(pending, dtype=mx.int32).reshape(1)
     ids = mx.concatenate([t_n, d.tokens])[None]
     marks = begin_verify(trunk_cache)
     hidden = model.hidden(ids, trunk_cache)  # (1, k + 1, H)
-    return Verified(hidden, log_softmax(model.logits(hidden)[0]), marks)
+    logits = model.logits(hidden)[0]  # (k + 1, V)
+    if rules is not None:
+        logits = rules.verify_logits(logits, d.tokens)
+    return Verified(hidden, log_softmax(logits), marks)
 
 
 def accept(d: Draft, v: Verified, params: SamplingParams, key) -> AcceptResult:
@@ -294,6 +324,7 @@ def build_round(
     pending: Optional[mx.array] = None,
     lookup: Optional[List[int]] = None,
     vocab: Optional[int] = None,
+    rules=None,
 ) -> Round:
     """Build one round (draft, verify, accept) lazily and start evaluating it.
 
@@ -302,21 +333,30 @@ def build_round(
     keeps to this). ``pending`` (a lazy token) launches a plain round (k = 0) behind a
     plain round whose token is not known yet: its commit cannot depend on that token's
     value. ``lookup`` (tokens found in the context) drafts them instead of the heads;
-    ``vocab`` is the heads' draft vocabulary.
+    ``vocab`` is the heads' draft vocabulary; ``rules`` the generation's logits
+    processors and grammar (`mlx_mtp.processors.Rules`).
     """
     assert lookup or k == 0 or k >= state.depth, f"k = {k} < depth {state.depth}"
     draft_key, accept_key = mx.random.split(key)
     sync = Sync(model.group)  # on several ranks: rank 0's drafts and decision
+    if rules is not None:
+        rules.begin(pending)
     if lookup:
         d = draft_lookup(lookup, params, model.args.vocab_size)
+        if rules is not None:
+            for token in d.tokens:
+                rules.push(token)
     else:
-        d = draft(model, caches, state, k, params, draft_key, vocab)
+        d = draft(model, caches, state, k, params, draft_key, vocab, rules)
+    if rules is not None:
+        rules.end_draft()
     if d.k and sync.group is not None:
         d = replace(d, tokens=sync.share(d.tokens))
         # Submitted now, so that every rank runs this collective before the verify
         # pass's: a pipeline stage's receive does not wait on the tokens in the graph.
         mx.async_eval(d.tokens)
-    v = verify(model, caches.trunk, state.tokens[-1] if pending is None else pending, d)
+    t_n = state.tokens[-1] if pending is None else pending
+    v = verify(model, caches.trunk, t_n, d, rules)
     result = accept(d, v, params, accept_key)
     if sync.group is not None:
         result = AcceptResult(
@@ -407,6 +447,7 @@ def mtp_generate_step(
     session: Optional["Session"] = None,
     on_prefill: Optional[Callable[["Session"], None]] = None,
     policy: Optional[DraftPolicy] = None,
+    tokenizer=None,
     **fields,
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
@@ -424,6 +465,8 @@ def mtp_generate_step(
             the first round (a server keeps a `Session.snapshot` of the prompt).
         policy: A `DraftPolicy` to size the heads' drafts instead of the one
             ``num_draft_tokens`` asks for.
+        tokenizer: The model's tokenizer (mlx-lm's wrapper), which a ``grammar``
+            option needs.
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -451,7 +494,9 @@ def mtp_generate_step(
     seed = options.seed
     if seed is None:  # drawn on rank 0: the same keys on every rank
         seed = Sync(model.group).share_int(int.from_bytes(os.urandom(4), "little") >> 1)
-    run = Run(model, session, plan, options, mx.random.key(seed))
+    if options.grammar is not None and tokenizer is None:
+        raise MTPError("a grammar (json_schema, regex) needs the model's tokenizer")
+    run = Run(model, session, plan, options, mx.random.key(seed), tokenizer)
     return _generate(run, prompt, on_prefill)
 
 
@@ -470,9 +515,11 @@ class Run:
     drafting: Drafting
     options: DecodeOptions
     key: mx.array
+    tokenizer: Any = None  # for a grammar (`mlx_mtp.grammar.Matcher`)
     stats: Optional[MTPStats] = None
     queued: List[Round] = field(default_factory=list)
     seen: int = 0
+    rules: Optional[Rules] = None  # processors and grammar; None: there are none
 
     def __post_init__(self):
         self.params = self.options.sampling
@@ -499,6 +546,9 @@ class Run:
             s.state = prefill(model, s.caches, prompt, depth, step, self.kv)
         self.stats = MTPStats(self.policy.max_k, self.drafting.lookup_tokens)
         self.seen = len(self.state.tokens) - 1
+        self.rules = make_rules(self.options, model.args.vocab_size, self.tokenizer)
+        if self.rules is not None:
+            self.rules.observe(self.state.tokens)
 
     def wanted(self, emitted: int) -> bool:
         """Whether a round after ``emitted`` tokens is still wanted."""
@@ -527,6 +577,8 @@ class Run:
         found = continuation(self.state.tokens, room) if room > 0 else None
         if found and self.drafting.sources is not None:
             found = found[: self.drafting.sources.lookup_length(len(found), k)]
+        if found and self.rules is not None:
+            found = self.rules.allowed_prefix(found)
         return found or None
 
     def launch(self, k: int, pending: Optional[mx.array] = None) -> None:
@@ -546,6 +598,7 @@ class Run:
             pending=pending,
             lookup=lookup,
             vocab=self.policy.vocab,
+            rules=self.rules,
         )
         self.queued.append(rnd)
 
@@ -574,6 +627,7 @@ class Run:
         if (
             self.kv.bits is not None
             or self.drafting.lookup_tokens  # a lookup needs the token before it
+            or (self.rules is not None and self.rules.needs_tokens)
             or rnd.draft.k
             or not self.wanted(self.stats.emitted + 1)
         ):
@@ -602,6 +656,8 @@ def _generate(run: Run, prompt: List[int], on_prefill=None):
             a = rnd.result.num_accepted.item()
             new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
             commit(run.caches, run.state, rnd, a, new)
+            if run.rules is not None:
+                run.rules.commit(new)
             run.queued.pop(0)
             run.kv.apply(run.caches.trunk)
             stats.record(rnd.draft.k, a, rnd.draft.source, rnd.draft.vocab)
