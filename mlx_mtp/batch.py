@@ -181,7 +181,8 @@ class Admission:
         seed = options.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") >> 1
-        self.run = Run(model, session, plan, options, mx.random.key(seed))
+        key = mx.random.key(seed)
+        self.run = Run(model, session, plan, options, key, batch.tokenizer)
         self.todo = prompt
         self.step = options.prefill_step_size
 
@@ -205,10 +206,8 @@ class Admission:
             s.state = append(model, s.caches, s.state, chunk, self.step, kv)
 
     def row(self, eos: Iterable[int]) -> Row:
-        run = self.run
-        run.stats = MTPStats(run.policy.max_k, run.drafting.lookup_tokens)
-        run.seen = len(run.state.tokens) - 1
-        return Row(self.uid, run, frozenset(eos))
+        self.run.begin()
+        return Row(self.uid, self.run, frozenset(eos))
 
 
 PAD_WASTE = 1.25  # prompts prefilled together: padded tokens over real ones, at most
@@ -298,6 +297,7 @@ class Batch:
         keep_sessions: A row leaving the batch (finished or removed) gets
             ``row.session``, a `Session` of its caches to go on from later (a
             server's prompt cache of the conversation).
+        tokenizer: The model's tokenizer, for rows whose options have a grammar.
 
     Every method is called from one thread (the generation loop's).
     """
@@ -310,6 +310,7 @@ class Batch:
         length=None,
         keep_sessions: bool = False,
         max_batch: int = DEFAULT_MAX_BATCH,
+        tokenizer=None,
     ):
         reason = batch_support(model)
         if reason is not None:
@@ -318,7 +319,7 @@ class Batch:
         self.depth = depth_for(model, self.options)
         self.model, self.eos = model, frozenset(eos)
         self.length, self.keep_sessions = length, keep_sessions
-        self.max_batch = max_batch
+        self.max_batch, self.tokenizer = max_batch, tokenizer
         self.rows: List[Row] = []  # the rows of the rounds launched
         self.joining: List[Row] = []  # joined, in the rounds launched from now on
         self.caches: Optional[Caches] = None
@@ -334,6 +335,8 @@ class Batch:
         options = DecodeOptions.build(options).check()
         if options.max_kv_size is not None or options.kv.bits is not None:
             raise MTPError("a batched stream cannot use max_kv_size or kv_bits")
+        if options.grammar is not None and self.tokenizer is None:
+            raise MTPError("a grammar (json_schema, regex) needs the model's tokenizer")
         return Admission(self, uid, prompt, options, session, policy)
 
     def join(self, admission: Admission) -> Row:
@@ -425,6 +428,7 @@ class Batch:
             rnd.K == 0
             and not self.joining
             and not any(r.run.drafting.lookup_tokens for r in self.rows)
+            and not any(r.run.rules and r.run.rules.needs_tokens for r in self.rows)
         )
 
     def _bases(self) -> list:
@@ -494,16 +498,25 @@ class Batch:
         for r in rows:
             r.run.key, sub = mx.random.split(r.run.key)
             r.draft_key, r.accept_key = mx.random.split(sub)
+        for b, r in enumerate(rows):
+            if r.run.rules is not None:
+                r.run.rules.begin(None if pending is None else pending[b])
         heads = [0 if r.lookup else r.k for r in rows]
         drafts, q = draft_rows(self.model, self.caches, rows, heads, self.depth)
         drafts, q = _with_lookups(rows, drafts, q, self.model.args.vocab_size)
         ks = [r.k for r in rows]
+        for r in rows:
+            if r.run.rules is not None:
+                for token in r.lookup or ():
+                    r.run.rules.push(token)
+                r.run.rules.end_draft()
         if pending is None:
             pending = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)
         ids = mx.concatenate([pending[:, None], drafts], axis=1)  # (B, K + 1)
         marks = begin_verify(self.caches.trunk) if ks and max(ks) else self._bases()
         hidden = self.model.hidden(ids, self.caches.trunk)  # (B, K + 1, H)
-        logprobs = log_softmax(self.model.logits(hidden))  # (B, K + 1, V)
+        logits = _verify_logits(rows, self.model.logits(hidden), drafts)
+        logprobs = log_softmax(logits)  # (B, K + 1, V)
         accepted, next_tokens = accept_rows(rows, ks, drafts, q, logprobs)
         mx.async_eval(accepted, next_tokens, drafts, hidden, logprobs)
         lookups = [r.lookup for r in rows]
@@ -537,6 +550,8 @@ class Batch:
             row.stats.emitted += len(new) - len(made)
             draft = Draft(mx.zeros((rnd.ks[b],)), None, 0, source, rnd.vocabs[b])
             row.run.observe(Round(draft, None, None), a, made)
+            if row.run.rules is not None:
+                row.run.rules.commit(new)
             row.batch_sizes[B] = row.batch_sizes.get(B, 0) + 1
             logprobs = rnd.logprobs[b, : len(new)]
             from_draft = [i < a for i in range(len(new))]
@@ -655,6 +670,52 @@ def _draft_logits(model, rows: List[Row], h: mx.array) -> mx.array:
     return logits
 
 
+def _ruled_logits(model, rows: List[Row], logits, h, drafts, ks: List[int]):
+    """``(B, V)`` draft logits, each row with rules processed as its target row
+    after its drafts so far will be (`mlx_mtp.processors.Rules`); a row past its
+    ``ks[b]`` drafts, whose drafts are never accepted, is left as it is. A grammar
+    that allows none of a draft vocabulary's rows drafts from the whole head (of
+    the trunk's hidden states ``h``; None for an assistant's)."""
+    j = len(drafts)
+    ruled = [b for b, r in enumerate(rows) if r.run.rules is not None and j < ks[b]]
+    if not ruled:
+        return logits
+    out = [logits[b : b + 1] for b in range(len(rows))]
+    for b in ruled:
+        rules, mine = rows[b].run.rules, [d[b : b + 1] for d in drafts]
+        out[b] = rules.draft_logits(out[b], mine)
+        if h is None or not rules.needs_tokens:
+            continue
+        if not mx.isfinite(out[b]).any().item():
+            out[b] = rules.draft_logits(model.logits(h[b : b + 1]), mine)
+    return mx.concatenate(out)
+
+
+def _push_rows(rows: List[Row], token: mx.array, ks: List[int], j: int) -> None:
+    """Give each grammar row its draft j (read to the host), up to its ``ks[b]``."""
+    ruled = [
+        b
+        for b, r in enumerate(rows)
+        if r.run.rules is not None and r.run.rules.needs_tokens and j < ks[b]
+    ]
+    if ruled:
+        host = token.tolist()
+        for b in ruled:
+            rows[b].run.rules.push(host[b])
+
+
+def _verify_logits(rows: List[Row], logits: mx.array, drafts: mx.array) -> mx.array:
+    """``(B, K + 1, V)`` target logits, each row with rules processed row by row
+    with its own prefixes (`mlx_mtp.processors.Rules.verify_logits`)."""
+    if all(r.run.rules is None for r in rows):
+        return logits
+    out = [
+        logits[b] if r.run.rules is None else r.run.rules.verify_logits(logits[b], d)
+        for b, (r, d) in enumerate(zip(rows, drafts))
+    ]
+    return mx.stack(out)
+
+
 def _pick_rows(rows: List[Row], logits: mx.array, keys: List[mx.array]):
     """One draft token per row from ``(B, V)`` logits: argmax for greedy rows, a
     sample from the row's filtered distribution otherwise. Returns ``(B,)`` tokens
@@ -724,7 +785,9 @@ def draft_rows(model, caches: Caches, rows: List[Row], ks: List[int], depth: int
             layer, h, ids = depth - 1, h[:, -1:], tokens[-1][:, None]
         h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (B, width, H)
         logits = _draft_logits(model, rows, h[:, -1])
+        logits = _ruled_logits(model, rows, logits, h[:, -1], tokens, ks)
         token, lp = _pick_rows(rows, logits, [k[j] for k in keys])
+        _push_rows(rows, token, ks, j)
         tokens.append(token)
         logprobs.append(lp)
     tokens, logprobs = tokens[:K], logprobs[:K]  # the deeper layers' ran for caches
@@ -763,7 +826,9 @@ def draft_assisted_rows(model, trunk_caches, rows: List[Row], ks: List[int]):
     for j in range(K):
         logits, h = model.assist(token[:, None], h, kv, n[:, 0], masks)
         step_keys = [rk[min(j, rk.shape[0] - 1)] for rk in keys]
-        token, lp = _pick_rows(rows, logits[:, -1], step_keys)
+        ruled = _ruled_logits(model, rows, logits[:, -1], None, tokens, ks)
+        token, lp = _pick_rows(rows, ruled, step_keys)
+        _push_rows(rows, token, ks, j)
         tokens.append(token)
         logprobs.append(lp)
     q = None

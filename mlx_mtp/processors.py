@@ -125,13 +125,14 @@ class Rules:
         target's row will be processed."""
         return self._process(logits, self._prefix(drafts), len(drafts))
 
-    def push(self, token: mx.array) -> None:
-        """The grammar consumes a draft token (read to the host here) and gives the
-        next row's mask; after a token it forbids, the rows that follow cannot be
-        accepted and repeat the last mask."""
+    def push(self, token) -> None:
+        """The grammar consumes a draft token (an int, or an array read to the host
+        here) and gives the next row's mask; after a token it forbids, the rows that
+        follow cannot be accepted and repeat the last mask."""
         if self.matcher is None:
             return
-        if not self._stuck and self.matcher.consume(int(token.item())):
+        token = int(token.item()) if isinstance(token, mx.array) else int(token)
+        if not self._stuck and self.matcher.consume(token):
             self._pushed += 1
             self.masks.append(self._mask())
         else:

@@ -544,9 +544,15 @@ class Run:
         else:
             depth = self.drafting.depth(model)
             s.state = prefill(model, s.caches, prompt, depth, step, self.kv)
+        self.begin()
+
+    def begin(self) -> None:
+        """Once the prompt is in the caches: the statistics, the positions seen and
+        the processors and grammar start."""
         self.stats = MTPStats(self.policy.max_k, self.drafting.lookup_tokens)
         self.seen = len(self.state.tokens) - 1
-        self.rules = make_rules(self.options, model.args.vocab_size, self.tokenizer)
+        vocab_size = self.model.args.vocab_size
+        self.rules = make_rules(self.options, vocab_size, self.tokenizer)
         if self.rules is not None:
             self.rules.observe(self.state.tokens)
 

@@ -182,3 +182,25 @@ def test_processors_blind_to_the_drafts_fail_the_test(tiny, monkeypatch):
     token repeats the first about 9% of the time instead of 1.5%)."""
     monkeypatch.setattr(Rules, "_prefix", lambda self, drafts: self.history)
     assert sampling_fails(tiny, SamplingParams(temp=1.0), 2)
+
+
+def test_batched_rows_with_their_own_processors_equal_mlx_lm(loaded):
+    """Rows with and without processors, from the heads and from lookups, decoded
+    together: each row's tokens are mlx-lm's with its own processors."""
+    from mlx_mtp.batch import run_batch
+    from mlx_mtp.options import DecodeOptions
+
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    texts = ("def forward(self, x):", "The quick brown fox", "a b a b a b a b")
+    prompts = [tokenizer.encode(t) for t in texts]
+    settings = [
+        dict(num_draft_tokens=3, draft_source="heads", **PENALTIES),
+        dict(num_draft_tokens=2, draft_source="heads"),
+        dict(num_draft_tokens=2, draft_source="lookup", **PENALTIES),
+    ]
+    options = [DecodeOptions(max_tokens=24, **s) for s in settings]
+    got = {i: [] for i in range(len(prompts))}
+    for out in run_batch(model, prompts, options):
+        got[out.uid] += out.tokens
+    for i, (ids, s) in enumerate(zip(prompts, settings)):
+        assert got[i] == plain(model, ids, 24, s), i
