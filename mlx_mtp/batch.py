@@ -873,6 +873,7 @@ def run_batch(
     options: Sequence[DecodeOptions],
     eos: Iterable[int] = (),
     max_batch: int = DEFAULT_MAX_BATCH,
+    tokenizer=None,
 ) -> Iterator[RowOutput]:
     """Decode ``prompts`` (token ids), prompt i with ``options[i]``, at most
     ``max_batch`` at a time: a prompt joins as soon as a row is free. Yields each
@@ -880,18 +881,20 @@ def run_batch(
 
     The batch's MTP layers are set by the options allowing the longest draft. A model
     whose caches cannot batch (`batch_support`) decodes the prompts one at a time
-    through the single-stream loop, with the same outputs.
+    through the single-stream loop, with the same outputs. ``tokenizer``: for
+    options with a grammar.
     """
     if len(options) != len(prompts):
         raise MTPError(f"{len(prompts)} prompts but {len(options)} sets of options")
     if type(max_batch) is not int or max_batch < 1:
         raise MTPError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
     if batch_support(model) is not None:
-        yield from _one_at_a_time(model, prompts, options, frozenset(eos))
+        yield from _one_at_a_time(model, prompts, options, frozenset(eos), tokenizer)
         return
     widest = max(options, key=lambda o: depth_for(model, o))
     # the batch sizes it reaches: the costs of larger ones are not measured
-    batch = Batch(model, widest, eos, max_batch=min(max_batch, len(prompts)))
+    rows = min(max_batch, len(prompts))
+    batch = Batch(model, widest, eos, max_batch=rows, tokenizer=tokenizer)
     waiting = list(range(len(prompts)))
     while waiting or len(batch):
         new = []  # prompts arriving together are prefilled together
@@ -905,11 +908,11 @@ def run_batch(
         yield from batch.step()
 
 
-def _one_at_a_time(model, prompts, options, eos) -> Iterator[RowOutput]:
+def _one_at_a_time(model, prompts, options, eos, tokenizer) -> Iterator[RowOutput]:
     from .speculative import mtp_generate_step
 
     for i, (prompt, opts) in enumerate(zip(prompts, options)):
-        steps = mtp_generate_step(prompt, model, opts)
+        steps = mtp_generate_step(prompt, model, opts, tokenizer=tokenizer)
         n = 0
         for step in steps:
             n += 1

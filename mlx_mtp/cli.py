@@ -397,6 +397,63 @@ SAMPLING_OPTIONS += [
 ]
 
 
+def _penalty(kind: str, help: str, low=None):
+    return [
+        click.option(
+            f"--{kind}-penalty",
+            type=click.FloatRange(min=low),
+            default=None,
+            help=help,
+        ),
+        click.option(
+            f"--{kind}-context-size",
+            type=click.IntRange(min=1),
+            default=20,
+            show_default=True,
+            help=f"The last tokens the {kind} penalty looks at.",
+        ),
+    ]
+
+
+# mlx-lm's logits processors and structured output: ``generate`` and ``chat``.
+PROCESSOR_OPTIONS = [
+    *_penalty(
+        "repetition",
+        "Divide the logits of tokens seen lately by this (negative ones: multiply), "
+        "as mlx-lm does (1: off).",
+        low=0,
+    ),
+    *_penalty("presence", "Subtract this from the logits of tokens seen lately."),
+    *_penalty(
+        "frequency",
+        "Subtract this from a token's logit for each time it was seen lately.",
+    ),
+    click.option(
+        "--logit-bias",
+        multiple=True,
+        metavar="ID=BIAS",
+        help="Add BIAS to the logit of token ID (repeatable).",
+    ),
+    click.option(
+        "--json-schema",
+        type=click.File("r"),
+        default=None,
+        help="Make the output JSON that follows the JSON schema in this file.",
+    ),
+    click.option(
+        "--json",
+        "json_object",
+        is_flag=True,
+        help="Make the output a JSON object.",
+    ),
+    click.option(
+        "--regex",
+        default=None,
+        help="Make the whole output match this regular expression.",
+    ),
+]
+
+
 def sampling_options(fn):
     for option in reversed(SAMPLING_OPTIONS):
         fn = option(fn)
@@ -428,6 +485,7 @@ def decode_options(fn):
             show_default=True,
             help="Positions before the KV cache is quantized.",
         ),
+        *PROCESSOR_OPTIONS,
         click.option("--system-prompt", default=None),
         click.option(
             "--allow-missing-heads",
@@ -451,10 +509,58 @@ def decode_options(fn):
 def _decode_options(options: dict, **fields) -> DecodeOptions:
     """The `DecodeOptions` of the shared flags (and ``fields``), checked."""
     names = set(DecodeOptions.names()) - {"max_tokens", "max_kv_size", "kv_bits"}
+    names -= {"logit_bias", "grammar"}
     chosen = {k: options[k] for k in names if k in options}
     kv_bits = options.get("kv_bits")
     chosen["kv_bits"] = None if kv_bits is None else int(kv_bits)
+    if "logit_bias" in options:
+        chosen["logit_bias"] = _logit_bias(options["logit_bias"])
+    if "regex" in options:
+        chosen["grammar"] = _grammar(options)
     return DecodeOptions.build(**chosen, **fields).check()
+
+
+def _logit_bias(pairs):
+    """``--logit-bias ID=BIAS`` flags as a dict (a bad one is a usage error)."""
+    bias = {}
+    for pair in pairs:
+        token, _, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise click.BadParameter(
+                f"{pair!r} is not ID=BIAS (a token id and a number)",
+                param_hint="--logit-bias",
+            ) from None
+    return bias or None
+
+
+def _grammar(options: dict):
+    """The grammar of ``--json-schema FILE``, ``--json`` or ``--regex`` (None
+    without); two of them is a usage error, a schema file that is not JSON a
+    one-line error."""
+    from .errors import MTPError
+    from .grammar import GrammarSpec
+
+    flags = {
+        "json_schema": "--json-schema",
+        "json_object": "--json",
+        "regex": "--regex",
+    }
+    given = [flag for name, flag in flags.items() if options.get(name)]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)} cannot go together")
+    if options.get("json_schema"):
+        f = options["json_schema"]
+        try:
+            return GrammarSpec.json_schema(f.read())
+        except MTPError as e:
+            raise MTPError(f"{f.name}: {e}") from None
+    if options.get("json_object"):
+        return GrammarSpec.json_object()
+    if options.get("regex"):
+        return GrammarSpec.regex(options["regex"])
+    return None
 
 
 def _rank() -> int:

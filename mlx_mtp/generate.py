@@ -59,6 +59,35 @@ def fit_context(model, prompt_tokens: int, max_tokens: int) -> int:
     return room if max_tokens < 0 else min(max_tokens, room)
 
 
+def grammar_fields(fields: dict) -> dict:
+    """``fields`` with the shorthands ``json_schema`` (a dict or JSON text),
+    ``json_object`` (True) and ``regex`` (a pattern) turned into the ``grammar``
+    option (`mlx_mtp.grammar.GrammarSpec`); more than one is an `MTPError`."""
+    from .grammar import GrammarSpec
+
+    given = {k: fields.pop(k, None) for k in ("json_schema", "json_object", "regex")}
+    given = {k: v for k, v in given.items() if v is not None and v is not False}
+    if len(given) + ("grammar" in fields and fields["grammar"] is not None) > 1:
+        raise MTPError("give one of json_schema, json_object, regex and grammar")
+    if "json_schema" in given:
+        fields["grammar"] = GrammarSpec.json_schema(given["json_schema"])
+    elif "json_object" in given:
+        fields["grammar"] = GrammarSpec.json_object()
+    elif "regex" in given:
+        fields["grammar"] = GrammarSpec.regex(given["regex"])
+    return fields
+
+
+def _checked(options: DecodeOptions, tokenizer) -> DecodeOptions:
+    """``options``, its grammar refused now, before any decoding, when the grammar
+    engine refuses it (`mlx_mtp.grammar.GrammarError`)."""
+    if options.grammar is not None:
+        from .grammar import check_grammar
+
+        check_grammar(options.grammar, tokenizer)
+    return options
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -80,7 +109,10 @@ def stream_generate(
         options: The `mlx_mtp.options.DecodeOptions` (default: its defaults);
             ``fields``, option names as keywords (``temp=0.7``,
             ``num_draft_tokens=2``, ...), override some of them. The drafting,
-            sampling (as in mlx-lm) and KV-cache options are described there.
+            sampling (as in mlx-lm), penalty, grammar and KV-cache options are
+            described there. Structured output: ``json_schema=`` (a dict or
+            JSON text), ``json_object=True`` or ``regex=`` (see
+            `grammar_fields`).
         session: A `Session` to go on from (multi-turn chat): ``prompt`` is then what
             follows the tokens of earlier calls, whose caches are reused.
         on_prefill: Called with the session once the prompt is in its caches.
@@ -90,9 +122,10 @@ def stream_generate(
     """
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
-    options = DecodeOptions.build(options, **fields).check()
+    options = DecodeOptions.build(options, **grammar_fields(fields)).check()
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
+    options = _checked(options, tokenizer)
     ids = encode_prompt(tokenizer, prompt)
     before = len(session.tokens) if session is not None else 0
     max_tokens = fit_context(model, before + len(ids), options.max_tokens)
@@ -102,6 +135,7 @@ def stream_generate(
         options.replace(max_tokens=max_tokens),
         session=session,
         on_prefill=on_prefill,
+        tokenizer=tokenizer,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -243,9 +277,11 @@ def batch_generate(
     if isinstance(prompts, (str, mx.array)) or not len(prompts):
         raise MTPError("prompts must be a non-empty list of prompts")
     ids = [encode_prompt(tokenizer, p) for p in prompts]
-    per_prompt = _per_prompt(options, len(ids), fields, max_tokens)
+    per_prompt = _per_prompt(options, len(ids), grammar_fields(fields), max_tokens)
     per_prompt = [
-        o.replace(max_tokens=fit_context(model, len(p), o.max_tokens))
+        _checked(
+            o.replace(max_tokens=fit_context(model, len(p), o.max_tokens)), tokenizer
+        )
         for o, p in zip(per_prompt, ids)
     ]
     tokens = [[] for _ in ids]
@@ -253,7 +289,7 @@ def batch_generate(
     eos = tokenizer.eos_token_ids
     tic = time.perf_counter()
     with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
-        for out in run_batch(model, ids, per_prompt, eos, max_batch):
+        for out in run_batch(model, ids, per_prompt, eos, max_batch, tokenizer):
             tokens[out.uid].extend(out.tokens)
             stats[out.uid] = out.stats
             if out.finish_reason is not None:

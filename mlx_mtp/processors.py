@@ -62,7 +62,8 @@ def make_rules(options, vocab_size: int, tokenizer=None) -> Optional["Rules"]:
         matcher = Matcher(options.grammar, tokenizer, vocab_size)
     if not processors and matcher is None:
         return None
-    return Rules(processors, matcher)
+    eos = tokenizer.eos_token_ids if tokenizer is not None else ()
+    return Rules(processors, matcher, eos)
 
 
 class Rules:
@@ -74,9 +75,13 @@ class Rules:
     target rows; `commit` with the round's tokens.
     """
 
-    def __init__(self, processors: Sequence[LogitsProcessor] = (), matcher=None):
+    def __init__(
+        self, processors: Sequence[LogitsProcessor] = (), matcher=None, eos=()
+    ):
         self.processors = list(processors)
         self.matcher = matcher
+        self.eos = frozenset(eos)  # a grammar ends with one of these
+        self._ended = False  # the committed tokens end with the grammar's EOS
         self.history = mx.zeros((0,), dtype=mx.int32)  # (n + 1,) committed tokens
         self.masks: List[mx.array] = []  # this round's grammar masks, (V,) each
         self._pushed = 0  # drafts the grammar consumed this round
@@ -98,13 +103,13 @@ class Rules:
         """Start a round; ``pending`` is its first input when not committed yet (a
         plain round queued behind another: no grammar then)."""
         self._pending = pending
-        self._pushed, self._stuck = 0, False
+        self._pushed, self._stuck, self._past_end = 0, False, self._ended
         self.masks = [self._mask()] if self.matcher is not None else []
 
     def _mask(self) -> Optional[mx.array]:
-        """The grammar's mask of the next token; None once it has ended (the
-        positions after its EOS are not constrained)."""
-        return None if self.matcher.done else self.matcher.mask()
+        """The grammar's mask of the next token; None once its EOS is in the
+        prefix (the positions after it are not constrained)."""
+        return None if self._past_end else self.matcher.mask()
 
     def _prefix(self, drafts: Sequence[mx.array]) -> mx.array:
         """The tokens before the row after ``drafts``. (n + 1 + j,)"""
@@ -132,8 +137,11 @@ class Rules:
         if self.matcher is None:
             return
         token = int(token.item()) if isinstance(token, mx.array) else int(token)
-        if not self._stuck and self.matcher.consume(token):
+        if self._past_end:
+            self.masks.append(None)
+        elif not self._stuck and self.matcher.consume(token):
             self._pushed += 1
+            self._past_end = token in self.eos
             self.masks.append(self._mask())
         else:
             self._stuck = True
@@ -141,13 +149,15 @@ class Rules:
 
     def allowed_prefix(self, tokens: List[int]) -> List[int]:
         """The longest prefix of ``tokens`` the grammar allows (a lookup draft)."""
-        if self.matcher is None:
+        if self.matcher is None or self._ended:
             return tokens
         n = 0
         for t in tokens:
             if not self.matcher.consume(t):
                 break
             n += 1
+            if t in self.eos:
+                break
         self.matcher.rollback(n)
         return tokens[:n]
 
@@ -171,5 +181,6 @@ class Rules:
         self.observe(tokens)
         if self.matcher is not None:
             for t in tokens:
-                if self.matcher.done or not self.matcher.consume(t):
+                if self._ended or not self.matcher.consume(t):
                     break
+                self._ended = t in self.eos

@@ -662,9 +662,9 @@ def _generate(run: Run, prompt: List[int], on_prefill=None):
             a = rnd.result.num_accepted.item()
             new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
             commit(run.caches, run.state, rnd, a, new)
+            run.queued.pop(0)
             if run.rules is not None:
                 run.rules.commit(new)
-            run.queued.pop(0)
             run.kv.apply(run.caches.trunk)
             stats.record(rnd.draft.k, a, rnd.draft.source, rnd.draft.vocab)
             run.observe(rnd, a, new)
