@@ -139,9 +139,11 @@ class Rules:
         token = int(token.item()) if isinstance(token, mx.array) else int(token)
         if self._past_end:
             self.masks.append(None)
+        elif not self._stuck and self._ends(token):
+            self._past_end = True
+            self.masks.append(None)
         elif not self._stuck and self.matcher.consume(token):
             self._pushed += 1
-            self._past_end = token in self.eos
             self.masks.append(self._mask())
         else:
             self._stuck = True
@@ -153,11 +155,12 @@ class Rules:
             return tokens
         n = 0
         for t in tokens:
+            if self._ends(t):
+                self.matcher.rollback(n)
+                return tokens[: n + 1]
             if not self.matcher.consume(t):
                 break
             n += 1
-            if t in self.eos:
-                break
         self.matcher.rollback(n)
         return tokens[:n]
 
@@ -181,6 +184,11 @@ class Rules:
         self.observe(tokens)
         if self.matcher is not None:
             for t in tokens:
+                self._ended = self._ended or self._ends(t)
                 if self._ended or not self.matcher.consume(t):
                     break
-                self._ended = t in self.eos
+
+    def _ends(self, token: int) -> bool:
+        """Whether ``token`` is an EOS that ends the grammar here (EOS is not given
+        to the engine, which may know fewer EOS ids than the tokenizer)."""
+        return token in self.eos and self.matcher.allows(token)
