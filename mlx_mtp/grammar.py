@@ -1,0 +1,283 @@
+"""Structured output: a grammar (JSON schema, any JSON object, regex, Lark) as a token
+mask over the model's vocabulary, with llguidance as the engine.
+
+This module owns the grammar's state over the generated tokens (consume, roll back,
+mask). It knows nothing of models, caches or the decode loop. The engine is imported
+when a grammar is first used, so that mlx-mtp without llguidance fails in one line.
+"""
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Sequence, Tuple, Union
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MTPError, one_line
+
+KINDS = ("json_schema", "json_object", "regex", "lark")
+
+# JSON whitespace between tokens: at most 20 characters a gap (pretty-printed JSON
+# fits; a model that falls into emitting spaces cannot run on until max_tokens).
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+ANY_OBJECT = '{"type":"object"}'
+
+
+class GrammarError(MTPError):
+    """A schema, regex or grammar the engine refuses; the message is its reason."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must follow; hashable (a field of `DecodeOptions`).
+
+    ``kind`` is one of `KINDS`; ``source`` is the schema as compact JSON text (its
+    keys in the schema's order: the order of ``properties`` is the order the
+    object's keys are generated in), the regex or the Lark grammar ("" for
+    ``json_object``).
+    """
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}; expected {KINDS}")
+        if not isinstance(self.source, str):
+            raise GrammarError(f"a {self.kind} grammar's source must be a string")
+
+    @classmethod
+    def json_schema(cls, schema: Union[dict, str]) -> "GrammarSpec":
+        """A JSON schema given as a dict or as JSON text."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError(
+                f"a JSON schema must be a JSON object, not {type(schema).__name__}"
+            )
+        try:
+            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"the JSON schema cannot be written as JSON: {e}")
+        return cls("json_schema", text)
+
+    @classmethod
+    def json_object(cls) -> "GrammarSpec":
+        """Any JSON object (OpenAI's ``response_format: json_object``)."""
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "GrammarSpec":
+        """The whole output matches ``pattern`` (Rust ``regex`` syntax)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError("a regex grammar needs a non-empty pattern")
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> "GrammarSpec":
+        """A Lark grammar in llguidance's dialect (rule ``start``)."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarError("a Lark grammar needs a non-empty text")
+        return cls("lark", grammar)
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise MTPError(
+            "structured output needs the llguidance package: pip install llguidance"
+        ) from None
+    return llguidance
+
+
+def _eos_ids(tokenizer) -> Tuple[int, ...]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        ids = [getattr(_hf(tokenizer), "eos_token_id", None)]
+    return tuple(sorted(int(i) for i in ids if i is not None))
+
+
+def _hf(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper``."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def engine_tokenizer(tokenizer):
+    """llguidance's tokenizer for mlx-lm's ``TokenizerWrapper`` (built once per
+    tokenizer and EOS set: about 0.25 s for 49k tokens)."""
+    return _engine_tokenizer(_hf(tokenizer), _eos_ids(tokenizer))
+
+
+@functools.lru_cache(maxsize=8)
+def _engine_tokenizer(hf, eos: Tuple[int, ...]):
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise MTPError(
+            "structured output needs a fast (tokenizers) tokenizer; "
+            f"{type(hf).__name__} has none"
+        )
+    if not eos:
+        raise MTPError("structured output needs the tokenizer's EOS token")
+    try:
+        return _llguidance().LLTokenizer(backend.to_str(), eos_token=list(eos))
+    except (ValueError, RuntimeError) as e:
+        raise MTPError(f"llguidance cannot read the tokenizer: {one_line(e)}") from None
+
+
+def _grammar_text(spec: GrammarSpec) -> str:
+    """The spec as an llguidance grammar (nothing is checked yet)."""
+    matcher = _llguidance().LLMatcher
+    if spec.kind == "regex":
+        return matcher.grammar_from_regex(spec.source)
+    if spec.kind == "lark":
+        return matcher.grammar_from_lark(spec.source)
+    schema = spec.source if spec.kind == "json_schema" else ANY_OBJECT
+    try:
+        return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise GrammarError(f"the JSON schema is refused: {one_line(e)}") from None
+
+
+_WHAT = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "lark": "Lark grammar",
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(spec: GrammarSpec, llt):
+    """A matcher in the grammar's start state, never advanced: each `Matcher` is a
+    copy of it (a copy shares the compiled grammar and the lexer built so far)."""
+    llg = _llguidance()
+    grammar = _grammar_text(spec)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, llt)
+    if is_error:
+        reason = one_line(messages[0] if messages else "refused")
+        raise GrammarError(f"llguidance refuses the {_WHAT[spec.kind]}: {reason}")
+    matcher = llg.LLMatcher(llt, grammar, log_level=0)
+    if matcher.is_error():
+        reason = one_line(matcher.get_error())
+        raise GrammarError(f"llguidance refuses the {_WHAT[spec.kind]}: {reason}")
+    return matcher
+
+
+def check_grammar(spec: GrammarSpec, tokenizer) -> None:
+    """Compile ``spec`` for ``tokenizer`` (cached); `GrammarError` with the engine's
+    reason if it refuses it (an unsupported keyword, a bad regex...)."""
+    _compiled(spec, engine_tokenizer(tokenizer))
+
+
+class Matcher:
+    """The grammar's state over the tokens generated so far (prompt not included).
+
+    Masks are (V,) bool arrays over the model's logits width V: ids the tokenizer
+    lacks (V larger than the tokenizer) are forbidden, ids past V are dropped. Once
+    the grammar is complete only the EOS ids are allowed. The mask of each state
+    on the current path is kept, so a state reached again after a rollback is not
+    recomputed.
+    """
+
+    def __init__(self, spec: GrammarSpec, tokenizer, vocab_size: int):
+        llt = engine_tokenizer(tokenizer)
+        self._engine = _compiled(spec, llt).deep_copy()
+        self.spec = spec
+        self.vocab_size = int(vocab_size)
+        self._kept = min(self.vocab_size, llt.vocab_size)  # engine ids in the mask
+        self._bitmask = np.zeros((1, (llt.vocab_size + 31) // 32), np.int32)
+        self._eos = [i for i in _eos_ids(tokenizer) if i < self.vocab_size]
+        self._eos_set = frozenset(self._eos)
+        self._consumed = 0
+        self._masks = [None]  # the mask at each depth 0..consumed, when computed
+
+    def _compute(self) -> np.ndarray:
+        """The current state's mask as a (V,) numpy bool array."""
+        out = np.zeros(self.vocab_size, np.bool_)
+        if self._engine.is_stopped():
+            out[self._eos] = True
+            return out
+        self._engine.unsafe_compute_mask_ptr(
+            self._bitmask.ctypes.data, self._bitmask.nbytes
+        )
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        out[: self._kept] = bits[: self._kept]
+        return out
+
+    def _current(self) -> Tuple[np.ndarray, mx.array]:
+        if self._masks[-1] is None:
+            allowed = self._compute()
+            self._masks[-1] = (allowed, mx.array(allowed))
+        return self._masks[-1]
+
+    def mask(self) -> mx.array:
+        """(V,) bool, True where the next token is allowed."""
+        return self._current()[1]
+
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next."""
+        token = int(token)
+        if not 0 <= token < self.vocab_size:
+            return False
+        if self._masks[-1] is not None:
+            return bool(self._masks[-1][0][token])
+        if token in self._eos_set:
+            return self._engine.is_accepting() or self._engine.is_stopped()
+        if self._engine.is_stopped() or token >= self._kept:
+            return False
+        return self._engine.validate_tokens([token]) == 1
+
+    def consume(self, token: int) -> bool:
+        """Advance by ``token``; False (the state unchanged) if it is forbidden."""
+        if not self.allows(token):
+            return False
+        if not self._engine.consume_token(int(token)):
+            raise MTPError(f"llguidance: {one_line(self._engine.get_error())}")
+        self._consumed += 1
+        self._masks.append(None)
+        return True
+
+    def consume_all(self, tokens: Sequence[int]) -> int:
+        """Consume ``tokens`` in order up to the first forbidden one; the number
+        consumed."""
+        for n, token in enumerate(tokens):
+            if not self.consume(token):
+                return n
+        return len(tokens)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` consumed tokens."""
+        if n == 0:
+            return
+        if not 0 < n <= self._consumed:
+            raise ValueError(f"cannot roll back {n} of {self._consumed} tokens")
+        if not self._engine.rollback(n):
+            raise MTPError(f"llguidance: {one_line(self._engine.get_error())}")
+        self._consumed -= n
+        del self._masks[-n:]
+
+    @property
+    def consumed(self) -> int:
+        """Tokens consumed so far (rollbacks subtracted)."""
+        return self._consumed
+
+    @property
+    def accepting(self) -> bool:
+        """The output may end here (EOS is allowed)."""
+        return self._engine.is_accepting() or self._engine.is_stopped()
+
+    @property
+    def done(self) -> bool:
+        """The grammar has consumed EOS or cannot go on (only EOS is allowed)."""
+        return self._engine.is_stopped()
+
+
+def constrain(logits: mx.array, mask: mx.array) -> mx.array:
+    """``logits`` with the entries ``mask`` forbids set to -inf; ``mask`` is (V,) or
+    broadcasts against ``logits`` (..., V)."""
+    return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
