@@ -224,9 +224,15 @@ def test_done_and_eos(tokenizer, checkpoint):
     assert not matcher.allows(eos[0]) and not matcher.accepting
     assert matcher.consume(encode(tokenizer, "7")[0])
     assert matcher.accepting and not matcher.done and matcher.allows(eos[0])
-    assert set(eos) < set(allowed(matcher))  # digits and EOS
+    before = allowed(matcher)
+    assert set(eos) < set(before)  # digits and EOS
     assert matcher.consume(eos[0]) and matcher.done
     assert allowed(matcher) == eos
+    # a drafted EOS rolls back like any token (the engine's state, no cached mask)
+    fresh = Matcher(GrammarSpec.regex("[0-9]+"), tokenizer, 512)
+    assert fresh.consume(encode(tokenizer, "7")[0]) and fresh.consume(eos[0])
+    fresh.rollback(1)
+    assert not fresh.done and allowed(fresh) == before
     # several EOS ids: all of them are allowed once the grammar is complete
     two = load_tokenizer(checkpoint(FAMILY, predictable=True))
     two.add_eos_token("<|im_end|>")
