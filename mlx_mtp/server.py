@@ -69,7 +69,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import server as lm_server
 from mlx_lm.generate import generation_stream, wired_limit
 
-from . import draft_vocab
+from . import anthropic_api, draft_vocab
 from .batch import (
     Admission,
     Batch,
@@ -85,6 +85,7 @@ from .defaults import DEFAULT_MAX_BATCH, MAX_DRAFT_TOKENS, SERVER_MAX_TOKENS
 from .draft_length import model_costs
 from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
+from .grammar import check_grammar
 from .loading import load
 from .models.deepseek_v4_cache import V4Cache
 from .options import DecodeOptions
@@ -174,11 +175,7 @@ DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
 # Request fields of mlx_lm.server whose features the MTP loop does not implement:
 # refused when set to anything but their neutral value.
 UNSUPPORTED = {
-    "repetition_penalty": (0, 0.0, 1, 1.0),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
     "xtc_probability": (0, 0.0),
-    "logit_bias": ({},),
     "adapters": (),
     "draft_model": (),
     "n": (1,),
@@ -397,12 +394,14 @@ def _options_error(e: MTPError) -> RequestError:
 
 class _Responses(Queue):
     """One request's response queue, which knows its request: ``ctx`` once the
-    generation put it, ``taken`` once the generation loop took the request, and
-    ``ended`` once None (the end) or an exception was put; nothing is put after."""
+    generation put it, ``taken`` once the generation loop took the request,
+    ``ended`` once None (the end) or an exception was put (nothing is put after), and
+    the ``tokens`` of the responses put."""
 
     def __init__(self):
         super().__init__()
         self.ctx, self.taken, self.ended = None, False, False
+        self.tokens: List[int] = []  # the reply's tokens, as put
         self._guard = threading.Lock()
 
     def put(self, item, block=True, timeout=None):
@@ -411,6 +410,8 @@ class _Responses(Queue):
                 return
             if isinstance(item, lm_server.GenerationContext):
                 self.ctx = item
+            elif isinstance(item, lm_server.Response):
+                self.tokens.append(item.token)
             self.ended = item is None or isinstance(item, BaseException)
             super().put(item, block, timeout)
 
@@ -673,7 +674,11 @@ class _Scheduler:
     def _new_batch(self) -> Batch:
         args = self.gen.cli_args
         return Batch(
-            self.model, args.decode, keep_sessions=True, max_batch=args.max_batch
+            self.model,
+            args.decode,
+            keep_sessions=True,
+            max_batch=args.max_batch,
+            tokenizer=self.gen.model_provider.tokenizer,
         )
 
     def busy(self) -> bool:
@@ -1277,6 +1282,7 @@ class MTPHandler(lm_server.APIHandler):
         self.rfile = _Deadline(self.rfile, self.connection, self.timeout)
         self._pending = None  # the body's bytes not read yet, once known
         self._job = None  # a completion request's record, once its fields passed
+        self._anthropic = False  # a request of Anthropic's Messages API
 
     def _received(self) -> None:
         """The request is read: from now on the timeout bounds each idle wait of the
@@ -1285,7 +1291,7 @@ class MTPHandler(lm_server.APIHandler):
 
     def _fail(self, error: RequestError) -> None:
         self._drain()
-        body = error.body()
+        body = anthropic_api.error_body(error) if self._anthropic else error.body()
         try:
             self.send_response(error.status)
             self.send_header("Content-type", "application/json")
@@ -1370,12 +1376,15 @@ class MTPHandler(lm_server.APIHandler):
     def _authorize(self) -> Optional[int]:
         """401 unless the request presents one of the API keys (``/health`` needs
         none); the index of the key it presented (None without keys)."""
-        keys = self.response_generator.cli_args.api_key
-        owner = key_owner(keys, self.headers.get("Authorization", ""))
+        keys, headers = self.response_generator.cli_args.api_key, self.headers
+        owner = key_owner(
+            keys, headers.get("Authorization", ""), headers.get("x-api-key", "")
+        )
         if keys and owner is None and self.path != "/health":
             raise RequestError(
                 401,
-                "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                "missing or wrong API key (send 'Authorization: Bearer KEY' or "
+                "'x-api-key: KEY')",
                 "authentication_error",
                 "invalid_api_key",
             )
@@ -1426,7 +1435,9 @@ class MTPHandler(lm_server.APIHandler):
 
     def do_POST(self):
         """A completion request, checked here before mlx-lm's handler serves it; a
-        failure anywhere after is answered here too (`_Refusal`)."""
+        failure anywhere after is answered here too (`_Refusal`). A Messages request
+        (Anthropic's API) is served as the chat request it translates to."""
+        self._anthropic = anthropic_api.under_messages(self.path)
         try:
             self._admit()
             owner = self._authorize()
@@ -1434,10 +1445,14 @@ class MTPHandler(lm_server.APIHandler):
             length = self._content_length()
             self._check_media_type()
             self._read_body(length)
+            if self._anthropic:
+                self._body, stream = anthropic_api.chat_request(self._body)
             self._check_fields(owner)
             self._check_room()
         except RequestError as e:
             return self._fail(e)
+        if self._anthropic:  # its chat reply streams, for `anthropic_api.Wire`
+            self._job.stream, self.path = stream, "/v1/chat/completions"
         self.rfile = io.BytesIO(self._raw)  # the checked body, for mlx-lm's handler
         self.headers.replace_header("Content-Length", str(len(self._raw)))
         try:
@@ -1446,17 +1461,23 @@ class MTPHandler(lm_server.APIHandler):
             self._answer(refusal)
 
     def _answer(self, refusal: "_Refusal") -> None:
-        """A request's failure in OpenAI's form: its error reply, or once its stream
-        started, an error event and ``[DONE]``."""
+        """A request's failure in its API's form: its error reply, or once its stream
+        started, an error event (OpenAI's then ``[DONE]``)."""
         if not refusal.streaming:
             return self._fail(refusal.error)
+        error = refusal.error
         try:
-            self.wfile.write(b"data: " + refusal.error.body() + b"\n\ndata: [DONE]\n\n")
+            if self._anthropic:
+                self.wfile.write(anthropic_api.error_event(error))
+            else:
+                self.wfile.write(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
             self.wfile.flush()
         except OSError:
             log.info("client went away before its error event")
 
     def _route(self) -> None:
+        if anthropic_api.is_messages(self.path):
+            return
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
             if self.path != "/chat/completions":
                 raise RequestError(404, f"no endpoint {self.path}", "not_found_error")
@@ -1574,9 +1595,21 @@ class MTPHandler(lm_server.APIHandler):
 
     def _decode_options(self, body: dict) -> DecodeOptions:
         """The request's decode options (`request_options`: the server's, then the
-        request's fields); 400 for those whose decoding would time round costs on
-        the generation thread (`times_costs`)."""
-        options = request_options(body, self.response_generator.cli_args.decode)
+        request's fields); 400 for a grammar the engine refuses (compiled here, on
+        the handler's thread, and cached for the generation), and for options whose
+        decoding would time round costs on the generation thread (`times_costs`)."""
+        provider = self.response_generator.model_provider
+        options = request_options(
+            body,
+            self.response_generator.cli_args.decode,
+            provider.model.args.vocab_size,
+        )
+        if options.grammar is not None:
+            try:
+                check_grammar(options.grammar, provider.tokenizer)
+            except MTPError as e:
+                message = f"response_format: {one_line(e)}"
+                raise bad_request(message, "response_format") from None
         if times_costs(self.response_generator.model_provider.model, options):
             n = options.draft_vocab
             raise bad_request(
@@ -1687,19 +1720,70 @@ class MTPHandler(lm_server.APIHandler):
         """mlx-lm's, serving the request as a `_Request`, which carries its `_Job` to
         the generator. A failure after the reply started ends the reply (a stream
         with an error event) and the server goes on; the request is counted out
-        once its reply is over."""
+        once its reply is over. A Messages request's reply goes through an
+        `anthropic_api.Wire` (`_wire`)."""
         job = self._job
+        wire = self._wire(stop_words) if self._anthropic else None
         try:
             super().handle_completion(_with_job(request, _Request, job), stop_words)
+            if wire is not None:
+                self._send_message(wire)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             log.info("client went away; its generation stopped")
         except Exception as e:  # after the reply started: end it, keep serving
             log.exception("request failed mid-reply")
-            if self.stream:
-                error = RequestError(500, one_line(e), "server_error")
-                self.wfile.write(b"data: " + error.body() + b"\n\n")
+            self._end_failed(RequestError(500, one_line(e), "server_error"), wire)
         finally:
+            if wire is not None:
+                self.wfile = wire.out
             self.response_generator.release(job.responses)
+
+    def _wire(self, stop_words) -> anthropic_api.Wire:
+        """``self.wfile`` as an `anthropic_api.Wire` for a Messages request's reply,
+        its stop reason read off the reply's tokens (`anthropic_api.stop_reason`)."""
+        job, tokenizer = self._job, self.response_generator.model_provider.tokenizer
+        stops = {
+            w: tuple(tokenizer.encode(w, add_special_tokens=False)) for w in stop_words
+        }
+
+        def stop(finish):
+            tokens, eos = job.responses.tokens, tokenizer.eos_token_ids
+            return anthropic_api.stop_reason(finish, tokens, eos, stops)
+
+        def reply():  # at the reply's headers: the request has its context
+            ctx, model = job.responses.ctx, self.requested_model
+            prompt, cached = len(ctx.prompt), ctx.prompt_cache_count
+            return anthropic_api.Reply(model, prompt, cached, stop)
+
+        self.wfile = anthropic_api.Wire(self.wfile, reply, job.stream)
+        return self.wfile
+
+    def _send_message(self, wire: anthropic_api.Wire) -> None:
+        """A Messages reply over: sent whole unless it streamed."""
+        self.wfile = wire.out
+        if wire.stream:
+            return
+        body = json.dumps(wire.reply.message()).encode()
+        self.send_response(200)
+        self.send_header("Content-type", "application/json")
+        self._set_cors_headers()
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+
+    def _end_failed(self, error: RequestError, wire) -> None:
+        """End a reply that failed after it started: a stream with an error event
+        in its API's form; a Messages reply not streamed (nothing sent yet) with
+        its error reply."""
+        if wire is None:
+            if self.stream:
+                self.wfile.write(b"data: " + error.body() + b"\n\n")
+            return
+        self.wfile = wire.out
+        if not wire.stream:
+            return self._fail(error)
+        self.wfile.write(anthropic_api.error_event(error))
 
     def generate_response(self, text, finish_reason, *args, **kwargs):
         response = super().generate_response(text, finish_reason, *args, **kwargs)

@@ -13,12 +13,13 @@ HTTP status and an OpenAI-style error body) for the client.
   `host_allowed`: a web page cannot drive a local server, nor rebind its name);
 - a lower bound on a prompt's tokens from its bytes, to refuse what cannot fit
   before tokenizing it (`prompt_bytes_per_token`);
-- which API key a request presents (`key_owner`).
+- which API key a request presents (`key_owner`: a bearer token or ``x-api-key``).
 """
 
 import hmac
 import ipaddress
 import json
+import re
 from typing import Optional
 from urllib.parse import urlsplit
 
@@ -96,14 +97,103 @@ def option_error(e: MTPError, name: str, field: str) -> RequestError:
 # mlx-mtp's own request fields, each the `DecodeOptions` field of its name: taken out
 # of the body (mlx-lm's handler reads the rest).
 DRAFTING_FIELDS = ("num_draft_tokens", "draft_source", "draft_vocab")
+# mlx-lm's logits-processor fields, each the `DecodeOptions` field of its name (left
+# in the body: mlx-lm's handler checks their types too). 0 is off, as in mlx-lm.
+PROCESSOR_FIELDS = (
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "logit_bias",
+)
 
 
-def request_options(body: dict, defaults: DecodeOptions) -> DecodeOptions:
+def logit_bias(value, vocab_size: int) -> Optional[dict]:
+    """A request's ``logit_bias`` (token ids as JSON keys, to numbers from -100 to
+    100, as OpenAI takes them) as a dict of ints to floats; a 400 naming the field
+    for anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must map token ids to numbers", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if not re.fullmatch("[0-9]{1,10}", str(key)) or int(key) >= vocab_size:
+            raise bad_request(
+                f"logit_bias key {key!r} is not a token id of this model (0 to "
+                f"{vocab_size - 1})",
+                "logit_bias",
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad_request(
+                f"logit_bias of token {key} must be a number, got {bias!r}",
+                "logit_bias",
+            )
+        if not -100 <= bias <= 100:
+            raise bad_request(
+                f"logit_bias of token {key} must be from -100 to 100, got {bias}",
+                "logit_bias",
+            )
+        out[int(key)] = float(bias)
+    return out or None
+
+
+def response_format(value):
+    """A request's ``response_format`` as a `mlx_mtp.grammar.GrammarSpec` (None for
+    plain text): ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type":
+    "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``
+    (the schema is always enforced, strict or not) or, as an extension, ``{"type":
+    "regex", "regex": PATTERN}``; a 400 naming the field otherwise (the engine's own
+    refusals are checked later, with the tokenizer: `mlx_mtp.grammar.check_grammar`).
+    """
+    from .grammar import GrammarError, GrammarSpec
+
+    field = "response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_request("response_format must be an object with a type", field)
+    kind = value["type"]
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return GrammarSpec.json_object()
+        if kind == "regex":
+            return GrammarSpec.regex(value.get("regex"))
+        if kind != "json_schema":
+            raise bad_request(
+                f"response_format type {kind!r} is not one of text, json_object, "
+                "json_schema, regex",
+                field,
+            )
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request(
+                "response_format json_schema needs a json_schema object with a "
+                "schema",
+                field,
+            )
+        strict = spec.get("strict", False)
+        if strict is not None and type(strict) is not bool:
+            raise bad_request("response_format strict must be true or false", field)
+        return GrammarSpec.json_schema(spec["schema"])
+    except GrammarError as e:
+        raise bad_request(f"response_format: {one_line(e)}", field) from None
+
+
+def request_options(
+    body: dict, defaults: DecodeOptions, vocab_size: int = 2**31
+) -> DecodeOptions:
     """The decode options of a request: ``defaults`` (the server's), then the
     request's own fields: the sampling settings and ``seed`` (checked already by
     `check_sampling`), ``max_completion_tokens`` or else ``max_tokens``, and
-    `DRAFTING_FIELDS`, which are taken out of ``body``. A value `DecodeOptions.check`
-    refuses is a 400 naming the field; ``draft_vocab`` is given as
+    `DRAFTING_FIELDS`, which are taken out of ``body``, `PROCESSOR_FIELDS` (0: off;
+    ``logit_bias`` as `logit_bias` reads it, over ``vocab_size`` tokens) and
+    ``response_format`` (`response_format`). A value `DecodeOptions.check` refuses
+    is a 400 naming the field; ``draft_vocab`` is given as
     `mlx_mtp.draft_vocab.parse` reads it."""
     from .draft_vocab import parse
 
@@ -119,6 +209,15 @@ def request_options(body: dict, defaults: DecodeOptions) -> DecodeOptions:
     for field in DRAFTING_FIELDS:
         if field in body:
             changes[field] = (field, body.pop(field))
+    for field in PROCESSOR_FIELDS:
+        value = body.get(field)
+        if field == "logit_bias":
+            value = logit_bias(value, vocab_size)
+        if value is not None and (value != 0 or field.endswith("_size")):
+            changes[field] = (field, value)
+    grammar = response_format(body.get("response_format"))
+    if grammar is not None:
+        changes["grammar"] = ("response_format", grammar)
     options = defaults
     for name, (field, value) in changes.items():
         try:
@@ -130,12 +229,15 @@ def request_options(body: dict, defaults: DecodeOptions) -> DecodeOptions:
     return options
 
 
-def key_owner(keys, authorization: str) -> Optional[int]:
-    """Which of ``keys`` an ``Authorization`` header ("Bearer KEY") presents: its
-    index, or None. Every key is compared, each in constant time."""
-    presented, owner = authorization.encode(), None
+def key_owner(keys, authorization: str, api_key: str = "") -> Optional[int]:
+    """Which of ``keys`` a request presents, in an ``Authorization`` header ("Bearer
+    KEY", OpenAI's) or an ``x-api-key`` one ("KEY", Anthropic's): its index, or None.
+    Every key is compared, both ways, each in constant time."""
+    bearer, plain, owner = authorization.encode(), api_key.encode(), None
     for i, key in enumerate(keys):
-        if hmac.compare_digest(presented, f"Bearer {key}".encode()):
+        as_bearer = hmac.compare_digest(bearer, f"Bearer {key}".encode())
+        as_plain = hmac.compare_digest(plain, key.encode())
+        if as_bearer or as_plain:
             owner = i
     return owner
 
