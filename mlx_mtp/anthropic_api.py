@@ -160,9 +160,10 @@ def chat_messages(messages) -> List[dict]:
             raise bad_request(f"{where}.role must be user or assistant", "messages")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
-        elif not isinstance(content, list):
+        elif not isinstance(content, list) or not content:
             raise bad_request(
-                f"{where}.content must be a string or a list of content blocks",
+                f"{where}.content must be a string or a non-empty list of content "
+                "blocks",
                 "messages",
             )
         elif role == "assistant":

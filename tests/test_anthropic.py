@@ -214,6 +214,7 @@ BAD = [
         "'video'",
     ),
     ("image", {"messages": [{"role": "user", "content": [IMAGE]}]}, "an image"),
+    ("no blocks", {"messages": [{"role": "user", "content": []}]}, "non-empty"),
     ("system role", {"messages": [{"role": "system", "content": "x"}]}, "role"),
     (
         "prefill",
