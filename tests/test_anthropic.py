@@ -332,7 +332,9 @@ def test_tool_use_and_tool_calls_stay_whole(served, monkeypatch):
         assert use.input == arguments
         calls["anthropic", k] = json.dumps(use.input, ensure_ascii=False)
         rounds[k] = r.model_extra["mtp"]["rounds"]
-        events = events_of(claude, **{**ask, "extra_body": extra})
+        with claude.messages.stream(**ask, extra_body=extra) as stream:
+            events = list(stream)  # Anthropic's events and the client's own
+            assert stream.get_final_message().content[1].input == arguments
         deltas = [e.delta for e in events if e.type == "content_block_delta"]
         pieces = [d.text for d in deltas if d.type == "text_delta"]
         (partial,) = [d.partial_json for d in deltas if d.type == "input_json_delta"]
