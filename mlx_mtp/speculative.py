@@ -22,6 +22,7 @@ What a generation drafts with is resolved once from its `DecodeOptions`
 """
 
 import copy
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator, List, Optional, Union
@@ -95,13 +96,22 @@ class Round:
     result: AcceptResult
 
 
-def _pick(logits: mx.array, params: SamplingParams, key, rules=None, drafts=()):
+def _pick(
+    logits: mx.array, params: SamplingParams, key, rules=None, drafts=(), full=None
+):
     """One draft token from ``(1, V)`` logits, and its filtered distribution; with
     `Rules`, the logits are first processed as the target's row after ``drafts``
-    will be (and the token goes to the grammar)."""
+    will be (and the token goes to the grammar). ``full``: the whole head's logits
+    (a thunk), drafted from instead when the grammar allows none of the rows of a
+    draft vocabulary's ``logits`` (known with the token: a grammar syncs anyway)."""
     if rules is not None:
-        logits = rules.draft_logits(logits, drafts)
-        token, lp = _pick(logits, params, key)
+        ruled = rules.draft_logits(logits, drafts)
+        token, lp = _pick(ruled, params, key)
+        if full is not None and rules.needs_tokens:
+            some = mx.isfinite(ruled).any()
+            mx.eval(token, some)
+            if not some.item():
+                token, lp = _pick(rules.draft_logits(full(), drafts), params, key)
         rules.push(token)
         return token, lp
     if params.greedy:
@@ -152,21 +162,14 @@ def draft(
             layer, h, ids = state.depth - 1, h[:, -1:], tokens[-1][None]
         h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (1, R, H)
         logits = model.draft_logits(h[:, -1], vocab)
-        if rules is not None and rules.needs_tokens:
-            logits = _allowed_rows(model, h[:, -1], logits, rules, tokens)
-        token, lp = _pick(logits, params, keys[j], rules, tokens)
+        full = None
+        if vocab is not None or "draft_vocab" in model.mtp:
+            full = functools.partial(model.logits, h[:, -1])
+        token, lp = _pick(logits, params, keys[j], rules, tokens, full)
         tokens.append(token)
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)
     return Draft(mx.concatenate(tokens), q, min(k, state.depth), vocab=vocab)
-
-
-def _allowed_rows(model, h, logits, rules, drafts):
-    """The draft vocabulary's ``(1, V)`` logits, or the whole head's when the
-    grammar allows none of its rows (read on the host: a grammar syncs anyway)."""
-    if mx.isfinite(rules.draft_logits(logits, drafts)).any().item():
-        return logits
-    return model.logits(h)
 
 
 def draft_assisted(

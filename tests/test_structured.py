@@ -149,3 +149,21 @@ def test_a_schema_the_engine_refuses_is_one_line(loaded):
         with pytest.raises(GrammarError) as e:
             decode(model, tokenizer, "x", json_schema=bad)
         assert "\n" not in str(e.value) and str(e.value)
+
+
+def test_a_grammar_outside_the_draft_vocabulary(loaded):
+    """A regex whose tokens are outside an 8-token draft vocabulary: the heads draft
+    from the whole head there, greedy equals plain, and sampled runs (no NaN from an
+    all-forbidden draft row) match the pattern."""
+    import re
+
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    pattern = "[QXZ]{3}-[0-9]{2}"
+    small = dict(num_draft_tokens=2, draft_source="heads", draft_vocab=8)
+    plain, _ = decode(model, tokenizer, "Code:", num_draft_tokens=0, regex=pattern)
+    assert decode(model, tokenizer, "Code:", regex=pattern, **small)[0] == plain
+    for seed in range(3):
+        text, _ = decode(
+            model, tokenizer, "Code:", regex=pattern, temp=1.0, seed=seed, **small
+        )
+        assert re.fullmatch(pattern, text), text
