@@ -32,6 +32,7 @@ OPENAI_ONLY = {
     "logprobs": None,
     "top_logprobs": None,
     "role_mapping": None,
+    "response_format": "output_format",
 }
 
 TOOL_CHOICES = ("auto", "any", "tool", "none")
@@ -121,8 +122,39 @@ def chat_request(body: dict) -> Tuple[dict, bool]:
     stop = stop_words(chat.pop("stop_sequences", None))
     if stop:
         chat["stop"] = stop
+    output = output_format(
+        chat.pop("output_format", None), chat.pop("output_config", None)
+    )
+    if output is not None:
+        chat["response_format"] = output
     chat["stream"], chat["stream_options"] = True, {"include_usage": True}
     return chat, stream
+
+
+def output_format(fmt, config) -> Optional[dict]:
+    """Anthropic's structured outputs (``output_format``, or ``output_config``'s
+    ``format``: ``{"type": "json_schema", "schema": {...}}``) as the chat endpoint's
+    ``response_format``; None without. The schema is enforced by the grammar engine
+    at every position, drafts included."""
+    if config is not None:
+        if not isinstance(config, dict):
+            raise bad_request("output_config must be an object", "output_config")
+        if fmt is not None and config.get("format") is not None:
+            raise bad_request(
+                "send output_format or output_config.format, not both", "output_config"
+            )
+        fmt = config.get("format", fmt)
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad_request(
+            "output_format must be an object with type json_schema and a schema",
+            "output_format",
+        )
+    if not isinstance(fmt.get("schema"), dict):
+        raise bad_request("output_format needs a schema object", "output_format")
+    schema = {"name": "output", "schema": fmt["schema"], "strict": True}
+    return {"type": "json_schema", "json_schema": schema}
 
 
 def system_messages(system) -> List[dict]:

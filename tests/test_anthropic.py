@@ -115,6 +115,49 @@ def test_replies_equal_generate_streamed_or_not_with_drafts(client, local):
     assert delta.model_extra["mtp"]["drafted"] > 0
 
 
+def test_structured_output_and_penalties_with_drafts(client, local):
+    """``output_format`` (and ``output_config.format``): a schema-valid reply equal
+    to plain constrained decoding, with drafts; the penalties and logit_bias fields
+    act as on the chat endpoint; a schema the engine refuses is a 400."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    want = expected(local, USER, 120, num_draft_tokens=0, json_schema=schema)
+    jsonschema.validate(json.loads(want), schema)
+    fmt = {"type": "json_schema", "schema": schema}
+    for extra in (
+        {"num_draft_tokens": 3, "output_format": fmt},
+        {"num_draft_tokens": 3, "output_config": {"format": fmt}},
+    ):
+        r = client.messages.create(
+            model=MODEL, max_tokens=120, messages=USER, extra_body=extra
+        )
+        assert r.content[0].text == want and r.stop_reason == "end_turn"
+        assert r.model_extra["mtp"]["accepted"] > 0
+    penalties = {"frequency_penalty": 0.7, "logit_bias": {"5": 2.0}}
+    want = expected(
+        local, USER, 12, num_draft_tokens=0, frequency_penalty=0.7, logit_bias={5: 2.0}
+    )
+    r = client.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        messages=USER,
+        extra_body={"num_draft_tokens": 2, **penalties},
+    )
+    assert r.content[0].text == want
+    bad = {"output_format": {"type": "json_schema", "schema": {"type": "wat"}}}
+    with pytest.raises(anthropic.BadRequestError, match="wat"):
+        client.messages.create(model=MODEL, max_tokens=8, messages=USER, extra_body=bad)
+
+
 def test_system_and_a_continued_conversation_reuse_the_cached_prefix(client, local):
     """System blocks are joined by a blank line; turn 2 (the reply as a content
     block) runs only its new tokens and equals a fresh decode of it all."""
