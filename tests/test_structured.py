@@ -167,3 +167,90 @@ def test_a_grammar_outside_the_draft_vocabulary(loaded):
             model, tokenizer, "Code:", regex=pattern, temp=1.0, seed=seed, **small
         )
         assert re.fullmatch(pattern, text), text
+
+
+def _outcomes(model, tokenizer, prompt, spec):
+    """Every complete token sequence the grammar allows after ``prompt`` (ending in
+    EOS) with its exact probability under plain constrained sampling at
+    temperature 1."""
+    import mlx.core as mx
+
+    from mlx_mtp.grammar import Matcher
+
+    eos = set(tokenizer.eos_token_ids)
+    matcher = Matcher(spec, tokenizer, model.args.vocab_size)
+    found = {}
+
+    def walk(seq, p):
+        logits = model(mx.array([prompt + seq]))[0, -1]
+        probs = mx.softmax(mx.where(matcher.mask(), logits, -mx.inf)).tolist()
+        for t, q in enumerate(probs):
+            if q == 0:
+                continue
+            if t in eos:
+                found[tuple(seq + [t])] = found.get(tuple(seq + [t]), 0) + p * q
+            elif matcher.consume(t):
+                walk(seq + [t], p * q)
+                matcher.rollback(1)
+
+    walk([], 1.0)
+    return found
+
+
+def _sampling_fails(model, tokenizer, n=200) -> bool:
+    import numpy as np
+
+    from mlx_mtp.grammar import GrammarSpec
+    from mlx_mtp.speculative import mtp_generate_step
+    from tests.test_sampling import chi_square_rejects
+
+    spec = GrammarSpec.regex("[ab]{2,3}")
+    prompt = tokenizer.encode("ab ba")
+    exact = _outcomes(model, tokenizer, prompt, spec)
+    assert 4 <= len(exact) and abs(sum(exact.values()) - 1) < 1e-4
+    index = {seq: i for i, seq in enumerate(exact)}
+    counts = np.zeros(len(exact))
+    eos = set(tokenizer.eos_token_ids)
+    for seed in range(n):
+        seq = []
+        for step in mtp_generate_step(
+            prompt,
+            model,
+            num_draft_tokens=2,
+            draft_source="heads",
+            draft_vocab="full",
+            temp=1.0,
+            seed=seed,
+            max_tokens=8,
+            grammar=spec,
+            tokenizer=tokenizer,
+        ):
+            seq.append(step.token)
+            if step.token in eos:
+                break
+        if tuple(seq) not in index:
+            return True  # an output plain constrained sampling never gives
+        counts[index[tuple(seq)]] += 1
+    return chi_square_rejects(counts, np.array(list(exact.values())))
+
+
+def test_sampling_under_a_grammar_is_plain_constrained_sampling(loaded):
+    """The complete outputs of a small regex, sampled with drafts, follow their exact
+    probabilities under plain constrained sampling (chi-square at 1e-4)."""
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    assert not _sampling_fails(model, tokenizer)
+
+
+@pytest.mark.slow
+def test_stale_grammar_masks_fail_the_sampling_test(loaded, monkeypatch):
+    """Negative control: every verified row masked with the first row's mask."""
+    from mlx_mtp.processors import Rules
+
+    process = Rules._process
+    monkeypatch.setattr(
+        Rules,
+        "_process",
+        lambda self, logits, prefix, j: process(self, logits, prefix, 0),
+    )
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    assert _sampling_fails(model, tokenizer)
