@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .batch import RowOutput, run_batch
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
+from .grammar import grammar_fields
 from .options import DecodeOptions
 from .speculative import Session, mtp_generate_step
 from .stats import MTPStats
@@ -57,25 +58,6 @@ def fit_context(model, prompt_tokens: int, max_tokens: int) -> int:
             f"the prompt has {prompt_tokens} tokens but the model's context is {limit}"
         )
     return room if max_tokens < 0 else min(max_tokens, room)
-
-
-def grammar_fields(fields: dict) -> dict:
-    """``fields`` with the shorthands ``json_schema`` (a dict or JSON text),
-    ``json_object`` (True) and ``regex`` (a pattern) turned into the ``grammar``
-    option (`mlx_mtp.grammar.GrammarSpec`); more than one is an `MTPError`."""
-    from .grammar import GrammarSpec
-
-    given = {k: fields.pop(k, None) for k in ("json_schema", "json_object", "regex")}
-    given = {k: v for k, v in given.items() if v is not None and v is not False}
-    if len(given) + ("grammar" in fields and fields["grammar"] is not None) > 1:
-        raise MTPError("give one of json_schema, json_object, regex and grammar")
-    if "json_schema" in given:
-        fields["grammar"] = GrammarSpec.json_schema(given["json_schema"])
-    elif "json_object" in given:
-        fields["grammar"] = GrammarSpec.json_object()
-    elif "regex" in given:
-        fields["grammar"] = GrammarSpec.regex(given["regex"])
-    return fields
 
 
 def _checked(options: DecodeOptions, tokenizer) -> DecodeOptions:

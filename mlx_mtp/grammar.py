@@ -85,6 +85,23 @@ class GrammarSpec:
         return cls("lark", grammar)
 
 
+def grammar_fields(fields: dict) -> dict:
+    """``fields`` with the shorthands ``json_schema`` (a dict or JSON text),
+    ``json_object`` (True) and ``regex`` (a pattern) turned into the ``grammar``
+    option (a `GrammarSpec`); more than one is a `GrammarError`."""
+    given = {k: fields.pop(k, None) for k in ("json_schema", "json_object", "regex")}
+    given = {k: v for k, v in given.items() if v is not None and v is not False}
+    if len(given) + ("grammar" in fields and fields["grammar"] is not None) > 1:
+        raise GrammarError("give one of json_schema, json_object, regex and grammar")
+    if "json_schema" in given:
+        fields["grammar"] = GrammarSpec.json_schema(given["json_schema"])
+    elif "json_object" in given:
+        fields["grammar"] = GrammarSpec.json_object()
+    elif "regex" in given:
+        fields["grammar"] = GrammarSpec.regex(given["regex"])
+    return fields
+
+
 def _llguidance():
     try:
         import llguidance

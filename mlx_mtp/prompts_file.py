@@ -4,7 +4,8 @@ results written, one JSON object per prompt.
 The file holds one prompt a line (plain text; blank lines skipped; the text is taken
 as it is, ``\\n`` included), or JSONL when every non-blank line is a JSON object:
 ``prompt`` (text) or ``messages`` (a chat), optional ``id``, and any `DecodeOptions`
-field (``max_tokens``, ``temp``, ``num_draft_tokens``, ...) for that prompt alone.
+field (``max_tokens``, ``temp``, ``num_draft_tokens``, ``logit_bias``, ...) for
+that prompt alone, or ``json_schema`` / ``json_object`` / ``regex`` for its grammar.
 Everything is checked before a model loads: a bad line is a `PromptsFileError`
 naming it.
 """
@@ -23,6 +24,7 @@ from .errors import MTPError, one_line
 from .options import DecodeOptions
 
 KEYS = ("prompt", "messages", "id")  # a JSONL line's keys besides the options
+GRAMMAR_KEYS = ("json_schema", "json_object", "regex")  # for the grammar option
 
 
 class PromptsFileError(MTPError):
@@ -99,13 +101,38 @@ def decode_options(prompts: List[FilePrompt], base: DecodeOptions, path: str = "
     out = []
     for p in prompts:
         where = f"{source_name(path)} line {p.line}"
-        for key, value in p.options.items():
+        options = _translated(p.options, where)
+        for key, value in options.items():
             _check_value(base, key, value, where)
         try:
-            out.append(base.replace(**p.options).check())
+            out.append(base.replace(**options).check())
         except MTPError as e:
             raise PromptsFileError(f"{where}: {one_line(e)}") from None
     return out
+
+
+def _translated(options: dict, where: str) -> dict:
+    """A line's options with its `GRAMMAR_KEYS` as the ``grammar`` option and the
+    JSON keys of ``logit_bias`` (text) as token ids."""
+    from .grammar import grammar_fields
+
+    options = dict(options)
+    bias = options.get("logit_bias")
+    if isinstance(bias, dict):
+        try:
+            options["logit_bias"] = {int(k): v for k, v in bias.items()}
+        except ValueError:
+            raise PromptsFileError(
+                f"{where}: logit_bias keys must be token ids"
+            ) from None
+    if "grammar" in options:
+        raise PromptsFileError(
+            f"{where}: give json_schema, json_object or regex, not grammar"
+        )
+    try:
+        return grammar_fields(options)
+    except MTPError as e:
+        raise PromptsFileError(f"{where}: {one_line(e)}") from None
 
 
 def source_name(path: str) -> str:
@@ -125,7 +152,7 @@ def _object(line: str) -> Optional[dict]:
 
 
 def _json_prompt(obj: dict, index: int, where: str) -> FilePrompt:
-    names = DecodeOptions.names()
+    names = DecodeOptions.names() + GRAMMAR_KEYS
     for key in obj:
         if key not in KEYS and key not in names:
             close = difflib.get_close_matches(key, KEYS + names, n=1)

@@ -102,6 +102,38 @@ def test_jsonl_with_per_prompt_options(model_path, model):
     assert rows[3]["mtp"]["drafted"] == 0 and rows[0]["mtp"]["drafted"] > 0
 
 
+def test_jsonl_lines_with_their_own_grammar_and_penalties(model_path, model):
+    """A line's json_schema, regex and logit_bias (JSON keys): each result is its
+    lone constrained, processed text."""
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}}
+    lines = [
+        {"prompt": "JSON:", "json_schema": schema, "max_tokens": 80},
+        {"prompt": "Code:", "regex": "[A-Z]{3}", "max_tokens": 8},
+        {"prompt": "a b c", "logit_bias": {"5": 3.0}, "frequency_penalty": 0.5},
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    args = ("generate", "--model", model_path, "--prompts-file", "-", "-k", "2")
+    result = run(*args, "-m", "10", "--quiet", input=text)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    tokenizer = model[1]
+    ids = [build_prompt(tokenizer, x["prompt"], None, False) for x in lines]
+    alone = [
+        lone(model, ids[0], max_tokens=80, num_draft_tokens=2, json_schema=schema),
+        lone(model, ids[1], max_tokens=8, num_draft_tokens=2, regex="[A-Z]{3}"),
+        lone(
+            model,
+            ids[2],
+            max_tokens=10,
+            num_draft_tokens=2,
+            logit_bias={5: 3.0},
+            frequency_penalty=0.5,
+        ),
+    ]
+    assert [r["text"] for r in rows] == alone
+    assert isinstance(json.loads(rows[0]["text"]), dict) and len(rows[1]["text"]) == 3
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -109,6 +141,8 @@ def test_jsonl_with_per_prompt_options(model_path, model):
         ('{"prompt": "a", "temp": -1}\n', "line 1: temp must be >= 0, got -1"),
         ('\n{"prompt": "a", "top_k": "x"}\n', "line 2: top_k must be an integer"),
         ('{"prompt": "a", "seed": true}\n', "line 1: seed must not be true"),
+        ('{"prompt": "a", "regex": "x", "json_object": true}\n', "line 1: give one of"),
+        ('{"prompt": "a", "logit_bias": {"x": 1}}\n', "line 1: logit_bias keys"),
         ('{"prompt": "a", "draft_vocab": "12"}\n', "line 1: draft_vocab must be"),
         ('{"prompt": "a"}\nplain text\n', "line 2: not a JSON object, but line 1"),
         ('{"id": 3}\n', "line 1: give either 'prompt' or 'messages'"),
