@@ -111,8 +111,11 @@ class Rules:
         prefix (the positions after it are not constrained)."""
         return None if self._past_end else self.matcher.mask()
 
-    def _prefix(self, drafts: Sequence[mx.array]) -> mx.array:
-        """The tokens before the row after ``drafts``. (n + 1 + j,)"""
+    def _prefix(self, drafts: Sequence[mx.array]) -> Optional[mx.array]:
+        """The tokens before the row after ``drafts``, (n + 1 + j,); None without
+        processors (a grammar reads its own state)."""
+        if not self.processors:
+            return None
         parts = [self.history]
         if self._pending is not None:
             parts.append(self._pending.reshape(1).astype(mx.int32))

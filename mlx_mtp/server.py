@@ -1425,13 +1425,18 @@ class MTPHandler(lm_server.APIHandler):
     def handle_models_request(self):
         provider = self.response_generator.model_provider
         data = [{"id": provider.served, "object": "model", "created": self.created}]
-        body = json.dumps({"object": "list", "data": data}).encode()
+        self._send_json({"object": "list", "data": data})
+
+    def _send_json(self, value) -> None:
+        """A 200 reply of ``value`` as JSON."""
+        body = json.dumps(value).encode()
         self.send_response(200)
         self.send_header("Content-type", "application/json")
         self._set_cors_headers()
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        self.wfile.flush()
 
     def do_POST(self):
         """A completion request, checked here before mlx-lm's handler serves it; a
@@ -1761,16 +1766,8 @@ class MTPHandler(lm_server.APIHandler):
     def _send_message(self, wire: anthropic_api.Wire) -> None:
         """A Messages reply over: sent whole unless it streamed."""
         self.wfile = wire.out
-        if wire.stream:
-            return
-        body = json.dumps(wire.reply.message()).encode()
-        self.send_response(200)
-        self.send_header("Content-type", "application/json")
-        self._set_cors_headers()
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        self.wfile.flush()
+        if not wire.stream:
+            self._send_json(wire.reply.message())
 
     def _end_failed(self, error: RequestError, wire) -> None:
         """End a reply that failed after it started: a stream with an error event
