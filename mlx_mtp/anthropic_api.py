@@ -33,6 +33,7 @@ OPENAI_ONLY = {
     "top_logprobs": None,
     "role_mapping": None,
     "response_format": "output_format",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
 }
 
 TOOL_CHOICES = ("auto", "any", "tool", "none")
@@ -116,9 +117,14 @@ def chat_request(body: dict) -> Tuple[dict, bool]:
     messages = chat.pop("messages", None)
     system = system_messages(chat.pop("system", None))
     chat["messages"] = system + chat_messages(messages)
-    tools = chat_tools(chat.pop("tools", None), chat.pop("tool_choice", None))
+    choice = chat.pop("tool_choice", None)
+    tools = chat_tools(chat.pop("tools", None), choice)
+    forced = chat_tool_choice(choice)
     if tools:
         chat["tools"] = tools
+        chat.update(forced)
+    elif "tool_choice" in forced:
+        raise bad_request("a forced tool call needs tools", "tool_choice")
     stop = stop_words(chat.pop("stop_sequences", None))
     if stop:
         chat["stop"] = stop
@@ -324,10 +330,8 @@ def _tool_message(block: dict, at: str, names: dict) -> dict:
 
 def chat_tools(tools, choice) -> Optional[List[dict]]:
     """Anthropic's ``tools`` (custom tools: name, description, input_schema) as the
-    OpenAI tools the chat template renders, as far as ``tool_choice`` lets: "auto"
-    (the default) shows them to the model, "none" does not. "any" and "tool" force a
-    tool call, which the template path cannot: a 400, as is
-    ``disable_parallel_tool_use`` (nothing limits a reply to one call)."""
+    OpenAI tools the chat template renders, as far as ``tool_choice`` lets: "none"
+    does not show them to the model, the others do (`chat_tool_choice`)."""
     kind = _tool_choice(choice)
     if tools is None:
         return None
@@ -347,19 +351,39 @@ def _tool_choice(choice) -> str:
             f"{', '.join(TOOL_CHOICES)}",
             "tool_choice",
         )
-    if kind in ("any", "tool"):
+    if kind == "tool" and not isinstance(choice.get("name"), str):
+        raise bad_request("tool_choice of type tool needs a name", "tool_choice")
+    parallel = choice.get("disable_parallel_tool_use", False)
+    if type(parallel) is not bool:
         raise bad_request(
-            f"tool_choice {kind!r} forces a tool call, which this server cannot: it "
-            "does not constrain a reply to a tool call; send tool_choice auto",
-            "tool_choice",
-        )
-    if choice.get("disable_parallel_tool_use"):
-        raise bad_request(
-            "tool_choice.disable_parallel_tool_use is not supported: nothing limits a "
-            "reply to one tool call",
+            "tool_choice.disable_parallel_tool_use must be true or false",
             "tool_choice",
         )
     return kind
+
+
+def chat_tool_choice(choice) -> dict:
+    """Anthropic's ``tool_choice`` as the chat request's fields: "any" is OpenAI's
+    "required" and "tool" its named function, both a grammar that makes the reply
+    tool calls only (`mlx_mtp.server_checks.tool_choice`);
+    ``disable_parallel_tool_use`` is ``parallel_tool_calls`` false (one call at most:
+    with "auto" nothing limits the calls, so it is a 400 there)."""
+    kind = _tool_choice(choice)
+    single = bool(choice and choice.get("disable_parallel_tool_use"))
+    if kind == "auto" and single:
+        raise bad_request(
+            "tool_choice.disable_parallel_tool_use needs tool_choice any or tool: "
+            "with auto nothing limits a reply to one tool call",
+            "tool_choice",
+        )
+    out = {}
+    if kind == "any":
+        out["tool_choice"] = "required"
+    elif kind == "tool":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    if single:
+        out["parallel_tool_calls"] = False
+    return out
 
 
 def _tool(tool, at: str) -> dict:

@@ -22,6 +22,12 @@ KINDS = ("json_schema", "json_object", "regex", "lark")
 # fits; a model that falls into emitting spaces cannot run on until max_tokens).
 JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
 ANY_OBJECT = '{"type":"object"}'
+# A forced tool call's JSON: written as the json_tools format's models write it.
+TOOL_JSON = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 class GrammarError(MTPError):
@@ -100,6 +106,63 @@ def grammar_fields(fields: dict) -> dict:
     elif "regex" in given:
         fields["grammar"] = GrammarSpec.regex(given["regex"])
     return fields
+
+
+def tool_calls(tools, tokenizer, name=None, parallel: bool = True) -> GrammarSpec:
+    """A reply of tool calls only, in the model's JSON tool-call format (mlx-lm's
+    ``json_tools`` parser: the template's start marker, ``{"name": ..., "arguments":
+    {...}}``, its end marker): one call, or with ``parallel`` one or more, each to
+    one of ``tools`` (OpenAI function tools) with arguments that follow its
+    ``parameters``, or to the tool ``name`` alone. A tokenizer with another tool-call
+    format is a `GrammarError` saying so."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    module = getattr(parser, "__module__", "") or ""
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    if parser is None or start is None:
+        raise GrammarError("this model's chat template has no tool calls to force")
+    if not module.endswith(".json_tools"):
+        kind = module.rpartition(".")[2] or "its own"
+        raise GrammarError(
+            f"forcing a tool call needs a JSON tool-call format; this model's is "
+            f"{kind} (mlx-lm's tool parser)"
+        )
+    calls = []
+    for tool in tools or ():
+        function = tool.get("function", {}) if isinstance(tool, dict) else {}
+        if name is not None and function.get("name") != name:
+            continue
+        arguments = function.get("parameters") or {"type": "object"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": function.get("name")},
+                    "arguments": arguments,
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    if not calls:
+        wanted = f"a tool named {name!r}" if name is not None else "tools"
+        raise GrammarError(f"a forced tool call needs {wanted} in the request's tools")
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {**schema, "x-guidance": TOOL_JSON}
+    call = f'{_marker(start, tokenizer)} "\\n"? body "\\n"? {_marker(end, tokenizer)}'
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return GrammarSpec.lark(
+        f"start: call{repeat}\ncall: {call}\nbody: %json "
+        + json.dumps(schema, ensure_ascii=False)
+    )
+
+
+def _marker(text: str, tokenizer) -> str:
+    """A tool-call marker in Lark: the token itself when the tokenizer has it as one
+    special token (its text would not match it), else the text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1 and engine_tokenizer(tokenizer).is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _llguidance():

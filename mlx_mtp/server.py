@@ -104,6 +104,7 @@ from .server_checks import (
     local_origin,
     prompt_bytes_per_token,
     request_options,
+    tool_choice,
     sampling_request_error,
 )
 from .speculative import Session, prefill
@@ -1615,6 +1616,9 @@ class MTPHandler(lm_server.APIHandler):
             except MTPError as e:
                 message = f"response_format: {one_line(e)}"
                 raise bad_request(message, "response_format") from None
+        forced = tool_choice(body, provider.tokenizer)
+        if forced is not None:
+            options = options.replace(grammar=forced)
         if times_costs(self.response_generator.model_provider.model, options):
             n = options.draft_vocab
             raise bad_request(

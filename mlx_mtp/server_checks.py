@@ -184,6 +184,58 @@ def response_format(value):
         raise bad_request(f"response_format: {one_line(e)}", field) from None
 
 
+def tool_choice(body: dict, tokenizer):
+    """OpenAI's ``tool_choice`` (and ``parallel_tool_calls``) as a grammar: "auto"
+    (the default): None; "none": None, and the tools taken out of ``body`` (the
+    template does not show them); "required", or ``{"type": "function", "function":
+    {"name": N}}``: a `mlx_mtp.grammar.tool_calls` grammar (one call when
+    ``parallel_tool_calls`` is false). A 400 naming the field for anything else,
+    for a forced call without tools, or for a model whose tool-call format cannot be
+    forced."""
+    from .grammar import GrammarError, check_grammar, tool_calls
+
+    choice, field = body.get("tool_choice"), "tool_choice"
+    parallel = body.get("parallel_tool_calls", True)
+    if type(parallel) is not bool:
+        raise bad_request(
+            "parallel_tool_calls must be true or false", "parallel_tool_calls"
+        )
+    if choice is None or choice == "auto":
+        return None
+    if choice == "none":
+        body.pop("tools", None)
+        return None
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict):
+            raise bad_request(
+                'tool_choice must be "auto", "none", "required" or {"type": '
+                '"function", "function": {"name": ...}}',
+                field,
+            )
+        name = function.get("name")
+        if not isinstance(name, str):
+            raise bad_request("tool_choice.function.name must be a string", field)
+    elif choice != "required":
+        raise bad_request(
+            f'tool_choice {choice!r} is not "auto", "none", "required" or a '
+            "function",
+            field,
+        )
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise bad_request(
+            "tool_choice: a forced tool call and response_format cannot go together",
+            field,
+        )
+    try:
+        spec = tool_calls(body.get("tools"), tokenizer, name, parallel)
+        check_grammar(spec, tokenizer)
+        return spec
+    except GrammarError as e:
+        raise bad_request(f"tool_choice: {one_line(e)}", field) from None
+
+
 def request_options(
     body: dict, defaults: DecodeOptions, vocab_size: int = 2**31
 ) -> DecodeOptions:

@@ -10,6 +10,7 @@ import json
 import shutil
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 
@@ -269,7 +270,18 @@ BAD = [
     ("tools type", {"tools": {"name": "x"}}, "tools must be a list"),
     ("server tool", {"tools": [{"type": "bash_20250124", "name": "bash"}]}, "custom"),
     ("no schema", {"tools": [{"name": "f"}]}, "input_schema"),
-    ("forced tool", {"tools": [WEATHER], "tool_choice": {"type": "any"}}, "forces"),
+    ("forced without tools", {"tool_choice": {"type": "any"}}, "needs tools"),
+    (
+        "forced unknown tool",
+        {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
+        "'nope'",
+    ),
+    (
+        "one call with auto",
+        {"tools": [WEATHER], "tool_choice": {"disable_parallel_tool_use": True}},
+        "tool_choice",
+    ),
+    ("OpenAI parallel", {"parallel_tool_calls": False}, "disable_parallel"),
     ("bad tool_choice", {"tool_choice": "auto"}, "tool_choice"),
     (
         "unknown tool_use_id",
@@ -421,6 +433,7 @@ def test_tool_use_and_tool_calls_stay_whole(served, monkeypatch):
 
 
 def test_tool_choice_none_hides_the_tools(served, monkeypatch):
+    """Anthropic's none and OpenAI's: the template does not show the tools."""
     tokenizer = served.generator.model_provider.tokenizer
     prompts = scripted([min(tokenizer.eos_token_ids)], tokenizer, monkeypatch)
     claude = anthropic.Anthropic(base_url=served.url, api_key=TOOLS_KEY, max_retries=0)
@@ -434,6 +447,124 @@ def test_tool_choice_none_hides_the_tools(served, monkeypatch):
         )
         assert r.stop_reason == "end_turn" and r.content == []
         assert ("get_weather:" in prompts[-1]) is shown
+    gpt = openai.OpenAI(base_url=served.url + "/v1", api_key=TOOLS_KEY, max_retries=0)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    for choice, shown in (("auto", True), ("none", False)):
+        gpt.chat.completions.create(
+            model=MODEL, max_tokens=4, messages=USER, tools=[tool], tool_choice=choice
+        )
+        assert ("get_weather:" in prompts[-1]) is shown
+
+
+ADD = {
+    "name": "add",
+    "description": "Add two numbers",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+PLACE = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_forced_tool_calls_are_the_models_own_and_stay_whole(served):
+    """tool_choice any / tool (Anthropic) and required / a function (OpenAI): the
+    model's own reply, constrained to tool calls whose arguments follow the tool's
+    schema, is the same call with drafts as without, in both APIs, streamed or
+    not; disable_parallel_tool_use / parallel_tool_calls false give one call."""
+    claude = anthropic.Anthropic(base_url=served.url, api_key=TOOLS_KEY, max_retries=0)
+    gpt = openai.OpenAI(base_url=served.url + "/v1", api_key=TOOLS_KEY, max_retries=0)
+    tools = [ADD, PLACE]
+    openai_tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t["description"],
+                "parameters": t["input_schema"],
+            },
+        }
+        for t in tools
+    ]
+    ask = {"model": MODEL, "max_tokens": 160, "messages": USER, "tools": tools}
+    chat = {"model": MODEL, "max_tokens": 160, "messages": USER, "tools": openai_tools}
+    cases = [
+        ({"type": "any", "disable_parallel_tool_use": True}, "required", None),
+        ({"type": "tool", "name": "get_weather"}, GET_WEATHER, "get_weather"),
+    ]
+    for anthropic_choice, openai_choice, name in cases:
+        calls = {}
+        for k in (0, 2):
+            extra = {"num_draft_tokens": k, "draft_source": "heads"}
+            r = claude.messages.create(
+                **ask, tool_choice=anthropic_choice, extra_body=extra
+            )
+            assert r.stop_reason == "tool_use"
+            uses = [b for b in r.content if b.type == "tool_use"]
+            assert uses and all(b.type == "tool_use" for b in r.content)
+            if name is not None:
+                assert {u.name for u in uses} == {name}
+            else:
+                assert len(uses) == 1
+            schema = {t["name"]: t["input_schema"] for t in tools}[uses[0].name]
+            jsonschema.validate(uses[0].input, schema)
+            if k:
+                assert r.model_extra["mtp"]["drafted"] > 0
+            calls["anthropic", k] = [(u.name, u.input) for u in uses]
+            with claude.messages.stream(
+                **ask, tool_choice=anthropic_choice, extra_body=extra
+            ) as stream:
+                final = stream.get_final_message()
+            calls["anthropic stream", k] = [
+                (b.name, b.input) for b in final.content if b.type == "tool_use"
+            ]
+            single = {"parallel_tool_calls": False} if name is None else {}
+            o = gpt.chat.completions.create(
+                **chat, tool_choice=openai_choice, extra_body=extra, **single
+            )
+            assert o.choices[0].finish_reason == "tool_calls"
+            calls["openai", k] = [
+                (t.function.name, json.loads(t.function.arguments))
+                for t in o.choices[0].message.tool_calls
+            ]
+        assert all(c == calls["anthropic", 0] for c in calls.values()), calls
+
+
+GET_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_forced_tool_calls_refused_where_they_cannot_be(served, client):
+    """A model whose template has no JSON tool calls, a forced call with a
+    response_format, an unknown tool: 400s naming tool_choice."""
+    gpt = openai.OpenAI(base_url=served.url + "/v1", api_key=TOOLS_KEY, max_retries=0)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    bad = [
+        dict(tool_choice="required"),
+        dict(
+            tool_choice="required", tools=tools, response_format={"type": "json_object"}
+        ),
+        dict(tool_choice={"type": "function", "function": {"name": "g"}}, tools=tools),
+        dict(tool_choice="always", tools=tools),
+    ]
+    for fields in bad:
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            gpt.chat.completions.create(
+                model=MODEL, max_tokens=4, messages=USER, **fields
+            )
 
 
 # --- the translation alone -----------------------------------------------------------

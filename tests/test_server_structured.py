@@ -147,6 +147,13 @@ def test_requests_with_different_rules_batched_together(client):
         (dict(logit_bias={"99999": 1}), "logit_bias"),
         (dict(logit_bias={"3": 500}), "logit_bias"),
         (dict(extra_body={"repetition_penalty": -1}), "repetition_penalty"),
+        (
+            dict(
+                tool_choice="required",
+                tools=[{"type": "function", "function": {"name": "f"}}],
+            ),
+            "no tool calls",
+        ),
     ],
 )
 def test_bad_fields_are_400s(client, fields, param):
