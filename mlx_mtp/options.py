@@ -94,10 +94,13 @@ class DecodeOptions:
         tuple: the options stay comparable."""
         bias = self.logit_bias
         if isinstance(bias, dict):
-            bias = tuple(sorted(bias.items(), key=lambda kv: repr(kv[0])))
-        elif bias is not None and not isinstance(bias, tuple):
-            bias = tuple(tuple(kv) for kv in bias) if _iterable(bias) else bias
-        object.__setattr__(self, "logit_bias", bias or None)
+            bias = tuple(sorted(bias.items(), key=lambda kv: repr(kv[0]))) or None
+        elif isinstance(bias, list):
+            try:
+                bias = tuple(tuple(kv) for kv in bias) or None
+            except TypeError:  # not pairs: `check` says so
+                pass
+        object.__setattr__(self, "logit_bias", bias)
         procs = self.logits_processors
         if isinstance(procs, list) or procs is None:
             object.__setattr__(self, "logits_processors", tuple(procs or ()))
@@ -215,14 +218,6 @@ class DecodeOptions:
                 )
         _check_int("kv_group_size", self.kv_group_size, 1)
         _check_int("quantized_kv_start", self.quantized_kv_start, 0)
-
-
-def _iterable(value) -> bool:
-    try:
-        iter(value)
-    except TypeError:
-        return False
-    return not isinstance(value, (str, bytes))
 
 
 def _real(value) -> Optional[float]:

@@ -7,7 +7,9 @@ Per prompt (a JSON schema each), interleaved in one process, ``--reps`` times:
                   processor over the same llguidance matcher;
   mtp k=...       mlx-mtp with the schema, for each ``--k``.
 Every constrained run's tokens are checked equal to mlx-lm+grammar's (greedy), and
-every output against the schema. The grammar's host time (masks, consumes,
+every output against the schema. The ``penalties`` workload has no schema: it runs
+mlx-lm's penalties and a logit bias instead (mlx-lm+grammar is then mlx-lm with
+those processors, and mlx-mtp runs with the same ones). The grammar's host time (masks, consumes,
 rollbacks) is reported per round and per token. On Linux CPUs MLX's float32 matmuls
 run on OpenBLAS, one thread (fast_blas.py).
 
@@ -81,7 +83,14 @@ WORKLOADS = {
             "additionalProperties": False,
         },
     ),
+    "penalties": (
+        "Write a short story about a robot who learns to paint.",
+        None,
+    ),
 }
+PENALTIES = dict(
+    repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, logit_bias=None
+)
 
 
 class Timed:
@@ -114,11 +123,10 @@ class Timed:
         return out
 
 
-def mlx_lm_tokens(model, prompt, n, eos, processor=None):
+def mlx_lm_tokens(model, prompt, n, eos, procs=None):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    procs = [processor] if processor is not None else None
     out = []
     tic = time.perf_counter()
     for token, _ in generate_step(
@@ -148,18 +156,29 @@ def grammar_processor(spec, tokenizer, vocab, prompt_len):
     return process
 
 
+def penalty_processors():
+    from mlx_lm.sample_utils import make_logits_processors
+
+    p = PENALTIES
+    return make_logits_processors(
+        p["logit_bias"],
+        p["repetition_penalty"],
+        20,
+        p["presence_penalty"],
+        20,
+        p["frequency_penalty"],
+        20,
+    )
+
+
 def mtp_tokens(model, tokenizer, prompt, n, spec, k):
     from mlx_mtp.speculative import mtp_generate_step
 
     out, stats = [], None
+    rules = {"grammar": spec} if spec is not None else PENALTIES
     tic = time.perf_counter()
     steps = mtp_generate_step(
-        prompt,
-        model,
-        num_draft_tokens=k,
-        max_tokens=n,
-        grammar=spec,
-        tokenizer=tokenizer,
+        prompt, model, num_draft_tokens=k, max_tokens=n, tokenizer=tokenizer, **rules
     )
     for step in steps:
         out.append(step.token)
@@ -196,24 +215,30 @@ def main():
     print(f"BLAS: {blas}; device {mx.default_device()}; model {path}", flush=True)
     for name in args.workloads:
         text, schema = WORKLOADS[name]
-        spec = GrammarSpec.json_schema(schema)
-        check_grammar(spec, tokenizer)
+        spec = GrammarSpec.json_schema(schema) if schema is not None else None
+        if spec is not None:
+            check_grammar(spec, tokenizer)
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
-        times = {"mlx-lm": [], "mlx-lm+grammar": [], **{f"mtp k={k}": [] for k in ks}}
+        rule = "mlx-lm+grammar" if spec is not None else "mlx-lm+penalties"
+        times = {"mlx-lm": [], rule: [], **{f"mtp k={k}": [] for k in ks}}
         host, extra = {}, {}
         for rep in range(args.reps + 1):  # rep 0 warms up
             _, t = mlx_lm_tokens(model, prompt, args.tokens, eos)
             plain_n = len(_)
-            proc = grammar_processor(spec, tokenizer, vocab, len(prompt))
-            ref, tg = mlx_lm_tokens(model, prompt, args.tokens, eos, proc)
+            if spec is not None:
+                procs = [grammar_processor(spec, tokenizer, vocab, len(prompt))]
+            else:
+                procs = penalty_processors()
+            ref, tg = mlx_lm_tokens(model, prompt, args.tokens, eos, procs)
             timer.take()
             if rep:
                 times["mlx-lm"].append(plain_n / t)
-                times["mlx-lm+grammar"].append(len(ref) / tg)
+                times[rule].append(len(ref) / tg)
             body = tokenizer.decode([t for t in ref if t not in eos])
-            jsonschema.validate(json.loads(body), schema)
+            if schema is not None:
+                jsonschema.validate(json.loads(body), schema)
             for k in ks:
                 got, tm, stats = mtp_tokens(
                     model, tokenizer, prompt, args.tokens, spec, k
