@@ -96,28 +96,31 @@ class Round:
     result: AcceptResult
 
 
-def _pick(
-    logits: mx.array, params: SamplingParams, key, rules=None, drafts=(), full=None
-):
-    """One draft token from ``(1, V)`` logits, and its filtered distribution; with
-    `Rules`, the logits are first processed as the target's row after ``drafts``
-    will be (and the token goes to the grammar). ``full``: the whole head's logits
-    (a thunk), drafted from instead when the grammar allows none of the rows of a
-    draft vocabulary's ``logits`` (known with the token: a grammar syncs anyway)."""
-    if rules is not None:
-        ruled = rules.draft_logits(logits, drafts)
-        token, lp = _pick(ruled, params, key)
-        if full is not None and rules.needs_tokens:
-            some = mx.isfinite(ruled).any()
-            mx.eval(token, some)
-            if not some.item():
-                token, lp = _pick(rules.draft_logits(full(), drafts), params, key)
-        rules.push(token)
-        return token, lp
+def _pick(logits: mx.array, params: SamplingParams, key) -> tuple:
+    """One draft token from ``(1, V)`` logits, and its filtered distribution."""
     if params.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None
     logprobs = filtered_logprobs(logits, params)  # (1, V)
     return sample(logprobs, key).astype(mx.int32), logprobs
+
+
+def _pick_ruled(logits, params: SamplingParams, key, rules, drafts=(), full=None):
+    """`_pick` with `Rules`: the logits processed first as the target's row after
+    ``drafts`` will be, and the token given to the grammar. ``full``: the whole
+    head's logits (a thunk), drafted from instead when the grammar allows none of
+    the rows of a draft vocabulary's ``logits`` (known with the token: a grammar
+    syncs anyway)."""
+    if rules is None:
+        return _pick(logits, params, key)
+    ruled = rules.draft_logits(logits, drafts)
+    token, lp = _pick(ruled, params, key)
+    if full is not None and rules.needs_tokens:
+        some = mx.isfinite(ruled).any()
+        mx.eval(token, some)
+        if not some.item():
+            token, lp = _pick(rules.draft_logits(full(), drafts), params, key)
+    rules.push(token)
+    return token, lp
 
 
 def _row_tokens(state: DecodeState, drafts: List[mx.array], j: int) -> mx.array:
@@ -165,7 +168,7 @@ def draft(
         full = None
         if vocab is not None or "draft_vocab" in model.mtp:
             full = functools.partial(model.logits, h[:, -1])
-        token, lp = _pick(logits, params, keys[j], rules, tokens, full)
+        token, lp = _pick_ruled(logits, params, keys[j], rules, tokens, full)
         tokens.append(token)
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)
@@ -185,7 +188,7 @@ def draft_assisted(
     h, tokens, logprobs = state.hidden[:, -1:], [], []  # h_{n-1}: (1, 1, H)
     for j in range(k):
         logits, h = model.assist(token[None], h, kv, n)  # (1, 1, V), (1, 1, H)
-        token, lp = _pick(logits[:, -1], params, keys[j], rules, tokens)
+        token, lp = _pick_ruled(logits[:, -1], params, keys[j], rules, tokens)
         tokens.append(token)
         logprobs.append(lp)
     q = None if params.greedy else mx.concatenate(logprobs)
