@@ -8,9 +8,9 @@ Per prompt (a JSON schema each), interleaved in one process, ``--reps`` times:
   mtp k=...       mlx-mtp with the schema, for each ``--k``.
 Every constrained run's tokens are checked equal to mlx-lm+grammar's (greedy), and
 every output against the schema. The ``penalties`` workload has no schema: it runs
-mlx-lm's penalties and a logit bias instead (mlx-lm+grammar is then mlx-lm with
-those processors, and mlx-mtp runs with the same ones). The grammar's host time (masks, consumes,
-rollbacks) is reported per round and per token. On Linux CPUs MLX's float32 matmuls
+mlx-lm's penalties instead (mlx-lm+penalties: mlx-lm with those processors; mlx-mtp
+runs with the same ones). The grammar's host time (masks, consumes, rollbacks) is
+reported per round and per token. On Linux CPUs MLX's float32 matmuls
 run on OpenBLAS, one thread (fast_blas.py).
 
     python scripts/structured_bench.py [--model PATH] [--tokens 160] [--reps 3]
@@ -88,9 +88,7 @@ WORKLOADS = {
         None,
     ),
 }
-PENALTIES = dict(
-    repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, logit_bias=None
-)
+PENALTIES = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2)
 
 
 class Timed:
@@ -161,7 +159,7 @@ def penalty_processors():
 
     p = PENALTIES
     return make_logits_processors(
-        p["logit_bias"],
+        None,
         p["repetition_penalty"],
         20,
         p["presence_penalty"],
