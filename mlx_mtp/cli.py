@@ -401,7 +401,7 @@ def _penalty(kind: str, help: str, low=None):
     return [
         click.option(
             f"--{kind}-penalty",
-            type=click.FloatRange(min=low),
+            type=float if low is None else click.FloatRange(min=low),
             default=None,
             help=help,
         ),
