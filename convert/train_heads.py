@@ -211,16 +211,60 @@ def draft_weight(model, vocab: mx.array) -> mx.array:
     return w[vocab].astype(mx.float32)
 
 
-def losses(stack, model, W, remap, batch, depth: int):
-    """Per-depth mean cross-entropy and accuracy on a batch of feature rows."""
-    h, x, g = batch  # (B, L, H), (B, L), (B, L)
-    L = x.shape[1]
-    rows = L - depth
-    z = h[:, :rows]
-    out = []
+class ChainCache:
+    """The MTP layer's KV cache as the runtime holds it when a draft at depth j
+    runs (the training-time test of EAGLE-3): the depth-1 entries of every position
+    up to the row's (as the MTP cache keeps them), then the row's own entries of the
+    chained depths 2..j-1, each at the next position. ``offset`` places the calls'
+    rows (row i of depth j sits at position i + j - 1); `chain_mask` says which
+    entries each row reads."""
+
+    def __init__(self, offset: int = 0, kept: Optional[list] = None):
+        self.offset, self.kept = offset, list(kept or [])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Keep this depth's ``(B, heads, rows, d)`` keys and values; return every
+        depth's so far, side by side on the key axis."""
+        self.kept.append((keys, values))
+        return (
+            mx.concatenate([k for k, _ in self.kept], axis=2),
+            mx.concatenate([v for _, v in self.kept], axis=2),
+        )
+
+
+def chain_mask(rows: int, depth: int) -> mx.array:
+    """``(rows, depth * rows)``: row i of depth ``depth`` reads the depth-1 entries
+    of rows 0..i and its own entry of each later depth."""
+    causal = mx.tril(mx.ones((rows, rows), dtype=mx.bool_))
+    own = mx.eye(rows, dtype=mx.bool_)
+    return mx.concatenate([causal] + [own] * (depth - 1), axis=1)
+
+
+def chained_outputs(stack, model, h: mx.array, x: mx.array, depth: int) -> list:
+    """The MTP layer's ``(B, rows, H)`` outputs at depths 1..``depth`` for rows
+    0..L-depth-1 of ``(B, L, H)`` hidden states ``h`` and ``(B, L)`` tokens ``x``,
+    each computed as the runtime chains the layer: depth j's row i reads what the
+    MTP cache holds then (`ChainCache`), not a sequence of depth-j rows."""
+    rows = x.shape[1] - depth
+    z, kept, out = h[:, :rows], [], []
     for j in range(1, depth + 1):
         e = model.embed(x[:, j : rows + j])  # (B, rows, H)
-        z = stack.layers[0](e, z, model.mtp_mask(e))
+        if j == 1 and model.family.MASK_FIRST_POSITION:  # as `Model.mtp_forward`
+            e = mx.where((mx.arange(rows) > 0)[None, :, None], e, mx.zeros_like(e))
+        cache = ChainCache(j - 1, kept)
+        z = stack.layers[0](e, z, chain_mask(rows, j), cache)
+        kept = cache.kept
+        out.append(z)
+    return out
+
+
+def losses(stack, model, W, remap, batch, depth: int):
+    """Per-depth mean cross-entropy and accuracy on a batch of feature rows, the
+    depths chained as the runtime chains them (`chained_outputs`)."""
+    h, x, g = batch  # (B, L, H), (B, L), (B, L)
+    rows = x.shape[1] - depth
+    out = []
+    for j, z in enumerate(chained_outputs(stack, model, h, x, depth), 1):
         logits = z @ W.T  # (B, rows, V')
         target = remap[g[:, j : rows + j]]  # -1 outside the draft vocabulary
         valid = target >= 0

@@ -188,3 +188,31 @@ def test_trains_heads_for_other_families(family, checkpoint, tmp_path):
         for k in (0, 2)
     )
     assert drafted == plain
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_training_computes_the_runtimes_chained_drafts(family, trunk, checkpoint):
+    """Each depth of the training loss is the runtime's computation: depth j's row i
+    equals the MTP layer run as the loop runs it (depth-1 rows 0..i into its cache,
+    then chained on its own output at the next position, reading that cache), for
+    every row i and depths 1..3."""
+    from mlx_mtp.cache import make_caches
+    from mlx_mtp.convert.train_heads import chained_outputs, init_head
+
+    path = trunk if family == "llama" else checkpoint(family)
+    model, _ = load(str(path), allow_missing_heads=True)
+    mx.random.seed(0)
+    model.mtp = init_head(model, model.family, np.arange(16, dtype=np.int32))
+    depth, L = 3, 10
+    x = mx.random.randint(0, model.args.vocab_size, (1, L))
+    h = model.hidden(x)  # (1, L, H)
+    rows = L - depth
+    trained = chained_outputs(model.mtp, model, h, x, depth)
+    for i in range(rows):
+        mtp_cache = make_caches(model).mtp[0]
+        out = model.mtp_forward(0, h[:, : i + 1], x[:, 1 : i + 2], mtp_cache)[:, -1:]
+        for j in range(1, depth + 1):
+            if j > 1:
+                out = model.mtp_forward(0, out, x[:, i + j : i + j + 1], mtp_cache)
+            want = trained[j - 1][:, i : i + 1]
+            assert mx.allclose(out, want, atol=1e-4).item(), (family, i, j)
