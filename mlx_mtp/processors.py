@@ -21,6 +21,7 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 
 from .errors import MTPError
+from .grammar import constrain
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -126,7 +127,7 @@ class Rules:
         for p in self.processors:
             logits = p(prefix, logits)
         mask = self.masks[min(j, len(self.masks) - 1)] if self.masks else None
-        return logits if mask is None else mx.where(mask, logits, -mx.inf)
+        return logits if mask is None else constrain(logits, mask)
 
     def draft_logits(self, logits: mx.array, drafts: Sequence[mx.array]) -> mx.array:
         """``(1, V)`` draft logits of the row after ``drafts`` (each ``(1,)``), as the
