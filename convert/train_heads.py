@@ -35,6 +35,15 @@ from mlx_mtp.heads import HEADS_FILE, heads_section, provenance, save_heads
 from mlx_mtp.loading import load, read_config
 from mlx_mtp.models.mtp import MTPLayer, MTPStack
 
+from .distill import (
+    KINDS,
+    TEMP,
+    TOP_P,
+    conversation_rows,
+    generate_replies,
+    read_prompts,
+    split_prompts,
+)
 from .output import (
     MODEL_FILES,
     check_destination,
@@ -65,6 +74,9 @@ class TrainConfig:
     eval_every: int = 100
     save_every: int = 100
     seed: int = 0
+    distill: Optional[str] = None  # prompts the trunk answers ("builtin" or a file)
+    distill_samples: int = 2  # replies per prompt: one greedy, the rest sampled
+    soft_targets: float = 0.0  # weight of KL(trunk || head) beside the hard targets
 
 
 # --- data and features ----------------------------------------------------------------
@@ -258,21 +270,39 @@ def chained_outputs(stack, model, h: mx.array, x: mx.array, depth: int) -> list:
     return out
 
 
-def losses(stack, model, W, remap, batch, depth: int):
-    """Per-depth mean cross-entropy and accuracy on a batch of feature rows, the
-    depths chained as the runtime chains them (`chained_outputs`)."""
-    h, x, g = batch  # (B, L, H), (B, L), (B, L)
+def losses(stack, model, W, remap, batch, depth: int, soft: float = 0.0):
+    """Per depth, ``(loss, correct, count, hit)`` on a batch of feature rows, the
+    depths chained as the runtime chains them (`chained_outputs`): the mean loss over
+    the weighted positions (cross-entropy with the trunk's greedy token, mixed with
+    ``soft`` times KL(trunk || head) over the draft vocabulary), how many drafts
+    equal the trunk's token, how many positions count, and ``(B, rows)`` which
+    drafts do."""
+    h, x, g, w = batch  # (B, L, H), (B, L), (B, L), (B, L)
     rows = x.shape[1] - depth
     out = []
     for j, z in enumerate(chained_outputs(stack, model, h, x, depth), 1):
         logits = z @ W.T  # (B, rows, V')
         target = remap[g[:, j : rows + j]]  # -1 outside the draft vocabulary
-        valid = target >= 0
+        counted = w[:, j : rows + j] > 0
+        valid = (target >= 0) & counted
         ce = nn.losses.cross_entropy(logits, mx.maximum(target, 0), reduction="none")
-        n = mx.maximum(valid.sum(), 1)
-        correct = (mx.argmax(logits, axis=-1) == target) & valid
-        out.append(((ce * valid).sum() / n, correct.sum() / (target.size)))
+        loss = (ce * valid).sum() / mx.maximum(valid.sum(), 1)
+        if soft:
+            loss = (1 - soft) * loss + soft * _kl(
+                h[:, j : rows + j] @ W.T, logits, counted
+            )
+        hit = (mx.argmax(logits, axis=-1) == target) & valid
+        out.append((loss, hit.sum(), counted.sum(), hit))
     return out
+
+
+def _kl(teacher: mx.array, student: mx.array, mask: mx.array) -> mx.array:
+    """Mean KL(teacher || student) over the masked positions of ``(B, rows, V')``
+    logits: the trunk's distribution over the draft vocabulary is the soft target."""
+    t = mx.stop_gradient(teacher - mx.logsumexp(teacher, axis=-1, keepdims=True))
+    s = student - mx.logsumexp(student, axis=-1, keepdims=True)
+    kl = (mx.exp(t) * (t - s)).sum(axis=-1)  # (B, rows)
+    return (kl * mask).sum() / mx.maximum(mask.sum(), 1)
 
 
 # --- training -------------------------------------------------------------------------
@@ -303,7 +333,10 @@ def train_heads(
 
     out = Path(mlx_path).expanduser()
     work = Path(work_dir).expanduser() if work_dir else out.parent / f"{out.name}.train"
-    files = text_files(data)
+    if not data and not cfg.distill:
+        raise MTPError("nothing to train on: give --data, --distill, or both")
+    files = text_files(data) if data else []
+    prompts = read_prompts(cfg.distill) if cfg.distill else []
     model_dir = _model_dir(model_path)
     check_destination(out, overwrite, sources=[model_dir], inputs=data)
     check_place(work, [model_dir, out], data, what="work folder")
@@ -314,16 +347,26 @@ def train_heads(
     )
     family = model.family
     mx.random.seed(cfg.seed)
-    train_files, eval_files = split_files(files, cfg.held_out, cfg.seed)
-    train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)
+    if files:
+        train_files, eval_files = split_files(files, cfg.held_out, cfg.seed)
+        train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)
     work.mkdir(parents=True, exist_ok=True)  # inputs checked: nothing half-made
     with _kept_on_full_disk(work):
-        feats = compute_features(model, train_tok, work, "train", progress)
-        evals = held_out_features(model, tokenizer, eval_files, cfg, work, progress)
+        sets, evals, distilled = [], {}, None
+        if files:
+            sets.append(compute_features(model, train_tok, work, "train", progress))
+            evals.update(
+                held_out_features(model, tokenizer, eval_files, cfg, work, progress)
+            )
+        if prompts:
+            d_train, d_evals, distilled = distilled_features(
+                model, tokenizer, prompts, cfg, work, progress
+            )
+            sets.append(d_train)
+            evals.update(d_evals)
+        feats = Features(sets)
 
-        counts = np.bincount(
-            np.asarray(feats["greedy"]).ravel(), minlength=model.args.vocab_size
-        )
+        counts = feats.greedy_counts(model.args.vocab_size)
         top = np.argsort(-counts, kind="stable")[: cfg.draft_vocab_size]
         vocab = np.sort(top).astype(np.int32)
         remap_np = np.full(counts.shape[0], -1, dtype=np.int32)
@@ -348,11 +391,11 @@ def train_heads(
         weights = mx.array([0.5**j for j in range(cfg.depth)])
 
         def loss_fn(stack, batch):
-            parts = losses(stack, model, W, remap, batch, cfg.depth)
-            return sum(w * l for w, (l, _) in zip(weights, parts)) / weights.sum()
+            parts = losses(stack, model, W, remap, batch, cfg.depth, cfg.soft_targets)
+            return sum(w * p[0] for w, p in zip(weights, parts)) / weights.sum()
 
         grad_fn = nn.value_and_grad(stack, loss_fn)
-        n = feats["tokens"].shape[0]
+        n = len(feats)
         bar = tqdm(
             total=cfg.steps,
             initial=step,
@@ -362,17 +405,18 @@ def train_heads(
         )
         while step < cfg.steps:
             idx = _batch_indices(n, cfg.batch_size, step, cfg.seed)
-            loss, grads = grad_fn(stack, _batch(feats, idx))
+            loss, grads = grad_fn(stack, feats.batch(idx))
             opt.update(stack, grads)
             mx.eval(stack.parameters(), opt.state, loss)
             step += 1
             bar.set_postfix(loss=f"{loss.item():.3f}")
             bar.update()
             if evals and (step % cfg.eval_every == 0 or step == cfg.steps):
-                by_kind = {
+                scores = {
                     kind: evaluate(stack, model, W, remap, f, cfg.depth)
                     for kind, f in evals.items()
                 }
+                by_kind = {k: a for k, (a, _) in scores.items()}
                 agree = _pooled(by_kind, evals)
                 history.append(
                     {
@@ -381,6 +425,7 @@ def train_heads(
                         "loss": loss.item(),
                         "agreement": agree,
                         "by_kind": by_kind,
+                        "conditional_by_kind": {k: c for k, (_, c) in scores.items()},
                     }
                 )
                 bar.write(
@@ -396,7 +441,15 @@ def train_heads(
                 _save_state(work, stack, opt, step, history, cfg, coverage)
         bar.close()
         return _write_model(
-            model_dir, out, stack, cfg, history, coverage, overwrite, trust_remote_code
+            model_dir,
+            out,
+            stack,
+            cfg,
+            history,
+            coverage,
+            overwrite,
+            trust_remote_code,
+            distilled,
         )
 
 
@@ -432,6 +485,53 @@ def held_out_features(model, tokenizer, files, cfg, work, progress) -> dict:
     return sets
 
 
+def distilled_features(model, tokenizer, prompts, cfg, work, progress):
+    """Self-distillation (`mlx_mtp.convert.distill`): the trunk answers the training
+    prompts ``cfg.distill_samples`` times and the held-out ones greedily, one
+    conversation a row. Returns ``(train features, held-out features per kind
+    ("code replies", "chat replies"), provenance record)``."""
+    train_p, held_p = split_prompts(prompts, cfg.held_out, cfg.seed)
+    pad = tokenizer.eos_token_id
+    evals = {}
+    if held_p:
+        path = work / "replies.eval.jsonl"
+        recs = generate_replies(
+            model, tokenizer, held_p, 1, cfg.seq_len, path, cfg.seed, progress=progress
+        )
+        for kind in KINDS:
+            tokens, weights = conversation_rows(recs, cfg.seq_len, pad, kind)
+            if len(tokens):
+                name = f"eval-{kind}-replies"
+                f = compute_features(model, tokens, work, name, progress)
+                evals[f"{kind} replies"] = {**f, "weight": weights}
+    path = work / "replies.train.jsonl"
+    samples = cfg.distill_samples
+    recs = generate_replies(
+        model,
+        tokenizer,
+        train_p,
+        samples,
+        cfg.seq_len,
+        path,
+        cfg.seed,
+        limit=cfg.tokens,
+        progress=progress,
+    )
+    tokens, weights = conversation_rows(recs, cfg.seq_len, pad)
+    train = {**compute_features(model, tokens, work, "distill", progress)}
+    train["weight"] = weights
+    record = {
+        "prompts": cfg.distill,
+        "train_prompts": len(train_p),
+        "held_out_prompts": len(held_p),
+        "replies": len(recs),
+        "reply_tokens": int(sum(len(r["tokens"]) - r["reply_start"] for r in recs)),
+        "sampling": f"sample 0 greedy, then temp {TEMP}, top_p {TOP_P}",
+        "chat_template": bool(getattr(tokenizer, "has_chat_template", False)),
+    }
+    return train, evals, record
+
+
 def _pooled(by_kind: dict, evals: dict) -> List[float]:
     """Agreement per depth over all held-out sequences."""
     sizes = {k: f["tokens"].shape[0] for k, f in evals.items()}
@@ -442,30 +542,72 @@ def _pooled(by_kind: dict, evals: dict) -> List[float]:
     ]
 
 
-def evaluate(stack, model, W, remap, feats, depth: int) -> List[float]:
-    """Held-out top-1 agreement with the trunk's greedy token, per draft depth."""
+def evaluate(stack, model, W, remap, feats, depth: int):
+    """Held-out agreement with the trunk's greedy token per draft depth, and per
+    depth the conditional agreement a decoding loop sees (depth j's draft agrees,
+    given that depths 1..j-1 did): ``(agreement, conditional)``."""
     n = feats["tokens"].shape[0]
-    totals = np.zeros(depth)
+    hits, counts, chains = np.zeros(depth), np.zeros(depth), np.zeros(depth + 1)
     for start in range(0, n, 4):
-        parts = losses(
-            stack,
-            model,
-            W,
-            remap,
-            _batch(feats, np.arange(start, min(n, start + 4))),
-            depth,
-        )
-        mx.eval(parts)
-        totals += [acc.item() * min(4, n - start) for _, acc in parts]
-    return [float(t / n) for t in totals]
+        batch = _batch(feats, np.arange(start, min(n, start + 4)))
+        parts = losses(stack, model, W, remap, batch, depth)
+        chain = batch[3][:, 1 : 1 + parts[0][3].shape[1]] > 0  # row i is drafted
+        chained = [chain]
+        for _, _, _, hit in parts:
+            chain = chain & hit
+            chained.append(chain)
+        mx.eval(parts, chained)
+        hits += [p[1].item() for p in parts]
+        counts += [p[2].item() for p in parts]
+        chains += [c.sum().item() for c in chained]
+    agreement = [float(h / max(c, 1)) for h, c in zip(hits, counts)]
+    conditional = [float(chains[j + 1] / max(chains[j], 1)) for j in range(depth)]
+    return agreement, conditional
+
+
+class Features:
+    """The training rows of several feature sets, indexed as one."""
+
+    def __init__(self, sets: List[dict]):
+        self.sets = sets
+        self.starts = np.cumsum([0] + [f["tokens"].shape[0] for f in sets])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def batch(self, idx: np.ndarray):
+        """``(h, x, g, w)`` of the rows ``idx``, as `_batch`."""
+        idx = np.sort(idx)
+        parts = []
+        for f, lo, hi in zip(self.sets, self.starts[:-1], self.starts[1:]):
+            mine = idx[(idx >= lo) & (idx < hi)] - lo
+            if len(mine):
+                parts.append(_batch(f, mine))
+        return tuple(mx.concatenate(a) for a in zip(*parts))
+
+    def greedy_counts(self, vocab_size: int) -> np.ndarray:
+        """How often the trunk emits each token at a trained position."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for f in self.sets:
+            g = np.asarray(f["greedy"])
+            if "weight" in f:
+                g = g[np.asarray(f["weight"])[:, : g.shape[1]] > 0]
+            counts += np.bincount(g.ravel(), minlength=vocab_size)[:vocab_size]
+        return counts
 
 
 def _batch(feats: dict, idx: np.ndarray):
+    """``(h, x, g, w)``: hidden states, tokens, the trunk's greedy tokens and the
+    positions' weights (every position of source text; reply positions of a
+    conversation) of the feature rows ``idx``."""
     idx = np.sort(idx)
+    x = feats["tokens"][idx]
+    w = feats["weight"][idx] if "weight" in feats else np.ones_like(x, np.uint8)
     return (
         mx.array(np.asarray(feats["hidden"][idx], dtype=np.float32)),
-        mx.array(feats["tokens"][idx]),
+        mx.array(x),
         mx.array(np.asarray(feats["greedy"][idx])),
+        mx.array(w),
     )
 
 
@@ -517,7 +659,7 @@ def _copied(f: Path, code: bool) -> bool:
 
 
 def _write_model(
-    src: Path, out: Path, stack, cfg, history, coverage, overwrite, code
+    src: Path, out: Path, stack, cfg, history, coverage, overwrite, code, distilled
 ) -> Path:
     """The trunk's files plus the heads: a folder mlx-mtp loads with its MTP layer."""
     config = read_config(src)
@@ -526,6 +668,8 @@ def _write_model(
         "history": history[-1:] if history else [],
         "draft_vocab_coverage": coverage,
     }
+    if distilled:
+        training["distilled"] = distilled
     record = provenance(None, 16, trained_from=str(src), training=training)
     config.pop("mtp", None)
     config["num_nextn_predict_layers"] = len(stack.layers)

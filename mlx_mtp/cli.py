@@ -1182,9 +1182,29 @@ def _check(path, source, min_agreement, trust_remote_code):
 )
 @click.option(
     "--data",
-    required=True,
     multiple=True,
     help="Text files or folders (.py .rst .txt .md); repeatable.",
+)
+@click.option(
+    "--distill",
+    default=None,
+    metavar="PROMPTS",
+    help="Also train on the model's own replies to PROMPTS: 'builtin' (code and "
+    "chat requests shipped with mlx-mtp), or a file with a prompt per line.",
+)
+@click.option(
+    "--distill-samples",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Replies per prompt: the first greedy, the others sampled.",
+)
+@click.option(
+    "--soft-targets",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    show_default=True,
+    help="Weight of the trunk's distribution (KL) beside its greedy token.",
 )
 @click.option("--mlx-path", required=True, help="Output model folder (trunk + heads).")
 @click.option(
@@ -1199,7 +1219,8 @@ def _check(path, source, min_agreement, trust_remote_code):
     "--tokens",
     type=click.IntRange(min=1),
     default=None,
-    help="Training tokens to compute features for (default: all the data).",
+    help="Training tokens to compute features for, from the text and from the "
+    "replies (default: all of it).",
 )
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
@@ -1234,10 +1255,14 @@ def train_heads(model, data, mlx_path, **options):
 
     from .convert.train_heads import TrainConfig
     from .convert.train_heads import train_heads as run
+    from .fast_blas import describe
 
     _quiet_transformers()
     names = [f.name for f in fields(TrainConfig)]
     cfg = TrainConfig(**{k: options.pop(k) for k in names if k in options})
+    if not data and not cfg.distill:
+        raise click.UsageError("give --data, --distill, or both")
+    click.echo(f"BLAS: {describe()}")
     click.echo(f"wrote {run(model, list(data), mlx_path, cfg, **options)}")
 
 

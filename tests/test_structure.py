@@ -18,6 +18,7 @@ LAYERS = [
         "defaults",
         "distributed",
         "errors",
+        "fast_blas",
         "files",
         "paths",
     ],  # the root imports its names lazily
