@@ -17,6 +17,7 @@ heads).
 """
 
 import contextlib
+import functools
 import json
 import random
 import shutil
@@ -388,13 +389,7 @@ def train_heads(
         step, history = 0, []
         if resume and (work / STATE).exists():
             step, history = _restore(work, stack, opt)
-        weights = mx.array([0.5**j for j in range(cfg.depth)])
-
-        def loss_fn(stack, batch):
-            parts = losses(stack, model, W, remap, batch, cfg.depth, cfg.soft_targets)
-            return sum(w * p[0] for w, p in zip(weights, parts)) / weights.sum()
-
-        grad_fn = nn.value_and_grad(stack, loss_fn)
+        update = compile_step(stack, opt, model, W, remap, cfg.depth, cfg.soft_targets)
         n = len(feats)
         bar = tqdm(
             total=cfg.steps,
@@ -405,8 +400,7 @@ def train_heads(
         )
         while step < cfg.steps:
             idx = _batch_indices(n, cfg.batch_size, step, cfg.seed)
-            loss, grads = grad_fn(stack, feats.batch(idx))
-            opt.update(stack, grads)
+            loss = update(feats.batch(idx))
             mx.eval(stack.parameters(), opt.state, loss)
             step += 1
             bar.set_postfix(loss=f"{loss.item():.3f}")
@@ -451,6 +445,30 @@ def train_heads(
             trust_remote_code,
             distilled,
         )
+
+
+def compile_step(stack, opt, model, W, remap, depth, soft, compiled=True):
+    """``update(batch) -> loss``: one optimizer step of ``stack`` on a batch, the
+    depths' losses weighted 1, 1/2, 1/4, ...; with ``compiled``, one `mx.compile`d
+    graph whose state is the head's parameters and the optimizer's (so call this
+    after restoring them)."""
+    weights = mx.array([0.5**j for j in range(depth)])
+
+    def loss_fn(stack, batch):
+        parts = losses(stack, model, W, remap, batch, depth, soft)
+        return sum(w * p[0] for w, p in zip(weights, parts)) / weights.sum()
+
+    grad_fn = nn.value_and_grad(stack, loss_fn)
+
+    def update(batch):
+        loss, grads = grad_fn(stack, batch)
+        opt.update(stack, grads)
+        return loss
+
+    if not compiled:
+        return update
+    state = [stack.state, opt.state]
+    return functools.partial(mx.compile, inputs=state, outputs=state)(update)
 
 
 @contextlib.contextmanager
