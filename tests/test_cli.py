@@ -22,7 +22,7 @@ def test_generate_streams_text_and_stats(checkpoint, tmp_path, monkeypatch):
     note, *text, stats = result.output.rstrip("\n").splitlines()
     # first use: the vocabulary is ranked for draft vocabularies (then cached)
     assert note + "\n" == NOTE
-    assert "tok/s" in stats and "per position [" in stats and "tok/round" in stats
+    assert "tok/s" in stats and "by position [" in stats and "tok/pass" in stats
     again = run(*args, "-k", "2")
     assert again.output.splitlines()[:-1] == text  # same greedy text, no note
     plain = run(*args, "-k", "0")
@@ -172,4 +172,4 @@ def test_stats_line_shows_the_drafted_positions_only():
     stats.record(0, 0)
     assert line(stats).endswith("| no drafts (plain decoding)")
     stats.record(2, 1)
-    assert "per position [1.00 0.00] |" in line(stats)
+    assert line(stats).endswith("by position [1.00 0.00]")

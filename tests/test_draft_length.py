@@ -126,7 +126,7 @@ def test_cli_draft_length(checkpoint):
     args = ["generate", "--model", path, "-p", "def f(x):", "-m", "16"]
     auto = CliRunner().invoke(main, args)  # -k auto is the default
     assert auto.exit_code == 0, auto.output
-    assert "drafts/round" in auto.output
+    assert "/pass, accepted" in auto.output
     fixed = CliRunner().invoke(main, args + ["-k", "2"])
 
     def text(result):

@@ -387,6 +387,11 @@ def test_demo_model_is_built_from_a_wheel_and_shipped_heads(
     model, tok = load(str(folder))
     ids = tok.encode(PROMPT)
     assert model.num_mtp_layers == 1 and greedy(model, ids, 2) == greedy(model, ids, 0)
+    section["draft_vocab_size"] = None  # a later mlx-mtp ships other heads: the
+    (shipped / "mtp.json").write_text(json.dumps(section))  # folder takes them
+    assert demo.demo_model(progress=False) == folder and len(fetched) == 1
+    config = json.loads((folder / "config.json").read_text())
+    assert config["mtp"] == section and not list(folder.glob(".*.partial"))
     monkeypatch.setattr(demo, "HEADS", tmp_path / "none")
     with pytest.raises(Exception, match="no demo heads"):
         demo.demo_model()
