@@ -58,7 +58,19 @@ def one(args) -> dict:
         loss = step(batch)
         mx.eval(stack.parameters(), opt.state, loss)
         times.append(time.perf_counter() - t)
-    return {"config": args.config, "blas": describe(), "s_per_step": min(times[1:])}
+    x = batch[1][:1]  # (1, L): the feature pass of one sequence, as compute_features
+    feature = []
+    for i in range(2):
+        t = time.perf_counter()
+        h = model.hidden(x)
+        mx.eval(h, mx.argmax(model.logits(h), axis=-1))
+        feature.append(time.perf_counter() - t)
+    return {
+        "config": args.config,
+        "blas": describe(),
+        "s_per_step": min(times[1:]),
+        "s_per_feature_row": feature[-1],
+    }
 
 
 def main():
@@ -100,6 +112,7 @@ def main():
         print(
             f"{config:>14}  {r['s_per_step']:7.2f} s/step  "
             f"{1 / r['s_per_step']:6.3f} steps/s  {base / r['s_per_step']:5.1f}x  "
+            f"features {args.seq_len / r['s_per_feature_row']:6.0f} tok/s  "
             f"({r['blas']})",
             flush=True,
         )
