@@ -52,6 +52,8 @@ ARTICLE = (
 )
 WORKLOADS = {
     "code": 'def merge_intervals(intervals):\n    """Merge overlapping intervals."""\n',
+    # a code request through the chat template, as the demo's first command
+    "code-request": "Write a Python function that merges overlapping intervals.",
     "chat": "Explain in a few sentences how a hash table handles collisions.",
     "prose": "The history of the printing press begins in the fifteenth century, when",
     # the prompt holds a function, the request changes one line of it
@@ -60,7 +62,7 @@ WORKLOADS = {
     "instead of the start. Give the whole function.\n",
     "summarise": ARTICLE + "\n\nSummarise this text in two sentences.\n",
 }
-CHAT_WORKLOADS = ("chat", "code-edit", "summarise")
+CHAT_WORKLOADS = ("code-request", "chat", "code-edit", "summarise")
 
 
 @dataclass
