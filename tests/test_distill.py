@@ -171,3 +171,31 @@ def test_cli_needs_data_or_prompts(trunk, tmp_path):
     bad = CliRunner().invoke(main, args + ["--distill", str(tmp_path / "nope")])
     assert bad.exit_code == 1 and "no such prompts file" in bad.output
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.train").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, platform, switched",
+    [
+        (["mlx-mtp", "train-heads", "--model", "m"], "linux", True),
+        (["mlx-mtp", "train-heads", "--help"], "linux", False),
+        (["mlx-mtp", "generate", "-p", "x"], "linux", False),
+        (["mlx-mtp", "train-heads", "--model", "m"], "darwin", False),
+    ],
+)
+def test_train_heads_runs_on_openblas_with_every_core(
+    argv, platform, switched, monkeypatch
+):
+    """The console entry re-execs train-heads on OpenBLAS (every core) on a Linux
+    CPU, and nothing else."""
+    import os
+    import sys
+
+    from mlx_mtp import _entry, fast_blas
+
+    calls = []
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setattr(fast_blas, "ensure_fast_blas", lambda **kw: calls.append(kw))
+    _entry._fast_blas()
+    want = [{"threads": os.cpu_count() or 1, "quiet": True}] if switched else []
+    assert calls == want
