@@ -3,15 +3,16 @@ first moment: this module installs a quiet SIGINT handler as it is imported, bef
 CLI (click, then MLX and transformers) is, and hands over to ordinary
 ``KeyboardInterrupt`` handling once the commands' own handlers are in place.
 
-``train-heads`` computes on OpenBLAS with every core where MLX computes on a Linux CPU
-(`mlx_mtp.fast_blas`): the wheel's reference BLAS is ~20x slower there. Set
-``MLX_MTP_FAST_BLAS=0`` to keep the reference BLAS."""
+Where MLX computes on a Linux CPU, ``train-heads`` runs on OpenBLAS with every core,
+and ``generate`` and ``chat`` with one thread (`mlx_mtp.fast_blas`): with the wheel's
+reference BLAS a pass over several tokens costs several passes, so no draft can pay,
+and training is ~16x slower. Set ``MLX_MTP_FAST_BLAS=0`` to keep the reference BLAS."""
 
 import os
 import signal
 import sys
 
-FAST_BLAS_COMMANDS = ("train-heads",)
+FAST_BLAS_COMMANDS = {"train-heads": None, "generate": 1, "chat": 1}  # threads
 
 
 def _interrupted(signum, frame):
@@ -33,7 +34,9 @@ def _fast_blas() -> None:
     if mx.default_device() == mx.cpu:
         from .fast_blas import ensure_fast_blas
 
-        ensure_fast_blas(threads=os.cpu_count() or 1, quiet=True)
+        threads = FAST_BLAS_COMMANDS[sys.argv[1]] or os.cpu_count() or 1
+        argv = ["-m", "mlx_mtp", *sys.argv[1:]]  # as `mlx-mtp` or `python -m mlx_mtp`
+        ensure_fast_blas(threads=threads, quiet=True, argv=argv)
 
 
 def run():

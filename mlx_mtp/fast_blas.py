@@ -88,9 +88,10 @@ def describe() -> str:
     return "reference BLAS (slow: every pass is compute-bound; ratios understate MTP)"
 
 
-def ensure_fast_blas(threads: int = 1, quiet: bool = False) -> str:
-    """Re-exec with OpenBLAS preloaded (``threads`` threads) when possible; describe
-    the BLAS in use. Only for a process's entry point: the process is replaced."""
+def ensure_fast_blas(threads: int = 1, quiet: bool = False, argv=None) -> str:
+    """Re-exec with OpenBLAS preloaded (``threads`` threads) when possible, running
+    ``python ARGV`` (default: this process's own arguments); describe the BLAS in
+    use. Only for a process's entry point: the process is replaced."""
     if sys.platform == "darwin" or os.environ.get(MARK) in ("0", "1"):
         return describe()
     try:
@@ -99,8 +100,8 @@ def ensure_fast_blas(threads: int = 1, quiet: bool = False) -> str:
         if not quiet:
             print(f"[fast_blas] cannot build the OpenBLAS shim: {e}", file=sys.stderr)
         os.environ[MARK] = "0"
-        return ensure_fast_blas(threads, quiet)
+        return ensure_fast_blas(threads, quiet, argv)
     preload = " ".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD")]))
     env = dict(os.environ, LD_PRELOAD=preload, OPENBLAS_NUM_THREADS=str(threads))
     env[MARK] = "1"
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.execve(sys.executable, [sys.executable, *(argv or sys.argv)], env)

@@ -176,17 +176,17 @@ def test_cli_needs_data_or_prompts(trunk, tmp_path):
 @pytest.mark.parametrize(
     "argv, platform, switched",
     [
-        (["mlx-mtp", "train-heads", "--model", "m"], "linux", True),
-        (["mlx-mtp", "train-heads", "--help"], "linux", False),
-        (["mlx-mtp", "generate", "-p", "x"], "linux", False),
-        (["mlx-mtp", "train-heads", "--model", "m"], "darwin", False),
+        (["mlx-mtp", "train-heads", "--model", "m"], "linux", 0),
+        (["mlx-mtp", "train-heads", "--help"], "linux", None),
+        (["__main__.py", "generate", "-p", "x"], "linux", 1),
+        (["mlx-mtp", "chat"], "linux", 1),
+        (["mlx-mtp", "serve"], "linux", None),
+        (["mlx-mtp", "train-heads", "--model", "m"], "darwin", None),
     ],
 )
-def test_train_heads_runs_on_openblas_with_every_core(
-    argv, platform, switched, monkeypatch
-):
-    """The console entry re-execs train-heads on OpenBLAS (every core) on a Linux
-    CPU, and nothing else."""
+def test_fast_blas_commands(argv, platform, switched, monkeypatch):
+    """On a Linux CPU the console entry re-execs train-heads on OpenBLAS with every
+    core (0 here), generate and chat with one thread, and nothing else."""
     import os
     import sys
 
@@ -197,5 +197,7 @@ def test_train_heads_runs_on_openblas_with_every_core(
     monkeypatch.setattr(sys, "platform", platform)
     monkeypatch.setattr(fast_blas, "ensure_fast_blas", lambda **kw: calls.append(kw))
     _entry._fast_blas()
-    want = [{"threads": os.cpu_count() or 1, "quiet": True}] if switched else []
+    threads = switched or os.cpu_count() or 1
+    argv = ["-m", "mlx_mtp", *argv[1:]]
+    want = [] if switched is None else [dict(threads=threads, quiet=True, argv=argv)]
     assert calls == want
