@@ -7,6 +7,10 @@ as the runtime feeds it, and learns to predict the token the *trunk* emits next 
 is accepted when it equals that token). The same layer is chained for depths 2..D as
 the runtime chains it, so later drafts are trained too.
 
+The data is source text (``--data``), the trunk's own replies to prompts
+(``--distill``, `mlx_mtp.convert.distill`: the distribution decoding actually sees,
+reply positions only), or both.
+
 Efficiency on a CPU: trunk features (hidden states, greedy tokens) are computed once and
 stored (float16, memory-mapped) and reused across epochs; the head's softmax runs over
 a draft vocabulary (the ``--draft-vocab-size`` most frequent greedy tokens, FR-Spec
