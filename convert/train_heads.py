@@ -15,9 +15,10 @@ Efficiency on a CPU: trunk features (hidden states, greedy tokens) are computed 
 stored (float16, memory-mapped) and reused across epochs; the head's softmax runs over
 a draft vocabulary (the ``--draft-vocab-size`` most frequent greedy tokens, FR-Spec
 style), which the runtime then drafts from. The block starts as a copy of the trunk's
-last layer. Training checkpoints every ``--save-every`` steps and ``--resume`` continues
-with identical state; the output is a normal mlx-mtp model folder (trunk files +
-heads).
+last layer, or as heads trained earlier (``--init-heads``: a run goes on across
+sessions, on more data). Training checkpoints every ``--save-every`` steps and
+``--resume`` continues with identical state; the output is a normal mlx-mtp model
+folder (trunk files + heads).
 """
 
 import contextlib
@@ -36,7 +37,15 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_mtp.errors import DiskFullError, MTPError
-from mlx_mtp.heads import HEADS_FILE, heads_section, provenance, save_heads
+from mlx_mtp.heads import (
+    HEADS_FILE,
+    has_heads_file,
+    heads_section,
+    load_heads,
+    load_strict,
+    provenance,
+    save_heads,
+)
 from mlx_mtp.loading import load, read_config
 from mlx_mtp.models.mtp import MTPLayer, MTPStack
 
@@ -82,6 +91,7 @@ class TrainConfig:
     distill: Optional[str] = None  # prompts the trunk answers ("builtin" or a file)
     distill_samples: int = 2  # replies per prompt: one greedy, the rest sampled
     soft_targets: float = 0.0  # weight of KL(trunk || head) beside the hard targets
+    init_heads: Optional[str] = None  # a model folder whose heads training starts from
 
 
 # --- data and features ----------------------------------------------------------------
@@ -210,6 +220,34 @@ def init_head(model, family, draft_vocab: np.ndarray) -> MTPStack:
     stack = MTPStack([layer], len(draft_vocab))
     stack.draft_vocab = mx.array(draft_vocab, dtype=mx.int32)
     return stack
+
+
+def warm_start(model, family, path: str) -> MTPStack:
+    """The heads of the model folder ``path`` (one chained layer for this trunk, as
+    `train_heads` writes them) as a float stack to train on from, with their draft
+    vocabulary; quantized weights are dequantized."""
+    folder = _model_dir(path)
+    config = read_config(folder)
+    if not has_heads_file(config):
+        raise MTPError(f"{path} holds no MTP heads to start training from")
+    heads = load_heads(folder, config, family, model.trunk)
+    if len(heads.layers) != 1 or "draft_vocab" not in heads:
+        raise MTPError(
+            f"{path}: training starts from one MTP layer with a draft vocabulary "
+            "(heads that train-heads wrote)"
+        )
+    vocab = np.array(heads.draft_vocab, dtype=np.int32)
+    stack = init_head(model, family, vocab)
+    weights = dict(tree_flatten(heads.parameters()))
+    for name, m in heads.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            prefix = f"{name}." if name else ""
+            for part in ("scales", "biases"):
+                weights.pop(prefix + part, None)
+            weights[prefix + "weight"] = mx.dequantize(
+                m.weight, m.scales, m.biases, m.group_size, m.bits
+            )
+    return load_strict(stack, weights)
 
 
 def draft_weight(model, vocab: mx.array) -> mx.array:
@@ -372,14 +410,18 @@ def train_heads(
         feats = Features(sets)
 
         counts = feats.greedy_counts(model.args.vocab_size)
-        top = np.argsort(-counts, kind="stable")[: cfg.draft_vocab_size]
-        vocab = np.sort(top).astype(np.int32)
+        if cfg.init_heads:
+            stack = warm_start(model, family, cfg.init_heads)
+            vocab = np.array(stack.draft_vocab, dtype=np.int32)
+        else:
+            top = np.argsort(-counts, kind="stable")[: cfg.draft_vocab_size]
+            vocab = np.sort(top).astype(np.int32)
+            stack = init_head(model, family, vocab)
         remap_np = np.full(counts.shape[0], -1, dtype=np.int32)
         remap_np[vocab] = np.arange(len(vocab), dtype=np.int32)
         remap, W = mx.array(remap_np), draft_weight(model, mx.array(vocab))
         coverage = counts[vocab].sum() / max(counts.sum(), 1)
 
-        stack = init_head(model, family, vocab)
         stack.freeze(keys=["draft_vocab"], recurse=False)
         model.trunk.freeze()
         schedule = optim.join_schedules(
@@ -693,6 +735,9 @@ def _write_model(
     }
     if distilled:
         training["distilled"] = distilled
+    if cfg.init_heads:  # the lineage: how the heads it started from were trained
+        earlier = read_config(_model_dir(cfg.init_heads))["mtp"].get("provenance", {})
+        training["started_from"] = earlier.get("training")
     record = provenance(None, 16, trained_from=str(src), training=training)
     config.pop("mtp", None)
     config["num_nextn_predict_layers"] = len(stack.layers)

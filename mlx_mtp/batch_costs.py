@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .defaults import DEFAULT_MAX_DRAFT_TOKENS
+from .defaults import DEFAULT_MAX_DRAFT_TOKENS, MAX_PROBE_INTERVAL
 from .draft_length import (
     MAX_COST,
     AdaptiveLength,
@@ -37,7 +37,6 @@ from .files import read_json
 from .paths import home
 
 VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
-MAX_PROBE_INTERVAL = 256  # rounds between probes, at most, while drafting is off
 DRAFT_FLOOR = 0.02  # a draft costs at least this share of a plain round
 VERSION = "rounds-2"  # how the costs are measured (older entries are measured anew)
 MAX_GRID = 16  # batch sizes one stored entry may hold

@@ -1243,6 +1243,13 @@ def _check(path, source, min_agreement, trust_remote_code):
     "--save-every", type=click.IntRange(min=1), default=100, show_default=True
 )
 @click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option(
+    "--init-heads",
+    default=None,
+    metavar="MODEL",
+    help="Start from the heads of MODEL (a folder train-heads wrote for this trunk), "
+    "with their draft vocabulary: training goes on, on new or more data.",
+)
 @click.option("--work-dir", default=None, help="Features and checkpoints [OUT.train].")
 @click.option("--resume", is_flag=True, help="Continue the run in the work folder.")
 @OVERWRITE

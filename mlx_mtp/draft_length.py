@@ -8,7 +8,8 @@ probability that draft j is accepted given that draft j-1 was. `AdaptiveLength`
 estimates the alphas from recent rounds (exponentially forgotten, so a change of
 workload inside one generation is followed) and picks the k with the best ratio. When
 drafting does not pay (k = 0), it still drafts every ``probe_every``-th round so that it
-notices when acceptance comes back.
+notices when acceptance comes back; the interval doubles while the probes find that it
+still does not pay (a probe costs a drafting round), as the batched loop's does.
 
 The choice of k never changes the output: every round is verified exactly.
 """
@@ -27,7 +28,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import assistant_kv, begin_verify, make_caches, rewind
-from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from .defaults import (
+    DEFAULT_LOOKUP_TOKENS,
+    DEFAULT_MAX_DRAFT_TOKENS,
+    MAX_DRAFT_TOKENS,
+    MAX_PROBE_INTERVAL,
+)
 from .distributed import Sync
 from .draft_vocab import auto_sizes
 from .errors import MTPError
@@ -369,7 +375,10 @@ class AdaptiveLength(DraftPolicy):
         allowed: Draft lengths to choose from (include 0 to allow plain rounds).
         memory: Rounds over which acceptance is averaged (exponential forgetting).
         prior: Acceptance assumed before any draft at a position is seen.
-        probe_every: With k = 0 chosen, draft the smallest allowed k > 0 this often.
+        probe_every: With k = 0 chosen, draft the smallest allowed k > 0 this often at
+            first; the interval doubles after each probe after which drafting still
+            does not pay (up to `MAX_PROBE_INTERVAL` rounds), and is ``probe_every``
+            again once it pays.
         vocabs: Draft vocabularies to choose from: None (the heads' own rows) and/or
             numbers of tokens.
         coverage: Their `Coverage` (needed with more than one vocabulary).
@@ -397,6 +406,7 @@ class AdaptiveLength(DraftPolicy):
         self.reached = [0.0] * self.max_k  # drafts at position j that were judged
         self.hits = [0.0] * self.max_k  # ... and accepted
         self.idle = 0  # rounds since the last draft
+        self.interval = probe_every  # rounds between probes now
 
     def alphas(self) -> List[float]:
         """Acceptance at each position given the previous one was accepted (with the
@@ -428,8 +438,11 @@ class AdaptiveLength(DraftPolicy):
 
     def next(self) -> int:
         k = self.best()
-        if k == 0 and self.idle + 1 >= self.probe_every and self.max_k:
-            k = self.allowed[1]
+        if k:
+            self.interval = self.probe_every  # drafting pays again
+        elif self.idle + 1 >= self.interval and self.max_k:
+            k = self.allowed[1]  # a probe: drafting has not paid since the last one
+            self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
         self.idle = 0 if k else self.idle + 1
         self.vocab = self.best_vocab(k)
         return k

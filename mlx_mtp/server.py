@@ -104,8 +104,8 @@ from .server_checks import (
     local_origin,
     prompt_bytes_per_token,
     request_options,
-    tool_choice,
     sampling_request_error,
+    tool_choice,
 )
 from .speculative import Session, prefill
 from .stats import MTPStats

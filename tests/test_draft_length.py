@@ -53,9 +53,25 @@ def test_probes_when_drafting_does_not_pay():
     policy = AdaptiveLength(CHEAP, [0, 2, 3], probe_every=8)
     for _ in range(100):
         policy.observe(2, 0)
-    ks = [policy.next() for _ in range(32)]
-    assert ks.count(2) == 4 and set(ks) == {0, 2}
-    assert all(k == 0 for k in ks[:7]) and ks[7] == 2
+    ks = [policy.next() for _ in range(120)]
+    assert set(ks) == {0, 2}
+    # every 8, 16, 32, 64 rounds: each probe found that drafting still did not pay
+    assert [i for i, k in enumerate(ks) if k] == [7, 23, 55, 119]
+
+
+def test_probe_interval_is_reset_once_drafting_pays():
+    policy = AdaptiveLength(CHEAP, [0, 2, 3], probe_every=8)
+    for _ in range(100):
+        policy.observe(2, 0)
+    ks = [policy.next() for _ in range(24)]
+    assert [i for i, k in enumerate(ks) if k] == [7, 23]
+    for _ in range(100):
+        policy.observe(2, 2)  # acceptance is back: drafting pays
+    assert policy.next() > 0
+    for _ in range(100):
+        policy.observe(2, 0)  # and gone again: probes every 8 rounds at first
+    ks = [policy.next() for _ in range(8)]
+    assert [i for i, k in enumerate(ks) if k] == [7]
 
 
 def test_policy_for_each_setting(loaded, monkeypatch):

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from mlx.utils import tree_flatten
 
 from mlx_mtp.cli import main
 from mlx_mtp.convert import check
@@ -216,3 +217,63 @@ def test_training_computes_the_runtimes_chained_drafts(family, trunk, checkpoint
                 out = model.mtp_forward(0, out, x[:, i + j : i + j + 1], mtp_cache)
             want = trained[j - 1][:, i : i + 1]
             assert mx.allclose(out, want, atol=1e-4).item(), (family, i, j)
+
+
+def test_training_goes_on_from_heads_trained_earlier(trunk, tmp_path):
+    """``init_heads``: a run starts from the heads an earlier one wrote (quantized or
+    not), with their draft vocabulary, where that run stopped."""
+    import shutil
+
+    from mlx_mtp.convert.train_heads import warm_start
+    from mlx_mtp.errors import MTPError
+    from mlx_mtp.heads import HEADS_FILE, heads_section, quantize_heads, save_heads
+
+    first = train_heads(str(trunk), DATA, str(tmp_path / "a"), CFG, progress=False)
+    model, _ = load(str(trunk), allow_missing_heads=True)
+    trained, _ = load(str(first))
+    stack = warm_start(model, model.family, str(first))
+    want = dict(tree_flatten(trained.mtp.parameters()))
+    got = dict(tree_flatten(stack.parameters()))
+    assert set(got) == set(want)
+    assert all(mx.array_equal(got[k], want[k]).item() for k in want)
+
+    quantized = tmp_path / "q"  # the heads at 8 bits, as the demo heads ship
+    shutil.copytree(first, quantized)
+    q_stack = trained.mtp
+    bits = quantize_heads(q_stack, 8)
+    save_heads(quantized / HEADS_FILE, q_stack)
+    config = json.loads((quantized / "config.json").read_text())
+    config["mtp"] = heads_section(q_stack, bits, config["mtp"]["provenance"])
+    (quantized / "config.json").write_text(json.dumps(config))
+    thawed = dict(
+        tree_flatten(warm_start(model, model.family, str(quantized)).parameters())
+    )
+    assert set(thawed) == set(want)
+    for k in want:  # dequantized: within a quantization step of the float weights
+        step = float(mx.abs(want[k]).max().item()) / 64 + 1e-6
+        assert mx.allclose(thawed[k], want[k], atol=step).item(), k
+
+    # the second run starts where the first stopped: same draft rows, same scores
+    history = json.loads((tmp_path / "a.train" / "progress.json").read_text())
+    again = TrainConfig(
+        **{
+            **CFG.__dict__,
+            "init_heads": str(first),
+            "lr": 1e-12,
+            "steps": 1,
+            "eval_every": 1,
+            "draft_vocab_size": 50,
+        }
+    )
+    out = train_heads(str(trunk), DATA, str(tmp_path / "b"), again, progress=False)
+    second = json.loads((tmp_path / "b.train" / "progress.json").read_text())
+    assert second["history"][0]["agreement"] == history["history"][-1]["agreement"]
+    assert mx.array_equal(load(str(out))[0].mtp.draft_vocab, trained.mtp.draft_vocab)
+    assert json.loads((out / "config.json").read_text())["mtp"]["provenance"][
+        "training"
+    ]["config"]["init_heads"] == str(first)
+    lineage = json.loads((out / "config.json").read_text())["mtp"]["provenance"]
+    assert lineage["training"]["started_from"]["history"] == history["history"][-1:]
+
+    with pytest.raises(MTPError, match="no MTP heads"):
+        warm_start(model, model.family, str(trunk))
