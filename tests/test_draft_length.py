@@ -133,11 +133,22 @@ def test_greedy_identity_auto(loaded):
         assert [o.token for o in outs] == plain_greedy(model, ids, NUM_TOKENS)
 
 
-def test_cli_draft_length(checkpoint):
+def test_cli_draft_length(checkpoint, monkeypatch, tmp_path):
     from click.testing import CliRunner
 
     from mlx_mtp.cli import main
 
+    def cheap(model, max_k, reps=5, context=64, vocabs=()):
+        """Costs that make drafting pay whatever the machine's load (a loaded CPU can
+        time a verify pass so dear that "auto" rightly never drafts)."""
+        return RoundCosts(
+            [1.0 + 0.05 * n for n in range(max_k + 1)],
+            0.05,
+            dict.fromkeys(vocabs, 0.05),
+        )
+
+    monkeypatch.setattr(draft_length, "measure_costs", cheap)
+    monkeypatch.setenv("MLX_MTP_HOME", str(tmp_path))  # no costs stored: measured
     path = str(checkpoint("deepseek_v3", predictable=True))
     args = ["generate", "--model", path, "-p", "def f(x):", "-m", "16"]
     auto = CliRunner().invoke(main, args)  # -k auto is the default
