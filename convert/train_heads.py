@@ -390,6 +390,7 @@ def train_heads(
     )
     family = model.family
     mx.random.seed(cfg.seed)
+    start = warm_start(model, family, cfg.init_heads) if cfg.init_heads else None
     if files:
         train_files, eval_files = split_files(files, cfg.held_out, cfg.seed)
         train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)
@@ -410,8 +411,8 @@ def train_heads(
         feats = Features(sets)
 
         counts = feats.greedy_counts(model.args.vocab_size)
-        if cfg.init_heads:
-            stack = warm_start(model, family, cfg.init_heads)
+        if start is not None:  # checked before any reply or feature is made
+            stack = start
             vocab = np.array(stack.draft_vocab, dtype=np.int32)
         else:
             top = np.argsort(-counts, kind="stable")[: cfg.draft_vocab_size]

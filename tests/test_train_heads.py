@@ -277,3 +277,7 @@ def test_training_goes_on_from_heads_trained_earlier(trunk, tmp_path):
 
     with pytest.raises(MTPError, match="no MTP heads"):
         warm_start(model, model.family, str(trunk))
+    bad = TrainConfig(**{**CFG.__dict__, "init_heads": str(trunk)})
+    with pytest.raises(MTPError, match="no MTP heads"):  # before any work is done
+        train_heads(str(trunk), DATA, str(tmp_path / "c"), bad, progress=False)
+    assert not (tmp_path / "c.train").exists()
