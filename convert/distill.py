@@ -35,6 +35,7 @@ KINDS = ("code", "chat")
 class Prompt:
     kind: str  # "code" or "chat": held-out agreement is reported per kind
     text: str
+    train_only: bool = False  # never held out (`split_prompts`)
 
 
 # --- the built-in prompt set ----------------------------------------------------------
@@ -228,9 +229,150 @@ Can you recommend a few classic novels to read?
 What is a healthy breakfast?""".splitlines()
 
 
+# Chat prompts added after the first demo heads were trained: they only train, so the
+# held-out split (`split_prompts`) stays the one every published curve was scored on.
+MORE_TOPICS = """the solar system
+how rainbows form
+the Great Wall of China
+how the heart pumps blood
+the history of the bicycle
+how earthquakes are measured
+the life cycle of a butterfly
+how tides work
+the Industrial Revolution
+how glasses correct vision
+the Olympic Games
+how honeybees make honey
+the ancient Egyptians
+how a car engine works
+the invention of the telephone
+how clouds form
+the Amazon rainforest
+how money is printed
+the human brain
+how a microwave oven heats food
+the first moon landing
+how coral reefs grow
+the history of chess
+how wind turbines make electricity
+the digestive system
+how seeds become plants
+the Silk Road
+how snowflakes form
+the history of jazz
+how a bill becomes a law
+the Northern Lights
+how fish breathe underwater
+the Great Barrier Reef
+how the eye sees color
+the history of the Internet
+how muscles grow stronger
+the desert ecosystem
+how a camera takes a picture
+the Middle Ages
+how bridges stay up
+dinosaurs
+how email works
+the ocean's deepest places
+how plants drink water
+the history of writing""".splitlines()
+
+MORE_ACTIVITIES = """training a puppy
+baking sourdough bread
+learning to swim as an adult
+planning a birthday party
+organizing a small closet
+reading more books
+starting to run in the morning
+learning to draw
+moving to a new apartment
+taking better photos with a phone
+planning a road trip
+writing a daily journal
+learning to cook rice
+keeping a tidy desk
+meditating for the first time
+teaching a child to ride a bike
+hosting a dinner for friends
+growing tomatoes on a balcony
+drinking more water every day
+learning to type faster""".splitlines()
+
+MORE_WRITING = """a short story about a dragon who is afraid of the dark
+a poem about a rainy afternoon
+an email inviting my team to a lunch on Friday
+a short story about two friends who find a map
+a birthday message for my grandmother
+a short poem about mountains in winter
+a note apologising for missing a meeting
+a short fable about a fox and a crow
+a welcome message for new members of a book club
+a short story about a girl who can talk to birds
+a toast for a retirement party
+a postcard from a trip to the seaside
+a short poem about a city at dawn
+a text message asking a neighbour to water my plants
+a short mystery story set in a library
+an introduction for a talk about healthy habits
+a short story about a time traveller who visits a market
+a poem about friendship
+a letter to my future self
+a short scene where two strangers share an umbrella""".splitlines()
+
+MORE_QUESTIONS = """What is the tallest mountain in the world?
+Why do leaves change color in autumn?
+How long does it take light from the Sun to reach Earth?
+What is the difference between a virus and a bacterium?
+Why do we dream?
+How do birds know where to migrate?
+What is the best way to remember new words?
+Why is the ocean salty?
+How do I make a simple tomato sauce?
+What is the difference between a lake and a pond?
+How often should I water a cactus?
+Why do onions make people cry?
+What is a good name for a golden retriever puppy?
+How can I be more productive in the morning?
+What is the difference between a crocodile and an alligator?
+Why do we have leap years?
+How do I write a good thank-you note?
+What are some fun things to do on a rainy day?
+How do airplanes stay in the air?
+What is the difference between baking soda and baking powder?
+Why do stars twinkle?
+How can I calm down before an exam?
+What is the largest animal on Earth?
+How do I start learning to play chess?
+What is a balanced diet?
+Why is the Moon sometimes visible during the day?
+What are good questions to ask at the end of a job interview?
+How do I keep my phone battery healthy?
+What is the difference between a hurricane and a tornado?
+Can you suggest a simple weekly workout routine?
+How does a bicycle stay upright?
+What is the meaning of the word "serendipity"?
+How do I say no to extra work politely?
+What are the main food groups?
+Why do we yawn?
+How do I plan a budget for a holiday?
+What makes a good friend?
+How do magnets work?
+What should I do if I cannot fall asleep?
+How do I choose a good watermelon?""".splitlines()
+
+
+def more_chat_prompts() -> List[Prompt]:
+    """Training-only chat prompts (`MORE_TOPICS` ...), in a fixed order."""
+    texts = [t.format(t=x) for x in MORE_TOPICS for t in TOPIC_TEMPLATES]
+    texts += [t.format(a=a) for a in MORE_ACTIVITIES for t in ACTIVITY_TEMPLATES]
+    texts += [f"Write {w}." for w in MORE_WRITING] + MORE_QUESTIONS
+    return [Prompt("chat", t, train_only=True) for t in texts]
+
+
 def builtin_prompts() -> List[Prompt]:
     """The built-in prompt set, in a fixed order: code requests (every task in every
-    language, the phrasing rotating), standard-library questions, then chat."""
+    language, the phrasing rotating), standard-library questions, chat, then the
+    training-only chat prompts (`more_chat_prompts`)."""
     pairs = itertools.product(CODE_TASKS, LANGUAGES)
     code = [
         Prompt("code", CODE_TEMPLATES[i % len(CODE_TEMPLATES)].format(lang=l, task=t))
@@ -249,7 +391,9 @@ def builtin_prompts() -> List[Prompt]:
     ]
     chat += [Prompt("chat", f"Write {w}.") for w in WRITING]
     chat += [Prompt("chat", q) for q in QUESTIONS]
-    return list(dict.fromkeys(code + chat))
+    seen = {p.text for p in code + chat}
+    more = [p for p in more_chat_prompts() if p.text not in seen]
+    return list(dict.fromkeys(code + chat + more))
 
 
 def read_prompts(source: str) -> List[Prompt]:
@@ -284,14 +428,17 @@ def read_prompts(source: str) -> List[Prompt]:
 
 def split_prompts(prompts: List[Prompt], held_out: float, seed: int):
     """Deterministic split of the prompts: (train, held-out), at least one held out
-    per kind when ``held_out`` > 0; the training prompts shuffled, kinds mixed."""
+    per kind when ``held_out`` > 0; the training prompts shuffled, kinds mixed. The
+    held-out prompts are drawn from those not marked ``train_only``, so adding those
+    never changes the held-out set."""
     train, held = [], []
     for kind in KINDS:
-        group = [p for p in prompts if p.kind == kind]
+        group = [p for p in prompts if p.kind == kind and not p.train_only]
         random.Random(seed).shuffle(group)
         n = max(1, int(round(len(group) * held_out))) if held_out and group else 0
         held += group[:n]
         train += group[n:]
+    train += [p for p in prompts if p.train_only]
     random.Random(seed + 1).shuffle(train)
     return train, held
 

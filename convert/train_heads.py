@@ -138,11 +138,21 @@ def pack(tokenizer, files: List[Path], length: int, limit: Optional[int]) -> np.
 
 
 def compute_features(
-    model, tokens: np.ndarray, folder: Path, name: str, progress
+    model,
+    tokens: np.ndarray,
+    folder: Path,
+    name: str,
+    progress,
+    greedy_rows: Optional[np.ndarray] = None,
 ) -> dict:
     """Trunk hidden states (float16) and greedy next tokens for every sequence, written
     to memory-mapped files and resumable (sequences already done are kept, also when a
-    rerun asks for fewer of the same sequences)."""
+    rerun asks for fewer of the same sequences).
+
+    ``greedy_rows``, ``(n,)`` bool, marks the greedy replies: the trunk chose each of
+    their reply tokens as its argmax, so their greedy tokens are their own next tokens
+    (`next_tokens`) and their full-vocabulary logits are not computed (on Gemma 3's
+    262k rows that is most of a feature pass)."""
     from tqdm import tqdm
 
     n, length = tokens.shape
@@ -175,9 +185,11 @@ def compute_features(
     )
     for i in range(done, n):
         h = model.hidden(mx.array(tokens[i : i + 1]))  # (1, L, H)
-        g = mx.argmax(model.logits(h), axis=-1)
+        if greedy_rows is not None and greedy_rows[i]:
+            greedy[i] = next_tokens(tokens[i])
+        else:
+            greedy[i] = np.array(mx.argmax(model.logits(h), axis=-1)[0])
         hidden[i] = np.array(h[0].astype(mx.float16))
-        greedy[i] = np.array(g[0])
         if (i + 1) % 16 == 0 or i + 1 == n:
             hidden.flush(), greedy.flush()
             np.save(paths["done"], np.array(i + 1))
@@ -188,6 +200,12 @@ def compute_features(
         "hidden": np.load(paths["hidden"], mmap_mode="r")[:n],
         "greedy": np.load(paths["greedy"], mmap_mode="r")[:n],
     }
+
+
+def next_tokens(row: np.ndarray) -> np.ndarray:
+    """``(L,)``: each position's next token in ``row`` (the last repeats itself): a
+    greedy reply's greedy tokens at its reply positions."""
+    return np.append(row[1:], row[-1:])
 
 
 def _stored_prefix(path: Path, tokens: np.ndarray) -> bool:
@@ -568,7 +586,8 @@ def distilled_features(model, tokenizer, prompts, cfg, work, progress):
             tokens, weights = conversation_rows(recs, cfg.seq_len, pad, kind)
             if len(tokens):
                 name = f"eval-{kind}-replies"
-                f = compute_features(model, tokens, work, name, progress)
+                greedy = np.ones(len(tokens), dtype=bool)  # one greedy reply each
+                f = compute_features(model, tokens, work, name, progress, greedy)
                 evals[f"{kind} replies"] = {**f, "weight": weights}
     path = work / "replies.train.jsonl"
     samples = cfg.distill_samples
@@ -584,7 +603,8 @@ def distilled_features(model, tokenizer, prompts, cfg, work, progress):
         progress=progress,
     )
     tokens, weights = conversation_rows(recs, cfg.seq_len, pad)
-    train = {**compute_features(model, tokens, work, "distill", progress)}
+    greedy = np.array([r["sample"] == 0 for r in recs], dtype=bool)
+    train = {**compute_features(model, tokens, work, "distill", progress, greedy)}
     train["weight"] = weights
     record = {
         "prompts": cfg.distill,
@@ -592,7 +612,12 @@ def distilled_features(model, tokenizer, prompts, cfg, work, progress):
         "held_out_prompts": len(held_p),
         "replies": len(recs),
         "reply_tokens": int(sum(len(r["tokens"]) - r["reply_start"] for r in recs)),
-        "sampling": f"sample 0 greedy, then temp {TEMP}, top_p {TOP_P}",
+        "train_only_prompts": sum(p.train_only for p in train_p),
+        "sampling": (
+            f"sample 0 greedy, then temp {TEMP}, top_p {TOP_P}"
+            if samples > 1
+            else "greedy"
+        ),
         "chat_template": bool(getattr(tokenizer, "has_chat_template", False)),
     }
     return train, evals, record

@@ -25,11 +25,10 @@ SOURCE_TEXT = [
     "Python 3.11 documentation reST sources (Debian python3.11-doc; PSF License 2.0)",
 ]
 DISTILLED = (
-    "SmolLM2-135M-Instruct's own replies (greedy, and sampled at temperature 0.7, "
-    "top-p 0.95), through its chat template, to mlx-mtp's built-in prompts "
-    "(convert/distill.py, MIT like mlx-mtp; code requests, questions about Python's "
-    "standard-library modules by name, explanations, advice, writing, chat); the "
-    "replies are the model's output under its Apache-2.0 license"
+    "SmolLM2-135M-Instruct's own replies ({sampling}), through its chat template, to "
+    "mlx-mtp's built-in prompts (convert/distill.py, MIT like mlx-mtp; code requests, "
+    "questions about Python's standard-library modules by name, explanations, advice, "
+    "writing, chat); the replies are the model's output under its Apache-2.0 license"
 )
 
 
@@ -59,8 +58,13 @@ def main():
     trained = config["mtp"]["provenance"]
     work = args.trained.parent / f"{args.trained.name}.train" / "progress.json"
     history = json.loads(work.read_text())["history"] if work.is_file() else []
-    distilled = "distilled" in trained["training"]
-    data = [DISTILLED] if distilled else []
+    training = trained["training"]
+    distilled = "distilled" in training
+    greedy = training["config"]["distill_samples"] == 1
+    sampling = (
+        "greedy" if greedy else "greedy, and sampled at temperature 0.7, top-p 0.95"
+    )
+    data = [DISTILLED.format(sampling=sampling)] if distilled else []
     data += SOURCE_TEXT if args.source_text or not distilled else []
     stack = model.mtp
     quantization = quantize_heads(stack, args.bits)

@@ -4,6 +4,7 @@ resumable), the reply weights, and a distilled training run end to end."""
 import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from mlx_lm.generate import generate_step
@@ -21,7 +22,12 @@ from mlx_mtp.convert.distill import (
     reply_weights,
     split_prompts,
 )
-from mlx_mtp.convert.train_heads import TrainConfig, train_heads
+from mlx_mtp.convert.train_heads import (
+    TrainConfig,
+    compute_features,
+    next_tokens,
+    train_heads,
+)
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import mtp_generate_step
@@ -47,7 +53,7 @@ def test_builtin_prompts_mix_code_and_chat_and_leave_the_benchmarks_out():
     prompts = builtin_prompts()
     kinds = [p.kind for p in prompts]
     assert len(prompts) == len(set(prompts)) > 1000
-    assert 0.25 < kinds.count("chat") / len(kinds) < 0.5
+    assert 0.25 < kinds.count("chat") / len(kinds) < 0.6
     texts = {p.text for p in prompts}
     assert DEMO_PROMPT not in texts and not texts & set(WORKLOADS.values())
     assert prompts == builtin_prompts()  # a fixed order: resumable runs
@@ -81,6 +87,18 @@ def test_split_is_deterministic_disjoint_and_holds_out_each_kind():
     assert {p.kind for p in train[:20]} == {"code", "chat"}  # kinds mixed
     assert split_prompts(prompts, 0.05, 1) != (train, held)
     assert split_prompts(prompts, 0.0, 0)[1] == []
+
+
+def test_train_only_prompts_never_change_the_held_out_set():
+    prompts = builtin_prompts()
+    extra = [p for p in prompts if p.train_only]
+    assert len(extra) > 500 and {p.kind for p in extra} == {"chat"}
+    base = [p for p in prompts if not p.train_only]
+    train, held = split_prompts(prompts, 0.05, 0)
+    assert held == split_prompts(base, 0.05, 0)[1]  # what earlier heads were scored on
+    assert set(extra) <= set(train) and not {p.text for p in held} & {
+        p.text for p in extra
+    }
 
 
 def test_reply_weights_mark_the_drafted_positions():
@@ -119,6 +137,30 @@ def test_replies_are_the_trunks_own_and_resume_exactly(trunk, tmp_path, monkeypa
     assert generate_replies(*args, limit=200, batch_size=4, progress=False) == (
         replies[:4]
     )
+
+
+def test_greedy_replies_skip_the_logits_and_keep_the_targets(
+    trunk, tmp_path, monkeypatch
+):
+    """A greedy reply's trained targets are its own next tokens: the feature pass
+    that skips its logits gives what the full pass's argmax gives there."""
+    monkeypatch.setattr(distill, "TEMP", 20.0)
+    monkeypatch.setattr(distill, "TOP_P", 1.0)
+    model, tokenizer = load(str(trunk), allow_missing_heads=True)
+    path = tmp_path / "replies.jsonl"
+    replies = generate_replies(
+        model, tokenizer, PROMPTS, 2, 48, path, 0, progress=False
+    )
+    tokens, weights = conversation_rows(replies, 48, tokenizer.eos_token_id)
+    greedy = np.array([r["sample"] == 0 for r in replies])
+    fast = compute_features(model, tokens, tmp_path, "fast", False, greedy)
+    full = compute_features(model, tokens, tmp_path, "full", False)
+    trained = weights > 0  # (n, L): reply positions
+    assert np.array_equal(fast["hidden"], full["hidden"])
+    assert np.array_equal(fast["greedy"][trained], full["greedy"][trained])
+    assert np.array_equal(fast["greedy"][~greedy], full["greedy"][~greedy])
+    sampled = np.stack([next_tokens(t) for t in tokens[~greedy]])
+    assert (sampled != full["greedy"][~greedy])[trained[~greedy]].any()  # no shortcut
 
 
 def test_distilled_training_end_to_end(trunk, tmp_path):
