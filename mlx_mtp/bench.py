@@ -1,8 +1,9 @@
 """An honest speed benchmark: mlx-lm plain decoding against mlx-mtp at k = 0..K, in one
 process, interleaved, medians of several runs.
 
-For every workload (code, chat, prose, and an adversarial prompt of random tokens) and
-temperature it reports decode tokens/s (the first token, i.e. the prompt, excluded),
+For every workload (code, code requests among them the demo's, chat, prose, and an
+adversarial prompt of random tokens) and temperature it reports decode tokens/s (the
+first token, i.e. the prompt, excluded),
 the ratio to mlx-lm, acceptance per draft position and tokens per round (over all the
 timed runs together), peak memory, and the **ideal** speedup the measured acceptance
 allows given the measured costs:
@@ -54,6 +55,8 @@ WORKLOADS = {
     "code": 'def merge_intervals(intervals):\n    """Merge overlapping intervals."""\n',
     # a code request through the chat template, as the demo's first command
     "code-request": "Write a Python function that merges overlapping intervals.",
+    # the README's first command: the demo's prompt
+    "demo": "Write a Python function that checks whether a number is prime.",
     "chat": "Explain in a few sentences how a hash table handles collisions.",
     "prose": "The history of the printing press begins in the fifteenth century, when",
     # the prompt holds a function, the request changes one line of it
@@ -62,7 +65,7 @@ WORKLOADS = {
     "instead of the start. Give the whole function.\n",
     "summarise": ARTICLE + "\n\nSummarise this text in two sentences.\n",
 }
-CHAT_WORKLOADS = ("code-request", "chat", "code-edit", "summarise")
+CHAT_WORKLOADS = ("code-request", "demo", "chat", "code-edit", "summarise")
 
 
 @dataclass

@@ -4,7 +4,7 @@
 
     python scripts/bench.py --model PATH [--draft-model ASSISTANT] [--tokens 128]
         [--reps 5] [--k 0 1 2 3 4 auto] [--temp 0 0.7]
-        [--workloads code chat prose code-edit summarise adversarial]
+        [--workloads code code-request demo chat prose code-edit summarise adversarial]
         [--sources heads lookup auto] [--vocabs own full 4096 auto] [--json out.json]
 """
 
