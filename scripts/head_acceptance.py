@@ -25,6 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_blas import ensure_fast_blas  # noqa: E402
 
 
+def draft_rows(model):
+    """The heads' draft-vocabulary weight and the map from token ids to its rows (-1
+    where a token has none), as `train_heads.evaluate` takes them."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_mtp.convert.train_heads import draft_weight
+
+    vocab = np.array(model.mtp.draft_vocab)
+    remap = np.full(model.args.vocab_size, -1, dtype=np.int32)
+    remap[vocab] = np.arange(len(vocab), dtype=np.int32)
+    return draft_weight(model, mx.array(vocab)), mx.array(remap)
+
+
 def prompts_and_kinds(args, tokenizer):
     """``[(prompt ids, kind)]`` of the held-out prompts."""
     from mlx_mtp.convert.distill import encode, read_prompts, split_prompts
@@ -52,16 +66,13 @@ def main():
     import numpy as np
 
     from mlx_mtp.convert.distill import reply_weights
-    from mlx_mtp.convert.train_heads import draft_weight, evaluate, losses
+    from mlx_mtp.convert.train_heads import evaluate, losses
     from mlx_mtp.loading import load
     from mlx_mtp.speculative import mtp_generate_step
     from mlx_mtp.stats import MTPStats
 
     model, tokenizer = load(args.model)
-    vocab = np.array(model.mtp.draft_vocab)
-    remap = np.full(model.args.vocab_size, -1, dtype=np.int32)
-    remap[vocab] = np.arange(len(vocab), dtype=np.int32)
-    W, remap = draft_weight(model, mx.array(vocab)), mx.array(remap)
+    W, remap = draft_rows(model)
     by_kind = {}
     for prompt, kind in prompts_and_kinds(args, tokenizer):
         seen = by_kind.setdefault(kind, {"stats": MTPStats(args.k), "rows": []})

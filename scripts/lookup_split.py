@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_blas import ensure_fast_blas  # noqa: E402
+from head_acceptance import draft_rows  # noqa: E402
 
 
 def repeated(tokens, start: int, end: int):
@@ -72,19 +73,21 @@ def main():
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--limit", type=int, default=None, help="replies per kind")
     args = p.parse_args()
+    if not Path(args.replies).is_file():
+        p.error(f"no such replies file: {args.replies}")
     print(f"BLAS: {ensure_fast_blas()}")
 
-    import mlx.core as mx
     import numpy as np
 
-    from mlx_mtp.convert.train_heads import draft_weight, evaluate
+    from mlx_mtp.convert.train_heads import evaluate
+    from mlx_mtp.errors import MTPError
     from mlx_mtp.loading import load
 
-    model, _ = load(args.model)
-    vocab = np.array(model.mtp.draft_vocab)
-    remap = np.full(model.args.vocab_size, -1, dtype=np.int32)
-    remap[vocab] = np.arange(len(vocab), dtype=np.int32)
-    W, remap = draft_weight(model, mx.array(vocab)), mx.array(remap)
+    try:
+        model, _ = load(args.model)
+    except MTPError as e:
+        p.error(str(e))
+    W, remap = draft_rows(model)
     records = [json.loads(line) for line in Path(args.replies).read_text().splitlines()]
     length = max(len(r["tokens"]) for r in records) + args.depth + 1
     print(
