@@ -397,11 +397,33 @@ SAMPLING_OPTIONS += [
 ]
 
 
-def _penalty(kind: str, help: str, low=None):
+class Penalty(click.ParamType):
+    """A penalty's number, in the range `DecodeOptions` takes for ``option``."""
+
+    name = "float"
+
+    def __init__(self, option: str):
+        self.option = option
+
+    def convert(self, value, param, ctx):
+        from .errors import MTPError
+
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        try:
+            DecodeOptions(**{self.option: number}).check()
+        except MTPError as e:
+            self.fail(str(e).removeprefix(f"{self.option} "), param, ctx)
+        return number
+
+
+def _penalty(kind: str, help: str):
     return [
         click.option(
             f"--{kind}-penalty",
-            type=float if low is None else click.FloatRange(min=low),
+            type=Penalty(f"{kind}_penalty"),
             default=None,
             help=help,
         ),
@@ -420,13 +442,16 @@ PROCESSOR_OPTIONS = [
     *_penalty(
         "repetition",
         "Divide the logits of tokens seen lately by this (negative ones: multiply), "
-        "as mlx-lm does (1: off).",
-        low=0,
+        "as mlx-lm does: 0.01 to 100 (1 or 0: off).",
     ),
-    *_penalty("presence", "Subtract this from the logits of tokens seen lately."),
+    *_penalty(
+        "presence",
+        "Subtract this (-2 to 2) from the logits of tokens seen lately.",
+    ),
     *_penalty(
         "frequency",
-        "Subtract this from a token's logit for each time it was seen lately.",
+        "Subtract this (-2 to 2) from a token's logit for each time it was seen "
+        "lately.",
     ),
     click.option(
         "--logit-bias",

@@ -16,6 +16,13 @@ from .defaults import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_DRAFT_TOKENS, MAX_DRAFT
 from .errors import MTPError
 
 DRAFT_SOURCES = ("heads", "lookup", "auto")
+# The penalties' ranges: OpenAI's for the presence and frequency penalties (a bound
+# on what they add to a logit: at most 2 for each of the last tokens); for mlx-lm's
+# repetition penalty, which divides logits (multiplies the negative ones), factors
+# far past any useful one whose float32 logits cannot overflow (0 is off, as in
+# mlx-lm).
+ADDED_PENALTY = 2.0
+REPETITION_PENALTY = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,9 @@ class DecodeOptions:
     - ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` (each
       over its last ``*_context_size`` tokens) and ``logit_bias`` (token id to
       bias, given as a dict or pairs): mlx-lm's logits processors, with its names
-      and meanings (None or 0: off); ``logits_processors``: more of them, mlx-lm's
+      and meanings (None or 0: off), the presence and frequency penalties from -2
+      to 2 (OpenAI's range), the repetition penalty from 0.01 to 100
+      (`REPETITION_PENALTY`); ``logits_processors``: more of them, mlx-lm's
       ``f(tokens, logits)`` callables. Each applies at every position with that
       position's own prefix, drafts included (`mlx_mtp.processors`).
     - ``grammar``: a `mlx_mtp.grammar.GrammarSpec` (a JSON schema, any JSON
@@ -173,16 +182,23 @@ class DecodeOptions:
         return self
 
     def _check_processors(self) -> None:
-        if self.repetition_penalty is not None:
-            if _real(self.repetition_penalty) is None or self.repetition_penalty < 0:
+        repetition = self.repetition_penalty
+        low, high = REPETITION_PENALTY
+        if repetition is not None and repetition != 0:
+            if _real(repetition) is None or not low <= repetition <= high:
                 raise MTPError(
-                    "repetition_penalty must be a number >= 0, got "
-                    f"{self.repetition_penalty!r}"
+                    f"repetition_penalty must be 0 (off) or from {low:g} to "
+                    f"{high:g}, got {repetition!r}"
                 )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if value is not None and _real(value) is None:
-                raise MTPError(f"{name} must be a finite number, got {value!r}")
+            if value is None:
+                continue
+            if _real(value) is None or not -ADDED_PENALTY <= value <= ADDED_PENALTY:
+                raise MTPError(
+                    f"{name} must be a number from {-ADDED_PENALTY:g} to "
+                    f"{ADDED_PENALTY:g}, got {value!r}"
+                )
         for kind in ("repetition", "presence", "frequency"):
             _check_int(f"{kind}_context_size", getattr(self, f"{kind}_context_size"), 1)
         bias = self.logit_bias
