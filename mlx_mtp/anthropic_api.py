@@ -430,25 +430,18 @@ def stop_words(sequences) -> List[str]:
 
 
 def stop_reason(
-    finish: Optional[str],
-    tokens: Sequence[int],
-    eos: Sequence[int],
-    stops: Dict[str, Tuple[int, ...]],
+    finish: Optional[str], stop_sequence: Optional[str] = None
 ) -> Tuple[str, Optional[str]]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` of a reply the chat path
     ended with ``finish``: "length" is max_tokens, "tool_calls" tool_use; a "stop"
-    whose last ``tokens`` are one of ``stops`` (each stop sequence's tokens, as
-    mlx-lm matches them; the longest if several) is that stop_sequence, any other
-    (an ``eos`` token) end_turn."""
+    at one of the request's stop sequences (``stop_sequence``: the server matches
+    them on the text) is that stop_sequence, any other (an EOS token) end_turn."""
     if finish == "length":
         return "max_tokens", None
     if finish == "tool_calls":
         return "tool_use", None
-    if tokens and tokens[-1] not in eos:
-        ended = tuple(tokens)
-        found = [w for w, seq in stops.items() if seq and ended[-len(seq) :] == seq]
-        if found:
-            return "stop_sequence", max(found, key=len)
+    if stop_sequence is not None:
+        return "stop_sequence", stop_sequence
     return "end_turn", None
 
 
@@ -613,7 +606,7 @@ def _stop(index: int) -> Event:
 def sse(event: Event) -> bytes:
     """An event as server-sent events write it."""
     name, data = event
-    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+    return f"event: {name}\ndata: {json.dumps(data, allow_nan=False)}\n\n".encode()
 
 
 class Wire:

@@ -2,8 +2,10 @@
 
 mlx-lm's server (`mlx_lm.server`) is reused for everything around decoding: request
 parsing and validation, chat templates with tools and ``chat_template_kwargs``, the
-text state machine that splits reasoning and tool-call text, mlx-lm's tool parsers, stop
-words, server-sent events, ``usage``. Three subclasses change what MTP needs:
+text state machine that splits reasoning and tool-call text, mlx-lm's tool parsers,
+server-sent events, ``usage``. What a reply holds is this server's
+(`mlx_mtp.replies`): stop strings matched on the text, tool text that does not parse
+returned as content, valid JSON only. Three subclasses change what MTP needs:
 
 - `MTPModelProvider` loads with `mlx_mtp.load` (heads, or a Gemma 4 assistant) and
   serves that one model only: a request never makes the server load another path;
@@ -40,6 +42,7 @@ SIGTERM stop generation within a round and end open streams with ``[DONE]``
 """
 
 import argparse
+import dataclasses
 import gc
 import inspect
 import io
@@ -47,6 +50,7 @@ import ipaddress
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -89,6 +93,7 @@ from .grammar import check_grammar
 from .loading import load
 from .models.deepseek_v4_cache import V4Cache
 from .options import DecodeOptions
+from .replies import StopText, Unparsed, checked_parser, finite
 from .resolve import caches_without_rollback, draft_vocabs
 from .sampling import SamplingError
 from .server_checks import (
@@ -127,7 +132,8 @@ MLX_LM_PRIVATE = (
     # the prompt's tokens (a tuple: prompt first, the initial state fourth):
     # overridden for the context check, and called by the loop
     ("ResponseGenerator._tokenize", "self, tokenizer, request, args"),
-    # the stop sequences and text state machine, cached: called by the loop
+    # the stop sequences and text state machine, cached: called by the loop, and
+    # overridden to leave stop words out (`_Replies` matches them on the text)
     ("ResponseGenerator._make_state_machine", "self, model_key, tokenizer, stop_words"),
     # the CORS headers of every reply: overridden (`MTPHandler._set_cors_headers`)
     ("APIHandler._set_cors_headers", "self"),
@@ -396,13 +402,11 @@ def _options_error(e: MTPError) -> RequestError:
 class _Responses(Queue):
     """One request's response queue, which knows its request: ``ctx`` once the
     generation put it, ``taken`` once the generation loop took the request,
-    ``ended`` once None (the end) or an exception was put (nothing is put after), and
-    the ``tokens`` of the responses put."""
+    ``ended`` once None (the end) or an exception was put (nothing is put after)."""
 
     def __init__(self):
         super().__init__()
         self.ctx, self.taken, self.ended = None, False, False
-        self.tokens: List[int] = []  # the reply's tokens, as put
         self._guard = threading.Lock()
 
     def put(self, item, block=True, timeout=None):
@@ -411,8 +415,6 @@ class _Responses(Queue):
                 return
             if isinstance(item, lm_server.GenerationContext):
                 self.ctx = item
-            elif isinstance(item, lm_server.Response):
-                self.tokens.append(item.token)
             self.ended = item is None or isinstance(item, BaseException)
             super().put(item, block, timeout)
 
@@ -430,7 +432,13 @@ class _Job:
     ``owner`` (the index of the API key it presented; None without keys), whether its
     reply streams, and its ``responses``. Once it decodes: ``mtp``, the loop's
     statistics (a snapshot, taken before its reply's last token is put), and
-    ``batch_sizes``, the rounds it ran at each batch size (None: alone)."""
+    ``batch_sizes``, the rounds it ran at each batch size (None: alone).
+
+    Its reply's ``stops`` (its stop strings) are matched on the text (`_Replies`):
+    ``stop_sequence`` is the one that ended the reply, if one did, and
+    ``flushed_stop`` says that the reply ended by a stop (a stop string, or EOS
+    after text held back as the possible start of one) although mlx-lm's handler
+    was told "length", so that it sends every character before the stop."""
 
     options: DecodeOptions
     owner: Optional[int] = None
@@ -438,6 +446,9 @@ class _Job:
     responses: _Responses = field(default_factory=_Responses)
     mtp: Optional[MTPStats] = None
     batch_sizes: Optional[Dict[int, int]] = None
+    stops: Tuple[str, ...] = ()
+    stop_sequence: Optional[str] = None
+    flushed_stop: bool = False
 
 
 @dataclass
@@ -466,9 +477,14 @@ def _with_job(value, cls, job: _Job):
 class _Context(lm_server.GenerationContext):
     """mlx-lm's context of a request the MTP loop serves; ``stopped`` once `stop` was
     called (by mlx-lm's handler when the reply ends, so early when the client went
-    away, and by a failure or `MTPResponseGenerator.shutdown`)."""
+    away, and by a failure or `MTPResponseGenerator.shutdown`). Its tool parser is
+    `mlx_mtp.replies.checked_parser`'s: tool text it cannot parse is returned as
+    content (`MTPHandler.generate_response`), never a failure of the reply."""
 
     stopped: bool = False
+
+    def __post_init__(self):
+        self.tool_parser = checked_parser(self.tool_parser)
 
     def stop(self):
         super().stop()
@@ -487,15 +503,29 @@ class _Refusal(BaseException):
 
 class _Replies:
     """The responses of a request whose reply started, as an iterator, prompt
-    progress left out: until None, or an exception put, which it raises."""
+    progress left out: until None, or an exception put, which it raises.
 
-    def __init__(self, generator: "MTPResponseGenerator", responses: _Responses):
-        self._generator, self._responses = generator, responses
+    The job's stop strings are matched on the text, as OpenAI and Anthropic do
+    (`StopText`): a response's text leaves out what could begin a stop string until
+    the next says; at a stop string the reply ends there (its generation is
+    stopped, what it still puts is dropped) and the job records which. mlx-lm's
+    handler drops the text of a response that ends "stop" (the EOS token's); a
+    reply that ends by a stop after text held back or cut before a stop string ends
+    "length" instead, so that the handler sends that text, and the job says it is a
+    stop (``flushed_stop``)."""
+
+    def __init__(self, generator: "MTPResponseGenerator", job: _Job):
+        self._generator, self._job, self._responses = generator, job, job.responses
+        self._text = StopText(job.stops)
+        self._over = False  # stopped at a stop string: the rest is dropped
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        if self._over:
+            self._drain()
+            raise StopIteration
         while True:
             response = self._generator._wait(self._responses)
             if response is None:
@@ -503,7 +533,30 @@ class _Replies:
             if isinstance(response, Exception):
                 raise response
             if not isinstance(response, tuple):  # prompt progress
-                return response
+                return self._cut(response)
+
+    def _cut(self, response):
+        """``response`` with its text as `StopText` lets it be sent."""
+        text, finish = self._text.add(response.text), response.finish_reason
+        if self._text.stop is not None:
+            self._over = True
+            self._responses.ctx.stop()  # its generation stops within a round
+            self._job.stop_sequence = self._text.stop
+            self._job.flushed_stop, finish = True, "length"
+        elif finish == "length":
+            text += self._text.flush()
+        elif finish == "stop":  # EOS: no text of its own
+            text = self._text.flush()
+            if text:
+                self._job.flushed_stop, finish = True, "length"
+        return dataclasses.replace(response, text=text, finish_reason=finish)
+
+    def _drain(self) -> None:
+        """What the generation puts after the stop, until its end."""
+        while True:
+            response = self._generator._wait(self._responses)
+            if response is None or isinstance(response, BaseException):
+                return
 
 
 def _streamed(replies: _Replies):
@@ -517,14 +570,18 @@ def _streamed(replies: _Replies):
 
 def _top_logprobs(logprobs: mx.array, n: int, tokenizer) -> tuple:
     """The ``n`` likeliest tokens of ``logprobs`` as mlx-lm's handler reports them,
-    ``{"id", "token", "logprob"}`` each; none for n <= 0."""
+    ``{"id", "token", "logprob"}`` each, likeliest first; none for n <= 0. Tokens
+    that cannot be drawn (a logprob of -inf: masked by a grammar) are left out, as
+    OpenAI lists only candidates: there may be fewer than ``n``."""
     if n <= 0:
         return ()
-    ids = mx.argpartition(-logprobs, kth=n - 1)[:n].tolist()
-    values = logprobs[ids].tolist()
-    tokens = tokenizer.convert_ids_to_tokens(ids)
+    ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
+    ids = ids[mx.argsort(-logprobs[ids])]
+    pairs = [(i, v) for i, v in zip(ids.tolist(), logprobs[ids].tolist())]
+    pairs = [(i, v) for i, v in pairs if math.isfinite(v)]
+    tokens = tokenizer.convert_ids_to_tokens([i for i, _ in pairs])
     return tuple(
-        {"id": i, "token": t, "logprob": v} for i, t, v in zip(ids, tokens, values)
+        {"id": i, "token": t, "logprob": v} for (i, v), t in zip(pairs, tokens)
     )
 
 
@@ -1036,6 +1093,13 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             self._fresh = False
         return request
 
+    def _make_state_machine(self, model_key, tokenizer, stop_words):
+        """mlx-lm's stop sequences (EOS) and text state machine, without
+        ``stop_words``: mlx-lm matches them on token ids, and a stop string that
+        begins or ends inside a token would never stop the reply; `_Replies` matches
+        them on the text."""
+        return super()._make_state_machine(model_key, tokenizer, ())
+
     def _tokenize(self, tokenizer, request, args):
         """mlx-lm's, and the context check: 400 ``context_length_exceeded`` for a
         prompt that leaves no room, ``max_tokens`` capped at the room left
@@ -1144,7 +1208,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             if not isinstance(e, RequestError):
                 log.exception("request failed")
             raise _Refusal(_as_request_error(e)) from None
-        replies = _Replies(self, job.responses)
+        replies = _Replies(self, job)
         if job.stream:
             return ctx, _streamed(replies)
         try:
@@ -1429,8 +1493,9 @@ class MTPHandler(lm_server.APIHandler):
         self._send_json({"object": "list", "data": data})
 
     def _send_json(self, value) -> None:
-        """A 200 reply of ``value`` as JSON."""
-        body = json.dumps(value).encode()
+        """A 200 reply of ``value`` as JSON (a ValueError for NaN or infinite
+        numbers, which JSON does not have)."""
+        body = json.dumps(value, allow_nan=False).encode()
         self.send_response(200)
         self.send_header("Content-type", "application/json")
         self._set_cors_headers()
@@ -1595,8 +1660,8 @@ class MTPHandler(lm_server.APIHandler):
                     key,
                 )
         options = self._decode_options(body)
-        self._check_reply_fields(body)
-        self._job = _Job(options, owner, body.get("stream") is True)
+        stops = self._check_reply_fields(body)
+        self._job = _Job(options, owner, body.get("stream") is True, stops=stops)
         self._raw = json.dumps(body).encode()
 
     def _decode_options(self, body: dict) -> DecodeOptions:
@@ -1630,14 +1695,16 @@ class MTPHandler(lm_server.APIHandler):
             )
         return options
 
-    def _check_reply_fields(self, body: dict) -> None:
-        """``stop`` and ``stream_options``."""
+    def _check_reply_fields(self, body: dict) -> Tuple[str, ...]:
+        """``stop`` and ``stream_options``; returns the stop strings (empty ones
+        left out: they stop nothing)."""
         stop = body.get("stop")
         if stop is not None and not (
             isinstance(stop, str)
             or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
         ):
             raise bad_request("stop must be a string or a list of strings", "stop")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         options = body.get("stream_options")
         if options is not None:  # {} is valid, as with OpenAI: no usage chunk
             if not isinstance(options, dict):
@@ -1649,6 +1716,7 @@ class MTPHandler(lm_server.APIHandler):
                     "stream_options",
                 )
             options["include_usage"] = bool(usage)
+        return tuple(s for s in stops if s)
 
     def _check_room(self) -> None:
         """400 ``context_length_exceeded``, before anything is tokenized, for a
@@ -1731,8 +1799,8 @@ class MTPHandler(lm_server.APIHandler):
         with an error event) and the server goes on; the request is counted out
         once its reply is over. A Messages request's reply goes through an
         `anthropic_api.Wire` (`_wire`)."""
-        job = self._job
-        wire = self._wire(stop_words) if self._anthropic else None
+        job, self._calls = self._job, 0  # _calls: the reply's tool calls so far
+        wire = self._wire() if self._anthropic else None
         try:
             super().handle_completion(_with_job(request, _Request, job), stop_words)
             if wire is not None:
@@ -1747,17 +1815,14 @@ class MTPHandler(lm_server.APIHandler):
                 self.wfile = wire.out
             self.response_generator.release(job.responses)
 
-    def _wire(self, stop_words) -> anthropic_api.Wire:
+    def _wire(self) -> anthropic_api.Wire:
         """``self.wfile`` as an `anthropic_api.Wire` for a Messages request's reply,
-        its stop reason read off the reply's tokens (`anthropic_api.stop_reason`)."""
-        job, tokenizer = self._job, self.response_generator.model_provider.tokenizer
-        stops = {
-            w: tuple(tokenizer.encode(w, add_special_tokens=False)) for w in stop_words
-        }
+        its stop reason that of the chat reply's finish and the stop sequence that
+        ended it, if one did (`anthropic_api.stop_reason`)."""
+        job = self._job
 
         def stop(finish):
-            tokens, eos = job.responses.tokens, tokenizer.eos_token_ids
-            return anthropic_api.stop_reason(finish, tokens, eos, stops)
+            return anthropic_api.stop_reason(finish, job.stop_sequence)
 
         def reply():  # at the reply's headers: the request has its context
             ctx, model = job.responses.ctx, self.requested_model
@@ -1775,22 +1840,62 @@ class MTPHandler(lm_server.APIHandler):
 
     def _end_failed(self, error: RequestError, wire) -> None:
         """End a reply that failed after it started: a stream with an error event
-        in its API's form; a Messages reply not streamed (nothing sent yet) with
-        its error reply."""
-        if wire is None:
-            if self.stream:
-                self.wfile.write(b"data: " + error.body() + b"\n\n")
-            return
-        self.wfile = wire.out
-        if not wire.stream:
-            return self._fail(error)
-        self.wfile.write(anthropic_api.error_event(error))
+        in its API's form (OpenAI's then ``[DONE]``); a reply not streamed, whose
+        headers mlx-lm's handler keeps until its body is made (nothing sent yet),
+        with its error reply."""
+        if wire is not None:
+            self.wfile = wire.out
+        if wire is None and self.stream:
+            self.wfile.write(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
+        elif wire is not None and wire.stream:
+            self.wfile.write(anthropic_api.error_event(error))
+        elif wire is not None or getattr(self, "_headers_buffer", None):
+            self._headers_buffer = []  # the 200's, not sent
+            self._fail(error)
 
-    def generate_response(self, text, finish_reason, *args, **kwargs):
-        response = super().generate_response(text, finish_reason, *args, **kwargs)
+    def generate_response(self, text, finish_reason, *args, tool_calls=(), **kw):
+        """mlx-lm's chunk or reply, with the reply's content as this server makes it:
+        tool text that did not parse as calls (`mlx_mtp.replies.Unparsed`) is
+        content, with its markers (a call max_tokens cut short has no end marker),
+        after the chunk's text; the finish is "tool_calls" only when the reply made
+        calls (else "stop"), and "stop" when it ended by a stop string
+        (``flushed_stop``: see `_Replies`); the ``mtp`` block on the last chunk. A
+        ValueError for a reply that would not be valid JSON (NaN, infinities)."""
+        text, calls = self._parsed_calls(text or "", tool_calls or (), finish_reason)
+        if finish_reason is not None:
+            finish_reason = self._finish(finish_reason)
+        response = super().generate_response(
+            text, finish_reason, *args, tool_calls=calls, **kw
+        )
         if finish_reason is not None:
             self._add_mtp(response)
-        return response
+        return finite(response)
+
+    def _parsed_calls(self, text: str, calls, finish: Optional[str]):
+        """``text`` with the tool text of ``calls`` that did not parse after it, and
+        the calls that did (in a stream, numbered from the reply's first)."""
+        tokenizer = self.response_generator.model_provider.tokenizer
+        parsed = []
+        for i, call in enumerate(calls):
+            function = call["function"]
+            if not isinstance(function, Unparsed):
+                if self.stream:
+                    call["index"] = self._calls
+                parsed.append(call)
+                self._calls += 1
+                continue
+            cut = finish == "length" and i == len(calls) - 1
+            end = "" if cut else tokenizer.tool_call_end or ""
+            text += f"{tokenizer.tool_call_start}{function.text}{end}"
+        return text, parsed
+
+    def _finish(self, finish: str) -> str:
+        """The reply's finish reason, of mlx-lm's (see `generate_response`)."""
+        if finish == "length" and self._job is not None and self._job.flushed_stop:
+            finish = "stop"
+        if finish in ("stop", "tool_calls"):
+            return "tool_calls" if self._calls else "stop"
+        return finish
 
     def completion_usage_response(self, *args, **kwargs):
         return self._add_mtp(super().completion_usage_response(*args, **kwargs))

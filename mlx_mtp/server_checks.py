@@ -487,15 +487,23 @@ def _check_tool_calls(calls, where: str) -> None:
 
 
 def check_chat_fields(body: dict) -> None:
-    """400 for chat fields of the wrong shape: ``tools`` a list of objects,
-    ``chat_template_kwargs`` and ``role_mapping`` objects (the former not setting
-    `TEMPLATE_PARAMETERS`), and the messages (`check_messages`)."""
+    """400 for chat fields of the wrong shape: ``tools`` a list of OpenAI's tools
+    (objects whose ``function`` has a name), ``chat_template_kwargs`` and
+    ``role_mapping`` objects (the former not setting `TEMPLATE_PARAMETERS`), and the
+    messages (`check_messages`)."""
     check_messages(body["messages"])
     tools = body.get("tools")
     if tools is not None and not (
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
     ):
         raise bad_request("tools must be a list of objects", "tools")
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise bad_request(
+                f"tools[{i}].function.name must be a non-empty string", "tools"
+            )
     for field in ("chat_template_kwargs", "role_mapping"):
         if body.get(field) is not None and not isinstance(body[field], dict):
             raise bad_request(f"{field} must be an object", field)

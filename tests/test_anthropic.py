@@ -689,11 +689,7 @@ def test_reply_events_and_message():
 
 
 def test_stop_reason():
-    stops = {"ab": (1, 2), "b": (2,)}
-    assert anthropic_api.stop_reason("length", [1], [9], stops) == ("max_tokens", None)
-    assert anthropic_api.stop_reason("stop", [1, 9], [9], stops) == ("end_turn", None)
-    assert anthropic_api.stop_reason("stop", [5, 1, 2], [9], stops) == (
-        "stop_sequence",
-        "ab",
-    )
-    assert anthropic_api.stop_reason("stop", [5], [9], stops) == ("end_turn", None)
+    assert anthropic_api.stop_reason("length", "ab") == ("max_tokens", None)
+    assert anthropic_api.stop_reason("tool_calls") == ("tool_use", None)
+    assert anthropic_api.stop_reason("stop") == ("end_turn", None)
+    assert anthropic_api.stop_reason("stop", "ab") == ("stop_sequence", "ab")

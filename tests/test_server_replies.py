@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_mtp import generate as mtp_generate
+from mlx_mtp import server as server_module
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import stream_generate
@@ -313,3 +314,20 @@ def test_penalties_that_overflow_are_refused_everywhere(served, local):
     for name, value in [("frequency_penalty", -2), ("repetition_penalty", 0.01)]:
         status, r = chat(served, max_tokens=2, **{name: value})
         assert status == 200, r
+
+
+def test_a_reply_that_would_not_be_json_is_a_whole_error(served, monkeypatch):
+    """Should a NaN reach a reply (here a logprob, made so), the reply is refused
+    as it would not be JSON: a whole 500 error reply (not an empty one, nor
+    NaN in its body), and the server goes on."""
+    real = server_module._top_logprobs
+
+    def with_nan(logprobs, n, tokenizer):
+        return tuple(dict(t, logprob=math.nan) for t in real(logprobs, n, tokenizer))
+
+    monkeypatch.setattr(server_module, "_top_logprobs", with_nan)
+    ask = dict(max_tokens=3, logprobs=True, top_logprobs=2)
+    status, r = chat(served, **ask)
+    assert status == 500 and "JSON" in r["error"]["message"], r
+    status, r = chat(served, max_tokens=3)  # the next is served
+    assert status == 200, r
