@@ -1,7 +1,10 @@
 """The ``mlx-mtp`` console entry point, kept apart so that Ctrl-C is answered from the
 first moment: this module installs a quiet SIGINT handler as it is imported, before the
 CLI (click, then MLX and transformers) is, and hands over to ordinary
-``KeyboardInterrupt`` handling once the commands' own handlers are in place.
+``KeyboardInterrupt`` handling once the commands' own handlers are in place. Across
+the BLAS re-exec below SIGINT is held (blocked, so a Ctrl-C stays pending) until this
+module has its handler in place again: every Ctrl-C after the interpreter's own
+start-up ends the command with "interrupted" and exit 130.
 
 Where MLX computes on a Linux CPU, ``train-heads`` runs on OpenBLAS with every core,
 and ``generate`` and ``chat`` with one thread (`mlx_mtp.fast_blas`): with the wheel's
@@ -23,6 +26,17 @@ def _interrupted(signum, frame):
 signal.signal(signal.SIGINT, _interrupted)
 
 
+def _release_held_sigint() -> None:
+    """After the BLAS re-exec, take the Ctrl-C held across it (`fast_blas`): one
+    that came during this interpreter's start-up is answered now, by the handler."""
+    from .fast_blas import release_sigint
+
+    release_sigint()
+
+
+_release_held_sigint()
+
+
 def _fast_blas() -> None:
     """Re-exec a fast-BLAS command with OpenBLAS where that is safe (see above)."""
     if len(sys.argv) < 2 or sys.argv[1] not in FAST_BLAS_COMMANDS:
@@ -36,7 +50,7 @@ def _fast_blas() -> None:
 
         threads = FAST_BLAS_COMMANDS[sys.argv[1]] or os.cpu_count() or 1
         argv = ["-m", "mlx_mtp", *sys.argv[1:]]  # as `mlx-mtp` or `python -m mlx_mtp`
-        ensure_fast_blas(threads=threads, quiet=True, argv=argv)
+        ensure_fast_blas(threads=threads, quiet=True, argv=argv, hold_sigint=True)
 
 
 def run():

@@ -16,6 +16,7 @@ import glob
 import hashlib
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -31,6 +32,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
 }
 """
 MARK = "MLX_MTP_FAST_BLAS"
+HELD = "MLX_MTP_SIGINT_HELD"  # SIGINT blocked across the exec: unblock it
 
 
 def _openblas() -> str:
@@ -88,10 +90,19 @@ def describe() -> str:
     return "reference BLAS (slow: every pass is compute-bound; ratios understate MTP)"
 
 
-def ensure_fast_blas(threads: int = 1, quiet: bool = False, argv=None) -> str:
+def ensure_fast_blas(
+    threads: int = 1, quiet: bool = False, argv=None, hold_sigint: bool = False
+) -> str:
     """Re-exec with OpenBLAS preloaded (``threads`` threads) when possible, running
     ``python ARGV`` (default: this process's own arguments); describe the BLAS in
-    use. Only for a process's entry point: the process is replaced."""
+    use. Only for a process's entry point: the process is replaced.
+
+    An exec resets a caught signal to its default action, so a Ctrl-C in the new
+    interpreter's start-up would end it silently by the signal. With ``hold_sigint``
+    SIGINT is blocked across the exec instead (the new process starts with
+    ``MLX_MTP_SIGINT_HELD=1``): a Ctrl-C then waits, pending, until ARGV's code has
+    its handler in place and unblocks it (`release_sigint`); only for an ARGV that
+    does so, as ``mlx-mtp``'s entry point."""
     if sys.platform == "darwin" or os.environ.get(MARK) in ("0", "1"):
         return describe()
     try:
@@ -104,4 +115,18 @@ def ensure_fast_blas(threads: int = 1, quiet: bool = False, argv=None) -> str:
     preload = " ".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD")]))
     env = dict(os.environ, LD_PRELOAD=preload, OPENBLAS_NUM_THREADS=str(threads))
     env[MARK] = "1"
-    os.execve(sys.executable, [sys.executable, *(argv or sys.argv)], env)
+    if hold_sigint:  # a Ctrl-C that came before this is handled by this call
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        env[HELD] = "1"
+    try:
+        os.execve(sys.executable, [sys.executable, *(argv or sys.argv)], env)
+    finally:  # the exec failed: this process goes on, and takes its Ctrl-C
+        release_sigint(env)
+
+
+def release_sigint(env=os.environ) -> None:
+    """Unblock the SIGINT that `ensure_fast_blas` held across the exec (pending, a
+    Ctrl-C of the new process's start-up is delivered now), if ``env`` says so; call
+    once the process's SIGINT handler is in place."""
+    if env.pop(HELD, None) == "1":
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
