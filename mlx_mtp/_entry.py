@@ -19,8 +19,12 @@ FAST_BLAS_COMMANDS = {"train-heads": None, "generate": 1, "chat": 1}  # threads
 
 
 def _interrupted(signum, frame):
-    sys.stderr.write("\ninterrupted\n")
-    sys.exit(130)
+    """Ctrl-C before the CLI's handler is in place: one line and exit 130, at once.
+    Nothing needs cleaning up yet (the BLAS shim's build holds SIGINT until it is
+    done), and an exception raised here could land where Python drops it: in a weakref
+    callback of the import system's module locks ("Exception ignored in ...")."""
+    os.write(2, b"\ninterrupted\n")
+    os._exit(130)
 
 
 signal.signal(signal.SIGINT, _interrupted)
@@ -53,10 +57,25 @@ def _fast_blas() -> None:
         ensure_fast_blas(threads=threads, quiet=True, argv=argv, hold_sigint=True)
 
 
+def _deliver_again(unraisable) -> None:
+    """``sys.unraisablehook`` under the CLI: a Ctrl-C whose ``KeyboardInterrupt`` was
+    raised where Python cannot let it out (a weakref callback or ``__del__``, as the
+    import system's module locks have) comes again a moment later, from another
+    thread, to land where it ends the command; anything else goes to Python's hook."""
+    import _thread
+    import threading
+
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        threading.Timer(0.01, _thread.interrupt_main).start()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
 def run():
     _fast_blas()
     from .cli import on_sigint
     from .cli import run as run_cli
 
+    sys.unraisablehook = _deliver_again
     signal.signal(signal.SIGINT, on_sigint)
     run_cli()

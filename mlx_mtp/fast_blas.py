@@ -12,6 +12,7 @@ multi-token verify pass rises from ~1.08 to ~1.28, a regime unlike a Mac);
 computes on a GPU, on macOS (Accelerate), or where the shim cannot be built.
 """
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -106,12 +107,13 @@ def ensure_fast_blas(
     if sys.platform == "darwin" or os.environ.get(MARK) in ("0", "1"):
         return describe()
     try:
-        shim = _build(_openblas())
+        with _sigint_blocked(hold_sigint):  # a Ctrl-C waits for the build's clean-up
+            shim = _build(_openblas())
     except (OSError, subprocess.CalledProcessError) as e:
         if not quiet:
             print(f"[fast_blas] cannot build the OpenBLAS shim: {e}", file=sys.stderr)
         os.environ[MARK] = "0"
-        return ensure_fast_blas(threads, quiet, argv)
+        return ensure_fast_blas(threads, quiet, argv, hold_sigint)
     preload = " ".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD")]))
     env = dict(os.environ, LD_PRELOAD=preload, OPENBLAS_NUM_THREADS=str(threads))
     env[MARK] = "1"
@@ -122,6 +124,19 @@ def ensure_fast_blas(
         os.execve(sys.executable, [sys.executable, *(argv or sys.argv)], env)
     finally:  # the exec failed: this process goes on, and takes its Ctrl-C
         release_sigint(env)
+
+
+@contextlib.contextmanager
+def _sigint_blocked(block: bool):
+    """SIGINT blocked (a Ctrl-C pending) inside, if ``block``; delivered after."""
+    if not block:
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def release_sigint(env=os.environ) -> None:
