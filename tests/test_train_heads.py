@@ -175,22 +175,19 @@ def test_a_crash_while_checkpointing_resumes_from_the_checkpoint(
         return folder
 
     state = mx.load(str(work / "state.safetensors"))
-    folders = [
-        crashed(
-            "between", lambda f: (f / "progress.json").write_bytes(earlier["progress"])
-        ),
-        crashed(
-            "torn", lambda f: (f / "progress.json").write_text('{"step": 8, "hist')
-        ),
-        crashed(
-            "earlier",
-            lambda f: (
-                (f / "progress.json").write_bytes(earlier["progress"]),
-                mx.save_safetensors(str(f / "state.safetensors"), state),
-            ),
-        ),
-    ]
-    (folders[0] / ".state.safetensors").write_bytes(b"\0" * 100)  # a torn temporary
+
+    def between(f):  # killed after the checkpoint, before progress.json
+        (f / "progress.json").write_bytes(earlier["progress"])
+        (f / ".state.safetensors").write_bytes(b"\0" * 100)  # and a torn temporary
+
+    def torn(f):
+        (f / "progress.json").write_text('{"step": 8, "hist')
+
+    def by_an_earlier_mlx_mtp(f):  # no record in the checkpoint, killed between
+        between(f)
+        mx.save_safetensors(str(f / "state.safetensors"), state)
+
+    folders = [crashed(e.__name__, e) for e in (between, torn, by_an_earlier_mlx_mtp)]
     for folder in folders:
         out = tmp_path / folder.name.replace(".train", "")
         resumed = train_heads(
