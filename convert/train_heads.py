@@ -16,17 +16,21 @@ stored (float16, memory-mapped) and reused across epochs; the head's softmax run
 a draft vocabulary (the ``--draft-vocab-size`` most frequent greedy tokens, FR-Spec
 style), which the runtime then drafts from. The block starts as a copy of the trunk's
 last layer, or as heads trained earlier (``--init-heads``: a run goes on across
-sessions, on more data). Training checkpoints every ``--save-every`` steps and
-``--resume`` continues with identical state; the output is a normal mlx-mtp model
-folder (trunk files + heads).
+sessions, on more data; refused when they were trained for another trunk, unless
+``any_trunk``). Training checkpoints every ``--save-every`` steps, each checkpoint one
+file written whole (the head, the optimizer, and the run's record: step, history,
+options, trunk, data), and ``--resume`` continues with identical state, refusing
+other options than the run's; the output is a normal mlx-mtp model folder (trunk
+files + heads).
 """
 
 import contextlib
 import functools
 import json
+import os
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -36,7 +40,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from mlx_mtp.errors import DiskFullError, MTPError
+from mlx_mtp.errors import DiskFullError, MTPError, one_line
+from mlx_mtp.files import read_json, safetensors_header
 from mlx_mtp.heads import (
     HEADS_FILE,
     has_heads_file,
@@ -45,6 +50,7 @@ from mlx_mtp.heads import (
     load_strict,
     provenance,
     save_heads,
+    source_fingerprint,
 )
 from mlx_mtp.loading import load, read_config
 from mlx_mtp.models.mtp import MTPLayer, MTPStack
@@ -69,8 +75,10 @@ from .output import (
 
 TEXT_SUFFIXES = (".py", ".rst", ".txt", ".md")
 FEATURES = "features"
-STATE = "state.safetensors"
-PROGRESS = "progress.json"
+STATE = "state.safetensors"  # the checkpoint; its metadata holds the run's record
+PROGRESS = "progress.json"  # a copy of the record to read; --resume reads the state's
+RECORD = "mlx_mtp.train_heads"  # the checkpoint's metadata key of the record
+FREE = ("steps", "eval_every", "save_every")  # options a resumed run may change
 
 
 @dataclass
@@ -240,14 +248,17 @@ def init_head(model, family, draft_vocab: np.ndarray) -> MTPStack:
     return stack
 
 
-def warm_start(model, family, path: str) -> MTPStack:
+def warm_start(model, family, path: str, any_trunk: bool = False) -> MTPStack:
     """The heads of the model folder ``path`` (one chained layer for this trunk, as
     `train_heads` writes them) as a float stack to train on from, with their draft
-    vocabulary; quantized weights are dequantized."""
+    vocabulary; quantized weights are dequantized. Heads trained for another trunk
+    are refused (`_check_lineage`) unless ``any_trunk``."""
     folder = _model_dir(path)
     config = read_config(folder)
     if not has_heads_file(config):
         raise MTPError(f"{path} holds no MTP heads to start training from")
+    if not any_trunk:
+        _check_lineage(path, folder, config, Path(model.source))
     heads = load_heads(folder, config, family, model.trunk)
     if len(heads.layers) != 1 or "draft_vocab" not in heads:
         raise MTPError(
@@ -266,6 +277,23 @@ def warm_start(model, family, path: str) -> MTPStack:
                 m.weight, m.scales, m.biases, m.group_size, m.bits
             )
     return load_strict(stack, weights)
+
+
+def _check_lineage(path: str, folder: Path, config: dict, trunk: Path) -> None:
+    """Refuse heads trained for another trunk than ``trunk``: the trunk fingerprint
+    (`source_fingerprint`: its embedding) that train-heads records with the heads, else
+    that of the trunk files ``folder`` holds beside them, against ``trunk``'s. Not
+    checked when either is unknown (no safetensors embedding to read)."""
+    record = config["mtp"].get("provenance") or {}
+    theirs = record.get("trunk_fingerprint") or source_fingerprint(folder)
+    ours = source_fingerprint(trunk)
+    if theirs and ours and theirs != ours:
+        where = record.get("trained_from") or "a trunk with other weights"
+        raise MTPError(
+            f"--init-heads {path}: these heads were trained for another trunk "
+            f"({where}), not {trunk} (their embeddings differ); pass --any-trunk to "
+            "start from them anyway (a fine-tune or another quantization of it)"
+        )
 
 
 def draft_weight(model, vocab: mx.array) -> mx.array:
@@ -381,14 +409,22 @@ def train_heads(
     progress: bool = True,
     on_eval: Optional[Callable[[int, List[float]], None]] = None,
     trust_remote_code: bool = False,
+    any_trunk: bool = False,
 ) -> Path:
     """Train MTP heads for ``model_path`` on text ``data``; write the model to
     ``mlx_path``.
 
     Everything is checked before the work folder is made: the output may not replace
     anything but a model folder (see `mlx_mtp.convert.output.check_destination`), the
-    data must fill one sequence. A full disk is one `MTPError`; the work folder is kept
-    for ``resume``.
+    data must fill one sequence, ``cfg.init_heads`` must be heads trained for this
+    trunk (unless ``any_trunk``: e.g. the heads of the model a fine-tune started
+    from). A full disk is one `MTPError`; the work folder is kept for ``resume``.
+
+    ``resume`` continues the run whose checkpoint is in the work folder, exactly: with
+    its options (`_check_resumable`: the same trunk, data and `TrainConfig` but for
+    ``eval_every``, ``save_every``, and ``steps``, which may grow to train longer, the
+    learning-rate schedule then being that of the new length). A checkpoint that
+    cannot be read is one `MTPError`.
     """
     from tqdm import tqdm
 
@@ -401,14 +437,22 @@ def train_heads(
     model_dir = _model_dir(model_path)
     check_destination(out, overwrite, sources=[model_dir], inputs=data)
     check_place(work, [model_dir, out], data, what="work folder")
-    if work.exists() and not resume and (work / PROGRESS).exists():
-        raise MTPError(f"{work} holds a training run: pass --resume, or remove it")
+    run = _run_of(model_dir, data)
+    stored = None
+    if (work / STATE).exists() or (work / PROGRESS).exists():
+        if not resume:
+            raise MTPError(f"{work} holds a training run: pass --resume, or remove it")
+        if (work / STATE).exists():
+            stored = _stored_run(work)
+            _check_resumable(work, stored, run, cfg)
     model, tokenizer = load(
         str(model_dir), allow_missing_heads=True, trust_remote_code=trust_remote_code
     )
     family = model.family
     mx.random.seed(cfg.seed)
-    start = warm_start(model, family, cfg.init_heads) if cfg.init_heads else None
+    start = None
+    if cfg.init_heads:
+        start = warm_start(model, family, cfg.init_heads, any_trunk)
     if files:
         train_files, eval_files = split_files(files, cfg.held_out, cfg.seed)
         train_tok = pack(tokenizer, train_files, cfg.seq_len, cfg.tokens)
@@ -452,8 +496,8 @@ def train_heads(
         )
         opt = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
         step, history = 0, []
-        if resume and (work / STATE).exists():
-            step, history = _restore(work, stack, opt)
+        if stored is not None:
+            step, history = _restore(work, stack, opt, stored)
         update = compile_step(stack, opt, model, W, remap, cfg.depth, cfg.soft_targets)
         n = len(feats)
         bar = tqdm(
@@ -497,7 +541,9 @@ def train_heads(
                 if on_eval:
                     on_eval(step, agree)
             if step % cfg.save_every == 0 or step == cfg.steps:
-                _save_state(work, stack, opt, step, history, cfg, coverage)
+                record = {"step": step, "history": history, "config": asdict(cfg)}
+                record.update(coverage=coverage, run=run)
+                _save_state(work, stack, opt, record)
         bar.close()
         return _write_model(
             model_dir,
@@ -710,29 +756,165 @@ def _batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
     return order[i * batch : (i + 1) * batch] if n >= batch else order
 
 
-def _save_state(work: Path, stack, opt, step, history, cfg, coverage) -> None:
+def _save_state(work: Path, stack, opt, record: dict) -> None:
+    """Checkpoint: the head's parameters, the optimizer's state and the run's
+    ``record`` (step, history, config, coverage, run) in one safetensors file (the
+    record in its metadata), written whole and renamed into place, so that a crash at
+    any point leaves the previous checkpoint or this one; then ``progress.json``, a
+    copy of the record for people and scripts (never read back)."""
     state = dict(tree_flatten(stack.parameters()))
     state.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
     tmp = work / f".{STATE}"
-    mx.save_safetensors(str(tmp), state)
-    tmp.replace(work / STATE)
-    info = {
-        "step": step,
-        "history": history,
-        "config": asdict(cfg),
-        "coverage": coverage,
-    }
-    (work / PROGRESS).write_text(json.dumps(info, indent=2))
+    mx.save_safetensors(str(tmp), state, metadata={RECORD: json.dumps(record)})
+    _synced(tmp).replace(work / STATE)
+    tmp = work / f".{PROGRESS}"
+    tmp.write_text(json.dumps(record, indent=2))
+    _synced(tmp).replace(work / PROGRESS)
 
 
-def _restore(work: Path, stack, opt):
-    state = mx.load(str(work / STATE))
-    stack.load_weights([(k, v) for k, v in state.items() if not k.startswith("opt.")])
-    opt.state = tree_unflatten(
-        [(k[4:], v) for k, v in state.items() if k.startswith("opt.")]
+def _synced(path: Path) -> Path:
+    """``path``, its bytes on disk (so that a rename never publishes a torn file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _stored_run(work: Path) -> dict:
+    """The record of the checkpoint in ``work`` (`_save_state`); for a checkpoint an
+    earlier mlx-mtp wrote (no record inside), ``progress.json`` at the step the
+    checkpoint's optimizer counted. A damaged checkpoint is one `MTPError`."""
+    path = work / STATE
+    try:
+        metadata = _metadata(path)
+        if RECORD in metadata:
+            record = json.loads(metadata[RECORD])
+        else:
+            record = _earlier_record(work)
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("step"), int)
+            and isinstance(record.get("history"), list)
+            and isinstance(record.get("config"), dict)
+        ):
+            raise ValueError("its record of the run is incomplete")
+    except (ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
+        raise _damaged(work, e) from None
+    return record
+
+
+def _damaged(work: Path, e: BaseException) -> MTPError:
+    """The one line for a checkpoint that cannot be resumed from, saying why."""
+    path = work / STATE
+    why = str(e) if isinstance(e, MTPError) else f"{path}: {one_line(e)}"
+    return MTPError(
+        f"cannot resume the run in {work}: {why}; remove {path} and resume to train "
+        f"again from step 0 (the features in {work} are kept)"
     )
-    info = json.loads((work / PROGRESS).read_text())
-    return info["step"], info["history"]
+
+
+def _metadata(path: Path) -> dict:
+    """The ``__metadata__`` of the safetensors file ``path``, its tensors checked to
+    lie inside it (`safetensors_header`: a truncated file is an `MTPError`)."""
+    safetensors_header(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("its metadata is not an object")
+    return metadata
+
+
+def _earlier_record(work: Path) -> dict:
+    """The record of a checkpoint written before it held one: ``progress.json``,
+    written after the checkpoint, so from the same step or (after a crash between the
+    two) the one before; the step is the optimizer's own count, the history cut
+    there."""
+    record = read_json(work / PROGRESS, "the run's record")
+    step = int(mx.load(str(work / STATE))["opt.step"].item())
+    record["history"] = [h for h in record["history"] if h["step"] <= step]
+    return {**record, "step": step}
+
+
+def _run_of(model_dir: Path, data: List[str]) -> dict:
+    """What a resumed run must share with its checkpoint beside its `TrainConfig`:
+    the trunk (its weights' fingerprint, else its folder) and the data."""
+    return {
+        "model": str(Path(model_dir).resolve()),
+        "trunk_fingerprint": source_fingerprint(model_dir),
+        "data": [str(Path(d).expanduser().resolve()) for d in data],
+    }
+
+
+def _check_resumable(work: Path, stored: dict, run: dict, cfg: TrainConfig) -> None:
+    """Refuse, in one line naming the options, to resume the run of ``stored`` (its
+    checkpoint's record) with other options than its own, or with fewer ``steps``
+    than it has trained: resuming continues that run, exactly."""
+    differ = []  # (stored, given), as options
+    config = stored["config"]
+    for f in fields(TrainConfig):
+        old, new = config.get(f.name, f.default), getattr(cfg, f.name)
+        if f.name not in FREE and not _same(old, new):
+            flag = "--" + f.name.replace("_", "-")
+            differ.append((f"{flag} {old}", f"{flag} {new}"))
+    theirs = stored.get("run") or {}  # none from an earlier mlx-mtp
+    if theirs and not _same_trunk(theirs, run):
+        differ.append((f"--model {theirs['model']}", f"--model {run['model']}"))
+    if theirs and theirs.get("data") != run["data"]:
+        differ.append((_data_flags(theirs.get("data")), _data_flags(run["data"])))
+    if differ:
+        was, given = (" ".join(side) for side in zip(*differ))
+        raise MTPError(
+            f"cannot resume the run in {work}: it was started with {was}, not "
+            f"{given} (give its options again, or remove {work} to start another run)"
+        )
+    if cfg.steps < stored["step"]:
+        raise MTPError(
+            f"the run in {work} has trained {stored['step']} steps, more than --steps "
+            f"{cfg.steps}: give --steps {stored['step']} or more to resume it"
+        )
+
+
+def _same(old, new) -> bool:
+    """Whether a stored option equals a given one; paths (``distill``,
+    ``init_heads``) compare as the files they name."""
+    if old == new:
+        return True
+    if isinstance(old, str) and isinstance(new, str) and os.path.exists(new):
+        return os.path.exists(old) and os.path.samefile(old, new)
+    return False
+
+
+def _same_trunk(theirs: dict, ours: dict) -> bool:
+    a, b = theirs.get("trunk_fingerprint"), ours["trunk_fingerprint"]
+    return a == b if a and b else _same(theirs.get("model"), ours["model"])
+
+
+def _data_flags(data) -> str:
+    return " ".join(f"--data {d}" for d in data) if data else "no --data"
+
+
+def _restore(work: Path, stack, opt, record: dict):
+    """Load the checkpoint of ``record`` (`_stored_run`) into ``stack`` and ``opt``:
+    ``(step, history)``."""
+    path = work / STATE
+    try:
+        state = mx.load(str(path))
+        weights = [(k, v) for k, v in state.items() if not k.startswith("opt.")]
+        stack.load_weights(weights)
+        opt.state = tree_unflatten(
+            [(k[4:], v) for k, v in state.items() if k.startswith("opt.")]
+        )
+        counted = int(opt.state["step"].item())
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise _damaged(work, e) from None
+    if counted != record["step"]:
+        why = f"its optimizer counts {counted} steps, its record {record['step']}"
+        raise _damaged(work, ValueError(why))
+    return record["step"], record["history"]
 
 
 def _model_dir(model_path: str) -> Path:
@@ -764,7 +946,14 @@ def _write_model(
     if cfg.init_heads:  # the lineage: how the heads it started from were trained
         earlier = read_config(_model_dir(cfg.init_heads))["mtp"].get("provenance", {})
         training["started_from"] = earlier.get("training")
-    record = provenance(None, 16, trained_from=str(src), training=training)
+        training["started_from_trunk"] = earlier.get("trained_from")
+    record = provenance(
+        None,
+        16,
+        trained_from=str(Path(src).resolve()),
+        trunk_fingerprint=source_fingerprint(src),
+        training=training,
+    )
     config.pop("mtp", None)
     config["num_nextn_predict_layers"] = len(stack.layers)
     with staged_folder(out, overwrite, [src]) as tmp:

@@ -1275,8 +1275,19 @@ def _check(path, source, min_agreement, trust_remote_code):
     help="Start from the heads of MODEL (a folder train-heads wrote for this trunk), "
     "with their draft vocabulary: training goes on, on new or more data.",
 )
+@click.option(
+    "--any-trunk",
+    is_flag=True,
+    help="With --init-heads: start from heads trained for another trunk (e.g. the "
+    "model a fine-tune or another quantization was made from); refused otherwise.",
+)
 @click.option("--work-dir", default=None, help="Features and checkpoints [OUT.train].")
-@click.option("--resume", is_flag=True, help="Continue the run in the work folder.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the run in the work folder, with its options (a larger --steps "
+    "trains longer; --eval-every and --save-every may change).",
+)
 @OVERWRITE
 @TRUST_REMOTE_CODE
 @stops_on_signals
@@ -1294,6 +1305,8 @@ def train_heads(model, data, mlx_path, **options):
     cfg = TrainConfig(**{k: options.pop(k) for k in names if k in options})
     if not data and not cfg.distill:
         raise click.UsageError("give --data, --distill, or both")
+    if options["any_trunk"] and not cfg.init_heads:
+        raise click.UsageError("--any-trunk goes with --init-heads")
     click.echo(f"BLAS: {describe()}")
     click.echo(f"wrote {run(model, list(data), mlx_path, cfg, **options)}")
 

@@ -12,10 +12,12 @@ multi-token verify pass rises from ~1.08 to ~1.28, a regime unlike a Mac);
 computes on a GPU, on macOS (Accelerate), or where the shim cannot be built.
 """
 
+import contextlib
 import glob
 import hashlib
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -31,6 +33,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
 }
 """
 MARK = "MLX_MTP_FAST_BLAS"
+HELD = "MLX_MTP_SIGINT_HELD"  # SIGINT blocked across the exec: unblock it
 
 
 def _openblas() -> str:
@@ -88,20 +91,57 @@ def describe() -> str:
     return "reference BLAS (slow: every pass is compute-bound; ratios understate MTP)"
 
 
-def ensure_fast_blas(threads: int = 1, quiet: bool = False, argv=None) -> str:
+def ensure_fast_blas(
+    threads: int = 1, quiet: bool = False, argv=None, hold_sigint: bool = False
+) -> str:
     """Re-exec with OpenBLAS preloaded (``threads`` threads) when possible, running
     ``python ARGV`` (default: this process's own arguments); describe the BLAS in
-    use. Only for a process's entry point: the process is replaced."""
+    use. Only for a process's entry point: the process is replaced.
+
+    An exec resets a caught signal to its default action, so a Ctrl-C in the new
+    interpreter's start-up would end it silently by the signal. With ``hold_sigint``
+    SIGINT is blocked across the exec instead (the new process starts with
+    ``MLX_MTP_SIGINT_HELD=1``): a Ctrl-C then waits, pending, until ARGV's code has
+    its handler in place and unblocks it (`release_sigint`); only for an ARGV that
+    does so, as ``mlx-mtp``'s entry point."""
     if sys.platform == "darwin" or os.environ.get(MARK) in ("0", "1"):
         return describe()
     try:
-        shim = _build(_openblas())
+        with _sigint_blocked(hold_sigint):  # a Ctrl-C waits for the build's clean-up
+            shim = _build(_openblas())
     except (OSError, subprocess.CalledProcessError) as e:
         if not quiet:
             print(f"[fast_blas] cannot build the OpenBLAS shim: {e}", file=sys.stderr)
         os.environ[MARK] = "0"
-        return ensure_fast_blas(threads, quiet, argv)
+        return ensure_fast_blas(threads, quiet, argv, hold_sigint)
     preload = " ".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD")]))
     env = dict(os.environ, LD_PRELOAD=preload, OPENBLAS_NUM_THREADS=str(threads))
     env[MARK] = "1"
-    os.execve(sys.executable, [sys.executable, *(argv or sys.argv)], env)
+    if hold_sigint:  # a Ctrl-C that came before this is handled by this call
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        env[HELD] = "1"
+    try:
+        os.execve(sys.executable, [sys.executable, *(argv or sys.argv)], env)
+    finally:  # the exec failed: this process goes on, and takes its Ctrl-C
+        release_sigint(env)
+
+
+@contextlib.contextmanager
+def _sigint_blocked(block: bool):
+    """SIGINT blocked (a Ctrl-C pending) inside, if ``block``; delivered after."""
+    if not block:
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def release_sigint(env=os.environ) -> None:
+    """Unblock the SIGINT that `ensure_fast_blas` held across the exec (pending, a
+    Ctrl-C of the new process's start-up is delivered now), if ``env`` says so; call
+    once the process's SIGINT handler is in place."""
+    if env.pop(HELD, None) == "1":
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -364,6 +364,13 @@ def test_malformed_pairs_are_one_line_errors():
         q.repack_fp4(mx.zeros((4, 16), mx.int8), mx.zeros((4, 2), mx.uint8))
     with pytest.raises(MTPError, match="powers of two"):
         q.repack_fp8(w, mx.full((1, 1), 0.3))
+    vector = {"mtp.0.norm.weight": mx.zeros((64,), mx.uint8)}  # F8_E4M3, 1-D
+    vector["mtp.0.norm.scale"] = mx.zeros((1,), mx.uint8)
+    with pytest.raises(MTPError, match=r"^mtp\.0\.norm\.weight \(64,\): .* not 1-D"):
+        q.repack_release(vector)
+    assert (
+        q.release_kind(vector["mtp.0.norm.weight"], vector["mtp.0.norm.scale"]) is None
+    )
     with pytest.raises(ValueError, match="fp4 needs an input width"):
         rel.to_release(
             {"layers.0.ffn.experts.0.w2.weight": np.zeros((4, 16), np.float32)}

@@ -127,3 +127,35 @@ def test_a_packed_release_drafts_and_decodes_as_plain_decoding(release, tmp_path
                 prompt, model, HEADS, num_draft_tokens=k, max_tokens=24
             )
             assert [o.token for o in steps] == expected, (path, k)
+
+
+@pytest.mark.parametrize("name", ["mtp.0.norm.weight", "layers.0.attn.q_norm.weight"])
+def test_a_packed_vector_is_one_line_naming_it(release, name, tmp_path):
+    """A 1-D norm weight typed ``F8_E4M3`` beside a ``.scale`` (a damaged release), in
+    the MTP layer or the trunk: ``generate`` and ``convert`` exit 1 with one line
+    that names the tensor as the file does and says what was expected."""
+    from click.testing import CliRunner
+
+    from mlx_mtp.cli import main
+
+    src = tmp_path / "damaged"
+    shutil.copytree(release[0], src)
+    tensors = {
+        k: np.array(v) for k, v in mx.load(str(src / "model.safetensors")).items()
+    }
+    assert tensors[name].ndim == 1
+    tensors[name] = np.zeros(tensors[name].shape, np.uint8)
+    tensors[name[: -len("weight")] + "scale"] = np.full((1,), 127, np.uint8)
+    rel.write_release_safetensors(src / "model.safetensors", tensors)
+    shape = tensors[name].shape
+    for args in (
+        ["generate", "--model", src, "-p", "hi", "-m", "2"],
+        ["convert", "--hf-path", src, "--mlx-path", tmp_path / "out"],
+    ):
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert isinstance(result.exception, SystemExit), result.exception
+        assert result.exit_code == 1, result.output
+        line = result.output.strip().splitlines()[-1]
+        assert line.startswith(f"mlx-mtp: error: {name} {shape}: "), result.output
+        assert "must be a matrix (rows, inputs), not 1-D" in line
+    assert not (tmp_path / "out").exists()

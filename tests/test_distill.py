@@ -240,5 +240,9 @@ def test_fast_blas_commands(argv, platform, switched, monkeypatch):
     _entry._fast_blas()
     threads = switched or os.cpu_count() or 1
     argv = ["-m", "mlx_mtp", *argv[1:]]
-    want = [] if switched is None else [dict(threads=threads, quiet=True, argv=argv)]
+    want = (
+        []
+        if switched is None
+        else [dict(threads=threads, quiet=True, argv=argv, hold_sigint=True)]
+    )
     assert calls == want

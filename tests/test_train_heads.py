@@ -2,6 +2,7 @@
 folder."""
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -52,6 +53,27 @@ def trunk(tmp_path_factory):
     return write_llama(tmp_path_factory.mktemp("llama"))
 
 
+@pytest.fixture(scope="module")
+def straight(trunk, tmp_path_factory):
+    """The heads of an uninterrupted `CFG` run (its output folder)."""
+    out = tmp_path_factory.mktemp("straight") / "out"
+    return train_heads(str(trunk), DATA, str(out), CFG, progress=False)
+
+
+def assert_same_heads(a: Path, b: Path):
+    a, b = mx.load(str(a / "mtp.safetensors")), mx.load(str(b / "mtp.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert mx.array_equal(a[k], b[k]).item(), k
+
+
+def cli(*args):
+    """``mlx-mtp ARGS`` in-process: (exit code, output); never an exception."""
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert isinstance(result.exception, (SystemExit, type(None))), result.exception
+    return result.exit_code, result.output
+
+
 def test_loss_goes_down_and_output_loads(trunk, tmp_path):
     seen = []
     out = train_heads(
@@ -97,9 +119,7 @@ def test_loss_decreases(trunk, tmp_path):
     assert np.mean(losses[-4:]) < np.mean(losses[:4])
 
 
-def test_resume_continues_with_identical_state(trunk, tmp_path):
-    straight = train_heads(str(trunk), DATA, str(tmp_path / "a"), CFG, progress=False)
-
+def test_resume_continues_with_identical_state(trunk, straight, tmp_path):
     class Interrupt(Exception):
         pass
 
@@ -117,12 +137,84 @@ def test_resume_continues_with_identical_state(trunk, tmp_path):
     resumed = train_heads(
         str(trunk), DATA, str(tmp_path / "b"), CFG, resume=True, progress=False
     )
-    a, b = mx.load(str(straight / "mtp.safetensors")), mx.load(
-        str(resumed / "mtp.safetensors")
+    assert_same_heads(straight, resumed)
+
+
+def test_a_crash_while_checkpointing_resumes_from_the_checkpoint(
+    trunk, straight, tmp_path
+):
+    """A checkpoint is one record: the head, the optimizer and the run's step and
+    history, in one file renamed into place (issue 40, item 17). Whatever a crash
+    leaves of ``progress.json`` (the previous step's, after a kill between the
+    writes; torn; a temporary beside it), ``--resume`` goes on from the checkpoint's
+    own step, as the uninterrupted run; as it does from a checkpoint an earlier
+    mlx-mtp wrote (no record inside, ``progress.json`` one checkpoint behind). A
+    damaged checkpoint is one line and exit 1."""
+    import shutil
+
+    class Interrupt(Exception):
+        pass
+
+    work, earlier = tmp_path / "run.train", {}
+
+    def on_eval(step, agree):
+        if step == 8:  # progress.json is step 4's until step 8's checkpoint
+            earlier["progress"] = (work / "progress.json").read_bytes()
+        if step == 12:  # dies before step 12's checkpoint: the state is step 8's
+            raise Interrupt
+
+    cut = TrainConfig(**{**CFG.__dict__, "eval_every": 4})
+    with pytest.raises(Interrupt):
+        run = str(tmp_path / "run")
+        train_heads(str(trunk), DATA, run, cut, progress=False, on_eval=on_eval)
+    assert json.loads(earlier["progress"])["step"] == 4
+
+    def crashed(name, edit):
+        folder = shutil.copytree(work, tmp_path / f"{name}.train")
+        edit(folder)
+        return folder
+
+    state = mx.load(str(work / "state.safetensors"))
+
+    def between(f):  # killed after the checkpoint, before progress.json
+        (f / "progress.json").write_bytes(earlier["progress"])
+        (f / ".state.safetensors").write_bytes(b"\0" * 100)  # and a torn temporary
+
+    def torn(f):
+        (f / "progress.json").write_text('{"step": 8, "hist')
+
+    def by_an_earlier_mlx_mtp(f):  # no record in the checkpoint, killed between
+        between(f)
+        mx.save_safetensors(str(f / "state.safetensors"), state)
+
+    folders = [crashed(e.__name__, e) for e in (between, torn, by_an_earlier_mlx_mtp)]
+    for folder in folders:
+        out = tmp_path / folder.name.replace(".train", "")
+        resumed = train_heads(
+            str(trunk), DATA, str(out), CFG, resume=True, progress=False
+        )
+        assert_same_heads(straight, resumed)
+
+    damaged = crashed("damaged", lambda f: os.truncate(f / "state.safetensors", 4000))
+    code, output = cli(
+        "train-heads",
+        "--model",
+        trunk,
+        "--data",
+        DATA[0],
+        "--resume",
+        "--mlx-path",
+        tmp_path / "damaged",
+        "--work-dir",
+        damaged,
     )
-    assert set(a) == set(b)
-    for k in a:
-        assert mx.array_equal(a[k], b[k]).item(), k
+    assert code == 1 and output.count("\n") == 2, output  # the BLAS line, the error
+    assert output.splitlines()[-1].startswith(
+        f"mlx-mtp: error: cannot resume the run in {damaged}: "
+        f"{damaged / 'state.safetensors'} is not a valid safetensors file"
+    )
+    state = damaged / "state.safetensors"
+    assert f"remove {state} and resume to train again from step 0" in output
 
 
 def test_cli(trunk, tmp_path):
@@ -281,3 +373,80 @@ def test_training_goes_on_from_heads_trained_earlier(trunk, tmp_path):
     with pytest.raises(MTPError, match="no MTP heads"):  # before any work is done
         train_heads(str(trunk), DATA, str(tmp_path / "c"), bad, progress=False)
     assert not (tmp_path / "c.train").exists()
+
+
+def test_resume_refuses_other_options_in_one_line(trunk, tmp_path):
+    """``--resume`` continues the run in the work folder with its own options (issue
+    40, item 19): others are refused in one line naming them, before the model
+    loads; fewer ``--steps`` than trained are refused; more train on."""
+    work = tmp_path / "work"
+    run = ["train-heads", "--model", trunk, "--work-dir", work, "--seq-len", "16"]
+    run += ["--tokens", "600", "--batch-size", "2", "--draft-vocab-size", "32"]
+    run += ["--save-every", "2", "--data", DATA[0], "--data", DATA[1]]
+    code, output = cli(*run, "--steps", "4", "--mlx-path", tmp_path / "a")
+    assert code == 0, output
+    resume = [*run, "--resume", "--mlx-path", tmp_path / "b"]
+    for extra, said in [
+        (
+            ["--depth", "3", "--seq-len", "32", "--lr", "0.01"],
+            "it was started with --depth 2 --seq-len 16 --lr 0.001, not --depth 3 "
+            "--seq-len 32 --lr 0.01 (give its options again, or remove",
+        ),
+        (
+            ["--draft-vocab-size", "64"],
+            "--draft-vocab-size 32, not --draft-vocab-size 64",
+        ),
+        (["--data", DATA[2]], f"{Path(DATA[1]).resolve()}, not --data "),
+        (["--steps", "2"], "has trained 4 steps, more than --steps 2: give --steps 4"),
+    ]:
+        code, output = cli(*resume, *extra)
+        assert code == 1 and output.count("mlx-mtp: error:") == 1, output
+        assert said in output, output
+        assert "Traceback" not in output and not (tmp_path / "b").exists()
+    other = write_llama(tmp_path / "other", seed=1)  # same shapes, other weights
+    code, output = cli(*resume, "--steps", "4", "--model", other)
+    assert code == 1 and f"--model {trunk}, not --model {other}" in output, output
+
+    code, output = cli(*resume, "--steps", "6", "--eval-every", "3")
+    assert code == 0, output
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["mtp"]["provenance"]["training"]["config"]["steps"] == 6
+    assert json.loads((work / "progress.json").read_text())["step"] == 6
+
+
+def test_init_heads_of_another_trunk_are_refused(trunk, tmp_path):
+    """``--init-heads`` takes heads trained for this trunk (issue 40, item 19): heads of
+    another trunk of the same shapes are refused in one line, by the trunk's
+    fingerprint the heads record (or, for heads written before it was recorded, that
+    of the trunk files beside them), unless ``--any-trunk`` (a fine-tune's heads
+    from its base's)."""
+    heads = train_heads(
+        str(trunk), DATA, str(tmp_path / "heads"), QUICK, progress=False
+    )
+    config = json.loads((heads / "config.json").read_text())
+    assert config["mtp"]["provenance"]["trunk_fingerprint"]
+    other = write_llama(tmp_path / "other", seed=1)  # same shapes, other weights
+    run = ["train-heads", "--model", other, "--data", DATA[0], "--data", DATA[1]]
+    run += ["--steps", "1"]
+    run += ["--seq-len", "16", "--tokens", "600", "--batch-size", "2"]
+    code, output = cli(*run, "--init-heads", heads, "--mlx-path", tmp_path / "a")
+    assert code == 1 and output.count("mlx-mtp: error:") == 1, output
+    assert (
+        f"--init-heads {heads}: these heads were trained for another trunk " in output
+    )
+    assert f"({trunk}), not {other}" in output and "--any-trunk" in output
+    assert not (tmp_path / "a").exists() and not (tmp_path / "a.train").exists()
+
+    del config["mtp"]["provenance"]["trunk_fingerprint"]  # as train-heads wrote them
+    (heads / "config.json").write_text(json.dumps(config))
+    code, output = cli(*run, "--init-heads", heads, "--mlx-path", tmp_path / "a")
+    assert code == 1 and "trained for another trunk" in output, output
+
+    code, output = cli(*run, "--any-trunk", "--mlx-path", tmp_path / "a")
+    assert code == 2 and "--any-trunk goes with --init-heads" in output, output
+    code, output = cli(
+        *run, "--init-heads", heads, "--any-trunk", "--mlx-path", tmp_path / "a"
+    )
+    assert code == 0, output
+    lineage = json.loads((tmp_path / "a" / "config.json").read_text())["mtp"]
+    assert lineage["provenance"]["training"]["started_from_trunk"] == str(trunk)

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import deepseek_v41 as lm
 
-from ..errors import MissingHeadsError
+from ..errors import MissingHeadsError, MTPError
 from .base import split_mtp
 from .deepseek_v4_cache import CompressorState, V4Cache, V4Rows
 from .deepseek_v4_quant import MXFP8, expand_release_scales
@@ -524,7 +524,11 @@ def sanitize(weights: dict, config: dict, trunk: Model, raw: bool = True) -> dic
             for k, v in weights.items()
             if k.startswith(prefix)
         }
-        for key, value in trunk.sanitize(local).items():
+        try:
+            local = trunk.sanitize(local)
+        except MTPError as e:  # name the tensor as the checkpoint does
+            raise MTPError(re.sub(r"^layers\.0\.", prefix, str(e))) from None
+        for key, value in local.items():
             name = key[len("model.layers.0.") :]
             head = name.split(".")[0]
             if head in _FUSION:

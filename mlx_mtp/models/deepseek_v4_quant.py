@@ -128,7 +128,10 @@ def release_kind(
     """``"fp8"``, ``"fp4"`` or None (not a release pair) for a weight and its
     ``.scale``: FP8 is a uint8 weight whose scales tile it in ``block`` blocks; FP4 an
     int8 or uint8 weight of ``in / 2`` bytes per row with one scale per row and 32
-    inputs (int8 is FP4 only; a uint8 shape that fits both is FP8)."""
+    inputs (int8 is FP4 only; a uint8 shape that fits both is FP8). A weight of fewer
+    than two dimensions is neither."""
+    if weight.ndim < 2:
+        return None
     *lead, out, width = weight.shape
     shape = tuple(scale.shape)
     if weight.dtype == mx.uint8 and shape == (
@@ -201,6 +204,12 @@ def _packed(weight: Optional[mx.array]) -> bool:
 
 
 def _repack_pair(base, weight, scale, block, dtype) -> Dict[str, mx.array]:
+    if weight.ndim < 2:
+        raise MTPError(
+            f"{base}.weight {tuple(weight.shape)}: a packed (FP8/FP4 bytes) weight "
+            f"beside a .scale must be a matrix (rows, inputs), not {weight.ndim}-D; "
+            "the checkpoint is damaged or not a DeepSeek-V4 release"
+        )
     kind = release_kind(weight, scale, block)
     try:
         if kind == "fp4":
