@@ -484,9 +484,11 @@ class Batch:
         ]
 
     def _admit_joining(self) -> None:
-        """Put the joining rows' caches into the batch (no round is launched)."""
+        """Put the joining rows' caches into the batch (no round is launched); their
+        single-stream caches are dropped (the batch holds their only copy)."""
         for row in self.joining:
             caches = to_batch(row.run.caches)
+            row.run.session.caches = None
             if self.caches is None:
                 self.caches = caches
             else:

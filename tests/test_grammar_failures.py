@@ -3,12 +3,18 @@ is that request's error, never a finished reply and never another request's: one
 line from `generate` at every draft length, the same again on a second try (a cached
 grammar is rebuilt after a failure), an "error" row of `batch_generate` beside rows
 whose outputs are their lone ones, a 400 or an error event from the server while the
-other streams go on. Compiled grammars are cached within a byte bound."""
+other streams go on. Compiled grammars are cached within a byte bound. A batched row
+holds no second copy of its prompt's caches."""
 
+import gc
+
+import mlx.core as mx
 import openai
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_mtp import batch_generate, generate, grammar
+from mlx_mtp.batch import Batch
 from mlx_mtp.grammar import GrammarError, GrammarSpec
 from mlx_mtp.options import DecodeOptions
 from mlx_mtp.server import Server, server_args
@@ -200,3 +206,28 @@ def test_compiled_grammars_stay_within_their_byte_bound(local, small_grammar_cac
     after = grammar.cache_stats()
     assert (after.entries, after.bytes) == (stats.entries, stats.bytes)
     assert after.misses == stats.misses + 1
+
+
+def _active() -> int:
+    gc.collect()
+    mx.clear_cache()
+    return mx.get_active_memory()
+
+
+def test_a_joined_row_holds_one_copy_of_its_prompt(local):
+    """Rows that joined a batch hold their prompts' caches once (the batch's), not
+    also the single-stream caches they were prefilled in."""
+    model, _ = local
+    V = model.args.vocab_size
+    opts = DecodeOptions(num_draft_tokens=1, draft_source="heads", max_tokens=64)
+    batch = Batch(model, opts, max_batch=4)
+    base = _active()
+    for uid in range(3):
+        prompt = [(7 * uid + 3 * i + 1) % V for i in range(400)]
+        batch.join(batch.admit(uid, prompt, opts))
+        batch.step()
+    held = _active() - base
+    states = [c.state for c in batch.caches.trunk + batch.caches.mtp]
+    caches = sum(a.nbytes for _, a in tree_flatten(states) if isinstance(a, mx.array))
+    assert caches > 500_000
+    assert held < 1.5 * caches, (held, caches)  # two copies: 2.15x
