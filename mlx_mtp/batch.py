@@ -500,9 +500,10 @@ class Batch:
     def _plan(self, ahead: int = 0) -> None:
         """Set each row's drafts for the next round: ``row.k`` from its policy (its
         heads) or its lookup draft (``row.lookup``), capped by its room (``ahead``:
-        tokens it yields before that round) and by `_cap`. A heads round runs every
-        MTP layer in use, however few drafts its rows ask for (`draft_rows`), so
-        that every layer's frontier moves (see `Run.plan`)."""
+        tokens it yields before that round) and, for the rows whose text does not
+        depend on it (`_cappable`), by `_cap`. A heads round runs every MTP layer in
+        use, however few drafts its rows ask for (`draft_rows`), so that every
+        layer's frontier moves (see `Run.plan`)."""
         for r in self.rows:
             room = r.run.room(r.stats.emitted + ahead)
             r.k = min(r.run.policy.next(), room)
@@ -515,7 +516,7 @@ class Batch:
                 except Exception as e:
                     r.failure, r.k = e, 0
                 r.k = len(r.lookup) if r.lookup else r.k
-        auto = [r.run.options.num_draft_tokens == "auto" for r in self.rows]
+        auto = [_cappable(r) for r in self.rows]
         cap = self._cap([r.k for r in self.rows], auto)
         if cap is not None:
             for r, free in zip(self.rows, auto):
@@ -654,6 +655,17 @@ class Batch:
         if limit >= 0 and row.stats.emitted + len(made) >= limit:
             return made[: limit - row.stats.emitted], "length"
         return made, None
+
+
+def _cappable(row: Row) -> bool:
+    """Whether the batch may cap ``row``'s drafts (`BatchLength`): its options say
+    ``-k auto`` and its text does not depend on its draft lengths (greedy, or
+    sampled without a seed). A seeded sampled row drafts what its policy asks, as
+    alone, so that its random draws, and so its text, are its lone ones."""
+    options = row.run.options
+    if options.num_draft_tokens != "auto":
+        return False
+    return row.params.greedy or options.seed is None
 
 
 def _commit_row(state: DecodeState, hidden, heads: bool, depth: int, tokens) -> None:

@@ -4,7 +4,8 @@ line from `generate` at every draft length, the same again on a second try (a ca
 grammar is rebuilt after a failure), an "error" row of `batch_generate` beside rows
 whose outputs are their lone ones, a 400 or an error event from the server while the
 other streams go on. Compiled grammars are cached within a byte bound. A batched row
-holds no second copy of its prompt's caches."""
+holds no second copy of its prompt's caches. Seeded rows under ``-k auto`` give their
+lone text in company."""
 
 import gc
 
@@ -231,3 +232,35 @@ def test_a_joined_row_holds_one_copy_of_its_prompt(local):
     caches = sum(a.nbytes for _, a in tree_flatten(states) if isinstance(a, mx.array))
     assert caches > 500_000
     assert held < 1.5 * caches, (held, caches)  # two copies: 2.15x
+
+
+def test_seeded_rows_under_auto_give_their_lone_text(local):
+    """Sampled rows with a seed and ``-k auto`` decoded together: each text is its
+    prompt's lone `generate` text (the batch does not cap a seeded row's drafts)."""
+    model, tokenizer = local
+    prompts = ["Write a function.", "say a b c", "hello world", "x = 1", "tell me"]
+    options = [DecodeOptions(temp=1.0, seed=10 + i, max_tokens=32) for i in range(5)]
+    together = batch_generate(model, tokenizer, prompts, options=options)
+    for prompt, o, text in zip(prompts, options, together.texts):
+        assert text == generate(model, tokenizer, prompt, options=o)
+
+
+def test_seeded_requests_under_auto_give_their_lone_text(served, monkeypatch):
+    """The server's default ``-k auto``, four seeded sampled requests at once: each
+    reply is its lone reply."""
+    prompts = ["Write a function.", "say a b c", "hello world", "x = 1"]
+
+    def ask(i):
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+        reply = client.completions.create(
+            model="default_model",
+            prompt=prompts[i],
+            max_tokens=32,
+            temperature=1.0,
+            seed=10 + i,
+        )
+        return reply.choices[0].text
+
+    alone = [ask(i) for i in range(4)]
+    gathered(served.generator, 4, monkeypatch)
+    assert at_once(ask, 4) == alone
