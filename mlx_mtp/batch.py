@@ -23,6 +23,12 @@ A stream is prefilled in chunks (`Admission`), alone or with streams arriving wi
 whose prompts are about as long (`prefill_together`: one padded pass per chunk), then
 joins between rounds; a finished or removed stream leaves between rounds
 (`Batch.remove`).
+
+A row whose logits processors or grammar raise (the grammar engine reaching one of its
+limits, say) fails alone: its rules are left out for the rest of the round, which goes
+on for every row as it would have (each row's tokens depend on its own inputs only),
+and at commit the row gets a last `RowOutput` with ``finish_reason`` "error" and the
+``error``, and leaves the batch.
 """
 
 import os
@@ -43,7 +49,7 @@ from .cache import (
     make_caches,
 )
 from .defaults import DEFAULT_MAX_BATCH
-from .errors import MTPError
+from .errors import MTPError, one_line
 from .options import DecodeOptions
 from .rejection import accept_stochastic
 from .resolve import drafting
@@ -77,6 +83,7 @@ class Row:
     lookup: Optional[List[int]] = None
     draft_key: Optional[mx.array] = None
     accept_key: Optional[mx.array] = None
+    failure: Optional[Exception] = None  # its rules raised: it leaves at commit
 
     @property
     def state(self) -> DecodeState:
@@ -99,12 +106,29 @@ class Row:
         """The most drafts this row may make without passing ``max_tokens``."""
         return self.run.room(self.stats.emitted)
 
+    @property
+    def ruled(self) -> bool:
+        """Whether the row has rules (`mlx_mtp.processors.Rules`) that did not fail."""
+        return self.run.rules is not None and self.failure is None
+
+    def rule(self, method: str, *args):
+        """``self.run.rules.<method>(*args)``; None if it raises, the exception then
+        the row's ``failure`` (its rules are left out from then on)."""
+        try:
+            return getattr(self.run.rules, method)(*args)
+        except Exception as e:
+            self.failure = e
+            return None
+
 
 @dataclass
 class RowOutput:
     """What a round gave one row: its new tokens (up to EOS and ``max_tokens``),
     their target log-probabilities ``(n, V)``, which were accepted drafts, and
-    ``finish_reason`` ("stop", "length") when the row is done."""
+    ``finish_reason`` ("stop", "length") when the row is done. A row that failed (its
+    grammar or logits processors raised) gets one last output with no tokens,
+    ``finish_reason`` "error" and ``error``, the failure in one line; the tokens of
+    its earlier outputs stand."""
 
     uid: Any
     tokens: List[int]
@@ -113,6 +137,21 @@ class RowOutput:
     finish_reason: Optional[str]
     stats: MTPStats
     batch_sizes: Dict[int, int] = field(default_factory=dict)  # the row's, live
+    error: Optional[str] = None  # why the row failed (finish_reason "error")
+
+
+def failed_output(uid, failure: BaseException, stats, vocab_size: int, sizes=None):
+    """The last `RowOutput` of a row that failed with ``failure``."""
+    return RowOutput(
+        uid,
+        [],
+        mx.zeros((0, vocab_size)),
+        [],
+        "error",
+        stats if stats is not None else MTPStats(0),
+        sizes if sizes is not None else {},
+        one_line(failure),
+    )
 
 
 @dataclass
@@ -341,7 +380,9 @@ class Batch:
 
     def join(self, admission: Admission) -> Row:
         """Add an admitted stream to the batch (its prefill is finished first). It
-        is in the rounds launched from the next `step` on."""
+        is in the rounds launched from the next `step` on. Its rules (a grammar,
+        compiled if the cache lacks it) are made first: if that raises, the batch
+        is as it was."""
         while not admission.ready:
             admission.advance()
         row = admission.row(self.eos)
@@ -355,7 +396,8 @@ class Batch:
         gone = [r for r in self.rows + self.joining if r.uid in uids]
         if self.keep_sessions:
             for row in gone:
-                row.session = self.session_of(row)
+                if row.failure is None:  # a failed row's state is not kept
+                    row.session = self.session_of(row)
         self.joining = [r for r in self.joining if r.uid not in uids]
         keep = [i for i, r in enumerate(self.rows) if r.uid not in uids]
         if len(keep) < len(self.rows):
@@ -429,6 +471,7 @@ class Batch:
             and not self.joining
             and not any(r.run.drafting.lookup_tokens for r in self.rows)
             and not any(r.run.rules and r.run.rules.needs_tokens for r in self.rows)
+            and not any(r.failure for r in self.rows)  # it leaves at this commit
         )
 
     def _bases(self) -> list:
@@ -441,9 +484,11 @@ class Batch:
         ]
 
     def _admit_joining(self) -> None:
-        """Put the joining rows' caches into the batch (no round is launched)."""
+        """Put the joining rows' caches into the batch (no round is launched); their
+        single-stream caches are dropped (the batch holds their only copy)."""
         for row in self.joining:
             caches = to_batch(row.run.caches)
+            row.run.session.caches = None
             if self.caches is None:
                 self.caches = caches
             else:
@@ -455,19 +500,23 @@ class Batch:
     def _plan(self, ahead: int = 0) -> None:
         """Set each row's drafts for the next round: ``row.k`` from its policy (its
         heads) or its lookup draft (``row.lookup``), capped by its room (``ahead``:
-        tokens it yields before that round) and by `_cap`. A heads round runs every
-        MTP layer in use, however few drafts its rows ask for (`draft_rows`), so
-        that every layer's frontier moves (see `Run.plan`)."""
+        tokens it yields before that round) and, for the rows whose text does not
+        depend on it (`_cappable`), by `_cap`. A heads round runs every MTP layer in
+        use, however few drafts its rows ask for (`draft_rows`), so that every
+        layer's frontier moves (see `Run.plan`)."""
         for r in self.rows:
             room = r.run.room(r.stats.emitted + ahead)
             r.k = min(r.run.policy.next(), room)
             if len(r.state.tokens) - 1 + ahead <= r.state.frontier:
                 r.k = 0  # no hidden state to draft from yet (a one-token prompt)
             r.lookup = None
-            if r.run.drafting.lookup_tokens:
-                r.lookup = r.run.lookup_draft(r.k)
+            if r.run.drafting.lookup_tokens and r.failure is None:
+                try:
+                    r.lookup = r.run.lookup_draft(r.k)  # its grammar may raise
+                except Exception as e:
+                    r.failure, r.k = e, 0
                 r.k = len(r.lookup) if r.lookup else r.k
-        auto = [r.run.options.num_draft_tokens == "auto" for r in self.rows]
+        auto = [_cappable(r) for r in self.rows]
         cap = self._cap([r.k for r in self.rows], auto)
         if cap is not None:
             for r, free in zip(self.rows, auto):
@@ -499,17 +548,18 @@ class Batch:
             r.run.key, sub = mx.random.split(r.run.key)
             r.draft_key, r.accept_key = mx.random.split(sub)
         for b, r in enumerate(rows):
-            if r.run.rules is not None:
-                r.run.rules.begin(None if pending is None else pending[b])
+            if r.ruled:
+                r.rule("begin", None if pending is None else pending[b])
         heads = [0 if r.lookup else r.k for r in rows]
         drafts, q = draft_rows(self.model, self.caches, rows, heads, self.depth)
         drafts, q = _with_lookups(rows, drafts, q, self.model.args.vocab_size)
         ks = [r.k for r in rows]
         for r in rows:
-            if r.run.rules is not None:
-                for token in r.lookup or ():
-                    r.run.rules.push(token)
-                r.run.rules.end_draft()
+            for token in r.lookup or ():
+                if r.ruled:
+                    r.rule("push", token)
+            if r.ruled:
+                r.rule("end_draft")
         if pending is None:
             pending = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)
         ids = mx.concatenate([pending[:, None], drafts], axis=1)  # (B, K + 1)
@@ -536,48 +586,63 @@ class Batch:
 
     def _commit(self, rnd: BatchRound) -> List[RowOutput]:
         """Commit a round: each row's accepted drafts and next token, up to its
-        first EOS and its ``max_tokens``; every cache keeps exactly those."""
+        first EOS and its ``max_tokens``; every cache keeps exactly those. A row
+        that failed gets its error output instead (its caches keep the round's
+        tokens, as any row's, until it leaves)."""
         accepted, nexts = rnd.accepted.tolist(), rnd.next_tokens.tolist()
         drafts = rnd.drafts.tolist()
-        B = len(self.rows)
-        outputs = []
+        outputs, committed = [], []
         for b, row in enumerate(self.rows):
             a = accepted[b]
-            made = drafts[b][:a] + [nexts[b]]
-            new, finish = self._cut(row, made)
-            source = "lookup" if rnd.lookups[b] else "heads"
-            row.stats.record(rnd.ks[b], a, source, rnd.vocabs[b])
-            row.stats.emitted += len(new) - len(made)
-            draft = Draft(mx.zeros((rnd.ks[b],)), None, 0, source, rnd.vocabs[b])
-            row.run.observe(Round(draft, None, None), a, made)
-            if row.run.rules is not None:
-                row.run.rules.commit(new)
-            row.batch_sizes[B] = row.batch_sizes.get(B, 0) + 1
-            logprobs = rnd.logprobs[b, : len(new)]
-            from_draft = [i < a for i in range(len(new))]
-            outputs.append(
-                RowOutput(
-                    row.uid,
-                    new,
-                    logprobs,
-                    from_draft,
-                    finish,
-                    row.stats,
-                    row.batch_sizes,
-                )
-            )
-        kept = [len(o.tokens) for o in outputs]
+            new, finish = drafts[b][:a] + [nexts[b]], None
+            if row.failure is None:
+                new, finish = self._commit_tokens(rnd, b, a, new)
+            committed.append(new)
+            outputs.append(self._output(rnd, b, a, new, finish))
+        kept = [len(new) for new in committed]
         drop = [rnd.K + 1 - m for m in kept]
         if any(drop):  # never behind a queued round: a plain round drops nothing
             rewind_rows(self.caches.trunk, rnd.marks, drop)
         for b, row in enumerate(self.rows):
             hidden = rnd.hidden[b : b + 1, : kept[b]]
-            tokens = outputs[b].tokens
-            _commit_row(row.state, hidden, rnd.heads, self.depth, tokens)
+            _commit_row(row.state, hidden, rnd.heads, self.depth, committed[b])
         if rnd.heads:
             for c in self.caches.mtp:
                 c.keep_below([r.state.frontier for r in self.rows])
         return outputs
+
+    def _commit_tokens(self, rnd: BatchRound, b: int, a: int, made: List[int]):
+        """Row b's tokens of ``rnd`` (``made``: its ``a`` accepted drafts and next
+        token) cut at its first EOS and its ``max_tokens``, and its finish reason:
+        its statistics, policies and rules move on over them."""
+        row = self.rows[b]
+        new, finish = self._cut(row, made)
+        source = "lookup" if rnd.lookups[b] else "heads"
+        row.stats.record(rnd.ks[b], a, source, rnd.vocabs[b])
+        row.stats.emitted += len(new) - len(made)
+        draft = Draft(mx.zeros((rnd.ks[b],)), None, 0, source, rnd.vocabs[b])
+        row.run.observe(Round(draft, None, None), a, made)
+        if row.run.rules is not None:
+            row.rule("commit", new)
+        B = len(self.rows)
+        row.batch_sizes[B] = row.batch_sizes.get(B, 0) + 1
+        return new, finish
+
+    def _output(self, rnd: BatchRound, b: int, a: int, new, finish) -> RowOutput:
+        """Row b's output of ``rnd``: its new tokens, or its error if it failed."""
+        row = self.rows[b]
+        if row.failure is not None:
+            V = rnd.logprobs.shape[-1]
+            return failed_output(row.uid, row.failure, row.stats, V, row.batch_sizes)
+        return RowOutput(
+            row.uid,
+            new,
+            rnd.logprobs[b, : len(new)],
+            [i < a for i in range(len(new))],
+            finish,
+            row.stats,
+            row.batch_sizes,
+        )
 
     @staticmethod
     def _cut(row: Row, made: List[int]):
@@ -590,6 +655,17 @@ class Batch:
         if limit >= 0 and row.stats.emitted + len(made) >= limit:
             return made[: limit - row.stats.emitted], "length"
         return made, None
+
+
+def _cappable(row: Row) -> bool:
+    """Whether the batch may cap ``row``'s drafts (`BatchLength`): its options say
+    ``-k auto`` and its text does not depend on its draft lengths (greedy, or
+    sampled without a seed). A seeded sampled row drafts what its policy asks, as
+    alone, so that its random draws, and so its text, are its lone ones."""
+    options = row.run.options
+    if options.num_draft_tokens != "auto":
+        return False
+    return row.params.greedy or options.seed is None
 
 
 def _commit_row(state: DecodeState, hidden, heads: bool, depth: int, tokens) -> None:
@@ -677,17 +753,21 @@ def _ruled_logits(model, rows: List[Row], logits, h, drafts, ks: List[int]):
     that allows none of a draft vocabulary's rows drafts from the whole head (of
     the trunk's hidden states ``h``; None for an assistant's)."""
     j = len(drafts)
-    ruled = [b for b, r in enumerate(rows) if r.run.rules is not None and j < ks[b]]
+    ruled = [b for b, r in enumerate(rows) if r.ruled and j < ks[b]]
     if not ruled:
         return logits
     out = [logits[b : b + 1] for b in range(len(rows))]
     for b in ruled:
-        rules, mine = rows[b].run.rules, [d[b : b + 1] for d in drafts]
-        out[b] = rules.draft_logits(out[b], mine)
-        if h is None or not rules.needs_tokens:
+        row, mine = rows[b], [d[b : b + 1] for d in drafts]
+        processed = row.rule("draft_logits", out[b], mine)
+        if processed is None:  # it failed: left as it is
+            continue
+        out[b] = processed
+        if h is None or not row.run.rules.needs_tokens:
             continue
         if not mx.isfinite(out[b]).any().item():
-            out[b] = rules.draft_logits(model.logits(h[b : b + 1]), mine)
+            full = row.rule("draft_logits", model.logits(h[b : b + 1]), mine)
+            out[b] = out[b] if full is None else full
     return mx.concatenate(out)
 
 
@@ -696,23 +776,24 @@ def _push_rows(rows: List[Row], token: mx.array, ks: List[int], j: int) -> None:
     ruled = [
         b
         for b, r in enumerate(rows)
-        if r.run.rules is not None and r.run.rules.needs_tokens and j < ks[b]
+        if r.ruled and r.run.rules.needs_tokens and j < ks[b]
     ]
     if ruled:
         host = token.tolist()
         for b in ruled:
-            rows[b].run.rules.push(host[b])
+            rows[b].rule("push", host[b])
 
 
 def _verify_logits(rows: List[Row], logits: mx.array, drafts: mx.array) -> mx.array:
     """``(B, K + 1, V)`` target logits, each row with rules processed row by row
-    with its own prefixes (`mlx_mtp.processors.Rules.verify_logits`)."""
-    if all(r.run.rules is None for r in rows):
+    with its own prefixes (`mlx_mtp.processors.Rules.verify_logits`); a row whose
+    rules failed as they are."""
+    if not any(r.ruled for r in rows):
         return logits
-    out = [
-        logits[b] if r.run.rules is None else r.run.rules.verify_logits(logits[b], d)
-        for b, (r, d) in enumerate(zip(rows, drafts))
-    ]
+    out = []
+    for b, (r, d) in enumerate(zip(rows, drafts)):
+        processed = r.rule("verify_logits", logits[b], d) if r.ruled else None
+        out.append(logits[b] if processed is None else processed)
     return mx.stack(out)
 
 
@@ -877,7 +958,10 @@ def run_batch(
 ) -> Iterator[RowOutput]:
     """Decode ``prompts`` (token ids), prompt i with ``options[i]``, at most
     ``max_batch`` at a time: a prompt joins as soon as a row is free. Yields each
-    round's `RowOutput` per row (``uid``: the prompt's index), in round order.
+    round's `RowOutput` per row (``uid``: the prompt's index), in round order. A
+    prompt that fails alone (its rules raise: see the module's docstring; or, one
+    at a time, its decoding raises) ends with an output whose ``finish_reason`` is
+    "error"; the others go on.
 
     The batch's MTP layers are set by the options allowing the longest draft. A model
     whose caches cannot batch (`batch_support`) decodes the prompts one at a time
@@ -904,7 +988,11 @@ def run_batch(
         for group in prefill_groups(new):
             prefill_together(group)
         for admission in new:
-            batch.join(admission)
+            try:
+                batch.join(admission)  # its grammar may be refused
+            except Exception as e:
+                stats = admission.run.stats
+                yield failed_output(admission.uid, e, stats, model.args.vocab_size)
         yield from batch.step()
 
 
@@ -913,21 +1001,25 @@ def _one_at_a_time(model, prompts, options, eos, tokenizer) -> Iterator[RowOutpu
 
     for i, (prompt, opts) in enumerate(zip(prompts, options)):
         steps = mtp_generate_step(prompt, model, opts, tokenizer=tokenizer)
-        n = 0
-        for step in steps:
-            n += 1
-            stop = step.token in eos
-            last = stop or n == opts.max_tokens
-            finish = ("stop" if stop else "length") if last else None
-            yield RowOutput(
-                i,
-                [step.token],
-                step.logprobs[None],
-                [step.from_draft],
-                finish,
-                step.stats,
-                {1: step.stats.rounds},
-            )
-            if last:
-                steps.close()
-                break
+        n, stats = 0, None
+        try:
+            for step in steps:
+                n, stats = n + 1, step.stats
+                stop = step.token in eos
+                last = stop or n == opts.max_tokens
+                finish = ("stop" if stop else "length") if last else None
+                yield RowOutput(
+                    i,
+                    [step.token],
+                    step.logprobs[None],
+                    [step.from_draft],
+                    finish,
+                    step.stats,
+                    {1: step.stats.rounds},
+                )
+                if last:
+                    steps.close()
+                    break
+        except Exception as e:  # this prompt's failure only
+            sizes = {1: stats.rounds} if stats is not None else {}
+            yield failed_output(i, e, stats, model.args.vocab_size, sizes)

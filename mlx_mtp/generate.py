@@ -7,7 +7,7 @@ Responses are mlx-lm's ``GenerationResponse`` plus ``mtp``, a snapshot of the ru
 
 import time
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -15,7 +15,7 @@ from mlx_lm.generate import GenerationResponse as _LMResponse
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .batch import RowOutput, run_batch
+from .batch import RowOutput, failed_output, run_batch
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
 from .grammar import grammar_fields
@@ -101,6 +101,12 @@ def stream_generate(
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
+
+    Raises:
+        `mlx_mtp.grammar.GrammarError` (one line) for a grammar the engine refuses
+        (before anything is decoded) or fails on while decoding (one of its limits
+        reached; after the tokens before it were yielded), whatever
+        ``num_draft_tokens`` is.
     """
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
@@ -210,9 +216,11 @@ def format_stats(r: GenerationResponse) -> str:
 @dataclass
 class BatchResponse:
     """What `batch_generate` returns, per prompt in order: ``texts`` (without the
-    EOS token), ``token_ids``, ``finish_reasons`` ("stop" or "length") and ``mtp``
-    (each stream's `MTPStats`, with ``batch_sizes``: rounds per batch size); and
-    the totals: prompt and generated tokens, seconds, peak memory (GB)."""
+    EOS token), ``token_ids``, ``finish_reasons`` ("stop", "length", or "error" for a
+    prompt that failed), ``mtp`` (each stream's `MTPStats`, with ``batch_sizes``:
+    rounds per batch size) and ``errors`` (why a prompt failed, in one line; None
+    for the others); and the totals: prompt and generated tokens, seconds, peak
+    memory (GB)."""
 
     texts: List[str]
     token_ids: List[List[int]]
@@ -223,6 +231,7 @@ class BatchResponse:
     generation_tokens: int
     seconds: float
     peak_memory: float
+    errors: List[Optional[str]] = field(default_factory=list)
 
     @property
     def generation_tps(self) -> float:
@@ -256,6 +265,16 @@ def batch_generate(
 
     Each response is exactly what `generate` gives for its prompt alone under greedy
     decoding, and exact speculative sampling otherwise.
+
+    Bad arguments (no prompts, an empty prompt, an option out of range, lists of the
+    wrong length) raise an `MTPError` before anything is decoded. One prompt's
+    failure never raises: a prompt longer than the model's context, a grammar the
+    engine refuses or fails on while decoding (or, one prompt at a time for a model
+    whose caches cannot batch, any error of its decoding) ends that prompt with
+    ``finish_reasons[i] == "error"`` and ``errors[i]`` saying why, its
+    ``token_ids`` and ``texts`` holding the tokens made before the failure; the
+    other prompts decode exactly as they would without it. ``on_output`` gets its
+    last `RowOutput` too (``finish_reason`` "error", ``error`` set).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -263,25 +282,34 @@ def batch_generate(
         raise MTPError("prompts must be a non-empty list of prompts")
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     per_prompt = _per_prompt(options, len(ids), grammar_fields(fields), max_tokens)
-    per_prompt = [
-        _checked(
-            o.replace(max_tokens=fit_context(model, len(p), o.max_tokens)), tokenizer
-        )
-        for o, p in zip(per_prompt, ids)
-    ]
+    n = len(ids)
     tokens = [[] for _ in ids]
-    finish, stats, sizes = [None] * len(ids), [None] * len(ids), [{}] * len(ids)
-    eos = tokenizer.eos_token_ids
+    finish, stats, sizes = [None] * n, [MTPStats(0)] * n, [{}] * n
+    errors: List[Optional[str]] = [None] * n
+
+    def take(out: RowOutput, uid: int) -> None:
+        tokens[uid].extend(out.tokens)
+        stats[uid] = out.stats
+        if out.finish_reason is not None:
+            finish[uid], errors[uid] = out.finish_reason, out.error
+            sizes[uid] = dict(out.batch_sizes)
+        if on_output is not None:
+            on_output(out if out.uid == uid else replace(out, uid=uid))
+
     tic = time.perf_counter()
+    live, decoding = [], []  # prompts to decode, and their options
+    for i, (o, p) in enumerate(zip(per_prompt, ids)):
+        try:
+            o = o.replace(max_tokens=fit_context(model, len(p), o.max_tokens))
+            decoding.append(_checked(o, tokenizer))
+            live.append(i)
+        except MTPError as e:  # this prompt's failure only
+            take(failed_output(i, e, None, model.args.vocab_size), i)
+    eos, left = tokenizer.eos_token_ids, [ids[i] for i in live]
     with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
-        for out in run_batch(model, ids, per_prompt, eos, max_batch, tokenizer):
-            tokens[out.uid].extend(out.tokens)
-            stats[out.uid] = out.stats
-            if out.finish_reason is not None:
-                finish[out.uid] = out.finish_reason
-                sizes[out.uid] = dict(out.batch_sizes)
-            if on_output is not None:
-                on_output(out)
+        outputs = run_batch(model, left, decoding, eos, max_batch, tokenizer)
+        for out in outputs if live else ():
+            take(out, live[out.uid])
     seconds = time.perf_counter() - tic
     kept = [t[:-1] if f == "stop" else t for t, f in zip(tokens, finish)]
     return BatchResponse(
@@ -294,6 +322,7 @@ def batch_generate(
         generation_tokens=sum(len(t) for t in tokens),
         seconds=seconds,
         peak_memory=mx.get_peak_memory() / 1e9,
+        errors=errors,
     )
 
 

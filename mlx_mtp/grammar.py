@@ -8,8 +8,11 @@ when a grammar is first used, so that mlx-mtp without llguidance fails in one li
 
 import functools
 import json
+import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -31,7 +34,9 @@ TOOL_JSON = {
 
 
 class GrammarError(MTPError):
-    """A schema, regex or grammar the engine refuses; the message is its reason."""
+    """A schema, regex or grammar the engine refuses, or fails on while decoding (one
+    of its limits reached: "Current row has 2407 items; max is 2000", "too many
+    expressions constructed"); the message, one line, is its reason."""
 
 
 @dataclass(frozen=True)
@@ -231,21 +236,180 @@ _WHAT = {
 }
 
 
-@functools.lru_cache(maxsize=64)
+# A compiled grammar's memory, estimated from its llguidance text (``len(text)``
+# characters): ENTRY_BYTES + BYTES_PER_CHAR * len(text). Measured with RSS on
+# llguidance 1.9.1 (JSON schemas of 200 to 5,000 string properties, 5 kB to 139 kB of
+# text: 0.64 to 19 MB each, 100 to 170 bytes per character); the lexer states added
+# while decoding were within that margin (200 tokens: under 1 MB).
+ENTRY_BYTES = 64 * 1024
+BYTES_PER_CHAR = 160
+CACHE_ENTRIES = 64  # compiled grammars kept at most
+CACHE_BYTES = 256 * 2**20  # their estimated bytes at most (MLX_MTP_GRAMMAR_CACHE_BYTES)
+# llguidance's limits, its errors without the parser state (which would put the
+# request's schema in the server's log)
+_LIMITS = dict(verbose_errors=False)
+_NOT_VERBOSE = "<non-verbose/>"
+
+
+class CacheStats(NamedTuple):
+    """The compiled-grammar cache (`cache_stats`): ``entries`` kept and their
+    estimated ``bytes``, within ``max_entries`` and ``max_bytes``; lookups that found
+    their grammar (``hits``) and that compiled it (``misses``)."""
+
+    entries: int
+    bytes: int
+    max_entries: int
+    max_bytes: int
+    hits: int = 0
+    misses: int = 0
+
+
+class _Cache:
+    """Compiled grammars by (spec, engine tokenizer), the least recently used
+    dropped first so that at most ``max_entries`` are kept and their estimated bytes
+    (see `ENTRY_BYTES`) stay within ``max_bytes``; one estimated larger than that is
+    used and not kept. Thread-safe (the server compiles on its handler threads); a
+    grammar compiled by two threads at once is compiled twice, and one kept."""
+
+    def __init__(self, max_bytes: int, max_entries: int = CACHE_ENTRIES):
+        self._lock = threading.Lock()
+        self._entries: "OrderedDict[tuple, Tuple[object, int]]" = OrderedDict()
+        self.bytes = self.hits = self.misses = 0
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+
+    def get(self, key):
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return found[0]
+
+    def put(self, key, matcher, nbytes: int) -> None:
+        with self._lock:
+            self._drop(key)
+            if nbytes > self.max_bytes:
+                return
+            self._entries[key] = (matcher, nbytes)
+            self.bytes += nbytes
+            self._fit()
+
+    def forget(self, key, matcher) -> None:
+        """Drop ``key``'s entry if it is still ``matcher`` (not one rebuilt since)."""
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None and found[0] is matcher:
+                self._drop(key)
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._fit()
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(
+                len(self._entries),
+                self.bytes,
+                self.max_entries,
+                self.max_bytes,
+                self.hits,
+                self.misses,
+            )
+
+    def _drop(self, key) -> None:
+        found = self._entries.pop(key, None)
+        if found is not None:
+            self.bytes -= found[1]
+
+    def _fit(self) -> None:
+        while self._entries and (
+            self.bytes > self.max_bytes or len(self._entries) > self.max_entries
+        ):
+            self._drop(next(iter(self._entries)))
+
+
+def _cache_bytes_from_env() -> int:
+    """``MLX_MTP_GRAMMAR_CACHE_BYTES`` (a whole number >= 0), else `CACHE_BYTES`; a
+    bad value is an `MTPError` when a grammar is first compiled."""
+    raw = os.environ.get("MLX_MTP_GRAMMAR_CACHE_BYTES")
+    if raw is None or not raw.strip():
+        return CACHE_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise MTPError(
+            f"MLX_MTP_GRAMMAR_CACHE_BYTES must be a whole number of bytes >= 0, "
+            f"not {raw!r}"
+        )
+    return value
+
+
+_cache: Optional[_Cache] = None
+_cache_guard = threading.Lock()
+
+
+def _grammars() -> _Cache:
+    global _cache
+    with _cache_guard:
+        if _cache is None:
+            _cache = _Cache(_cache_bytes_from_env())
+        return _cache
+
+
+def set_cache_bytes(max_bytes: int) -> None:
+    """Bound the compiled-grammar cache to ``max_bytes`` estimated bytes (0: keep
+    none), dropping the least recently used grammars that no longer fit. The default
+    is `CACHE_BYTES`, or ``MLX_MTP_GRAMMAR_CACHE_BYTES`` from the environment."""
+    if type(max_bytes) is not int or max_bytes < 0:
+        raise MTPError(f"the grammar cache bound must be bytes >= 0, not {max_bytes!r}")
+    _grammars().resize(max_bytes)
+
+
+def cache_stats() -> CacheStats:
+    """The compiled grammars kept and their estimated bytes (`CacheStats`)."""
+    return _grammars().stats()
+
+
+def _engine_error(engine, spec: GrammarSpec, verb: str) -> GrammarError:
+    """The engine's error state as a one-line `GrammarError`."""
+    reason = one_line(engine.get_error().replace(_NOT_VERBOSE, "")) or "refused"
+    return GrammarError(f"llguidance {verb} the {_WHAT[spec.kind]}: {reason}")
+
+
 def _compiled(spec: GrammarSpec, llt):
-    """A matcher in the grammar's start state, never advanced: each `Matcher` is a
-    copy of it (a copy shares the compiled grammar and the lexer built so far)."""
+    """A matcher in the grammar's start state, never advanced, from the cache (or
+    compiled and kept there): each `Matcher` is a copy of it (a copy shares the
+    compiled grammar and the lexer built so far)."""
+    cache = _grammars()
+    key = (spec, llt)
+    matcher = cache.get(key)
+    if matcher is None:
+        matcher, text = _compile(spec, llt)
+        cache.put(key, matcher, ENTRY_BYTES + BYTES_PER_CHAR * len(text))
+    return matcher
+
+
+def _compile(spec: GrammarSpec, llt):
+    """``spec`` compiled for ``llt``: a matcher in its start state, and its
+    llguidance text; `GrammarError` with the engine's reason if it refuses it."""
     llg = _llguidance()
     grammar = _grammar_text(spec)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, llt)
+    limits = llg.LLParserLimits(**_LIMITS)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+        grammar, llt, limits=limits
+    )
     if is_error:
         reason = one_line(messages[0] if messages else "refused")
         raise GrammarError(f"llguidance refuses the {_WHAT[spec.kind]}: {reason}")
-    matcher = llg.LLMatcher(llt, grammar, log_level=0)
+    matcher = llg.LLMatcher(llt, grammar, log_level=0, limits=limits)
     if matcher.is_error():
-        reason = one_line(matcher.get_error())
-        raise GrammarError(f"llguidance refuses the {_WHAT[spec.kind]}: {reason}")
-    return matcher
+        raise _engine_error(matcher, spec, "refuses")
+    return matcher, grammar
 
 
 def check_grammar(spec: GrammarSpec, tokenizer) -> None:
@@ -262,28 +426,63 @@ class Matcher:
     the grammar is complete only the EOS ids are allowed. The mask of each state
     on the current path is kept, so a state reached again after a rollback is not
     recomputed.
+
+    An engine failure while decoding (one of llguidance's limits reached) is a
+    `GrammarError`, raised by the call that met it; the matcher cannot go on after
+    it. A copy shares the lexer its compiled grammar built so far with the other
+    copies: the first failure drops the compiled grammar from the cache and the
+    tokens so far are replayed once on a fresh compile, so that only a failure of
+    this generation's own tokens is raised, and later generations start afresh.
     """
 
     def __init__(self, spec: GrammarSpec, tokenizer, vocab_size: int):
         llt = engine_tokenizer(tokenizer)
-        self._engine = _compiled(spec, llt).deep_copy()
-        self.spec = spec
+        self._llt, self.spec = llt, spec
+        self._prototype = _compiled(spec, llt)
+        self._engine = self._prototype.deep_copy()
+        self._rebuilt = False  # replayed on a fresh compile already
         self.vocab_size = int(vocab_size)
         self._kept = min(self.vocab_size, llt.vocab_size)  # engine ids in the mask
         self._bitmask = np.zeros((1, (llt.vocab_size + 31) // 32), np.int32)
         self._eos = [i for i in _eos_ids(tokenizer) if i < self.vocab_size]
         self._eos_set = frozenset(self._eos)
-        self._consumed = 0
+        self._tokens: List[int] = []  # consumed (rollbacks undone)
         self._masks = [None]  # the mask at each depth 0..consumed, when computed
+
+    def _call(self, method: str, *args):
+        """The engine's ``method(*args)``; after a failure, once, the same on a
+        fresh compile with the tokens so far replayed; `GrammarError` if it fails."""
+        result = getattr(self._engine, method)(*args)
+        if not self._engine.is_error():
+            return result
+        if not self._rebuilt:
+            self._rebuild()
+            result = getattr(self._engine, method)(*args)
+            if not self._engine.is_error():
+                return result
+        _grammars().forget((self.spec, self._llt), self._prototype)
+        raise _engine_error(self._engine, self.spec, "failed on")
+
+    def _rebuild(self) -> None:
+        """Drop the failed compiled grammar from the cache (its shared lexer may be
+        what ran out), compile it afresh and replay the tokens so far on a copy."""
+        self._rebuilt = True
+        key = (self.spec, self._llt)
+        _grammars().forget(key, self._prototype)
+        self._prototype = _compiled(*key)
+        self._engine = self._prototype.deep_copy()
+        if self._tokens and not self._engine.consume_tokens(self._tokens):
+            _grammars().forget(key, self._prototype)
+            raise _engine_error(self._engine, self.spec, "failed on")
 
     def _compute(self) -> np.ndarray:
         """The current state's mask as a (V,) numpy bool array."""
         out = np.zeros(self.vocab_size, np.bool_)
-        if self._engine.is_stopped():
+        if self._call("is_stopped"):
             out[self._eos] = True
             return out
-        self._engine.unsafe_compute_mask_ptr(
-            self._bitmask.ctypes.data, self._bitmask.nbytes
+        self._call(
+            "unsafe_compute_mask_ptr", self._bitmask.ctypes.data, self._bitmask.nbytes
         )
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
         out[: self._kept] = bits[: self._kept]
@@ -307,18 +506,17 @@ class Matcher:
         if self._masks[-1] is not None:
             return bool(self._masks[-1][0][token])
         if token in self._eos_set:
-            return self._engine.is_accepting() or self._engine.is_stopped()
-        if self._engine.is_stopped() or token >= self._kept:
+            return self.accepting
+        if self._call("is_stopped") or token >= self._kept:
             return False
-        return self._engine.validate_tokens([token]) == 1
+        return self._call("validate_tokens", [token]) == 1
 
     def consume(self, token: int) -> bool:
         """Advance by ``token``; False (the state unchanged) if it is forbidden."""
         if not self.allows(token):
             return False
-        if not self._engine.consume_token(int(token)):
-            raise MTPError(f"llguidance: {one_line(self._engine.get_error())}")
-        self._consumed += 1
+        self._call("consume_token", int(token))
+        self._tokens.append(int(token))
         self._masks.append(None)
         return True
 
@@ -334,27 +532,26 @@ class Matcher:
         """Undo the last ``n`` consumed tokens."""
         if n == 0:
             return
-        if not 0 < n <= self._consumed:
-            raise ValueError(f"cannot roll back {n} of {self._consumed} tokens")
-        if not self._engine.rollback(n):
-            raise MTPError(f"llguidance: {one_line(self._engine.get_error())}")
-        self._consumed -= n
+        if not 0 < n <= self.consumed:
+            raise ValueError(f"cannot roll back {n} of {self.consumed} tokens")
+        self._call("rollback", n)
+        del self._tokens[-n:]
         del self._masks[-n:]
 
     @property
     def consumed(self) -> int:
         """Tokens consumed so far (rollbacks subtracted)."""
-        return self._consumed
+        return len(self._tokens)
 
     @property
     def accepting(self) -> bool:
         """The output may end here (EOS is allowed)."""
-        return self._engine.is_accepting() or self._engine.is_stopped()
+        return self._call("is_accepting") or self._call("is_stopped")
 
     @property
     def done(self) -> bool:
         """The grammar has consumed EOS or cannot go on (only EOS is allowed)."""
-        return self._engine.is_stopped()
+        return self._call("is_stopped")
 
 
 def constrain(logits: mx.array, mask: mx.array) -> mx.array:

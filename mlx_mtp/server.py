@@ -89,7 +89,7 @@ from .defaults import DEFAULT_MAX_BATCH, MAX_DRAFT_TOKENS, SERVER_MAX_TOKENS
 from .draft_length import model_costs
 from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
-from .grammar import check_grammar
+from .grammar import GrammarError, check_grammar
 from .loading import load
 from .models.deepseek_v4_cache import V4Cache
 from .options import DecodeOptions
@@ -897,9 +897,8 @@ class _Scheduler:
         self.batch.eos = frozenset(self.tokenizer.eos_token_ids)  # as of now
         try:
             s.row = self.batch.join(admission)
-        except Exception as e:  # the batch's caches may be half joined
-            _fail(s.responses, e)
-            return self._reset(e)
+        except Exception as e:  # its rules (a grammar): the batch is as it was
+            return _fail(s.responses, _decoding_error(e))
         self.rows[s.uid] = s
         s.detokenizer = self.tokenizer.detokenizer  # its own: a copy per request
         s.detokenizer.reset()
@@ -917,6 +916,10 @@ class _Scheduler:
         over, failed = [], []
         for out in outputs:
             s = self.rows[out.uid]
+            if out.finish_reason == "error":  # its rules failed: it alone
+                _fail(s.responses, _decoding_error(s.row.failure))
+                failed.append(s)
+                continue
             try:
                 if self._emit(s, out):
                     over.append(s)
@@ -992,6 +995,15 @@ class _Scheduler:
         decoding requests' statistics recorded for their last chunk."""
         for s in self.rows.values():
             self._record(s)
+
+
+def _decoding_error(e: BaseException) -> BaseException:
+    """A request's failure while it decodes, as its error reply: a grammar the engine
+    refused or failed on is the request's own (a 400: its grammar is past the
+    engine's limits), anything else as it is (`_as_request_error`)."""
+    if isinstance(e, GrammarError):
+        return bad_request(one_line(e))
+    return e
 
 
 def _fail(responses: _Responses, error: Exception) -> None:
@@ -1119,6 +1131,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         try:
             self._serve_alone(request, args)
         except Exception as e:  # every failure goes back to its request
+            e = _decoding_error(e)
             if not isinstance(e, RequestError):
                 log.exception("a request failed")
             responses.put(e)

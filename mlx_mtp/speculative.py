@@ -479,6 +479,12 @@ def mtp_generate_step(
         When the generator ends or is closed, the trunk caches hold the prompt and all
         yielded tokens but the last, and the MTP caches only entries that agree with
         them.
+
+    Raises:
+        `mlx_mtp.grammar.GrammarError` (one line) when the grammar engine fails
+        on the tokens (one of its limits reached), whatever the draft length:
+        the tokens before the round it failed in are yielded first. The session
+        is then not fit to go on from.
     """
     options = DecodeOptions.build(options, **fields).check()
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
@@ -650,6 +656,17 @@ class Run:
         return k
 
 
+def _launched(run: Run, k: int) -> Optional[Exception]:
+    """`Run.launch` a round of k drafts; what it raised (a grammar that failed on
+    the next token, say), to raise once the committed tokens are yielded (as a
+    batch yields them: `mlx_mtp.batch`)."""
+    try:
+        run.launch(k)
+    except Exception as e:
+        return e
+    return None
+
+
 def _generate(run: Run, prompt: List[int], on_prefill=None):
     """The generator behind `mtp_generate_step` (its arguments checked): prefill, then
     per round wait for the oldest queued round, commit it and queue the next before
@@ -674,12 +691,15 @@ def _generate(run: Run, prompt: List[int], on_prefill=None):
             run.kv.apply(run.caches.trunk)
             stats.record(rnd.draft.k, a, rnd.draft.source, rnd.draft.vocab)
             run.observe(rnd, a, new)
+            failure = None
             if not run.queued and run.wanted(stats.emitted):
                 k = planned if planned is not None else run.plan(stats.emitted)
-                run.launch(k)
+                failure = _launched(run, k)
             for i, token in enumerate(new):
                 run.seen += 1
                 yield StepOutput(token, rnd.verified.logprobs[i], i < a, stats)
+            if failure is not None:
+                raise failure
             if stats.rounds % 64 == 0:
                 mx.clear_cache()
     finally:

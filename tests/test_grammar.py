@@ -267,10 +267,10 @@ def test_constrain():
 def test_compiles_are_cached(tokenizer):
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"q": {}}})
     check_grammar(spec, tokenizer)
-    hits = grammar._compiled.cache_info().hits
+    hits = grammar.cache_stats().hits
     Matcher(spec, tokenizer, 512)
     check_grammar(spec, tokenizer)
-    assert grammar._compiled.cache_info().hits == hits + 2
+    assert grammar.cache_stats().hits == hits + 2
     assert grammar.engine_tokenizer(tokenizer) is grammar.engine_tokenizer(tokenizer)
 
 
