@@ -397,3 +397,56 @@ def test_missing_or_misshapen_fusion_projection(family, broken, checkpoint):
     path = broken(family, lambda w: w.update({key: bad}))
     with pytest.raises(MissingHeadsError, match=message):
         load(str(path))
+
+
+# --- issue 40 item 10: token ids outside the vocabulary ------------------------------
+
+BAD_IDS = """
+import json, sys
+import mlx.core as mx
+import numpy as np
+from mlx_mtp import MTPError, batch_generate, generate, load, stream_generate
+
+model, tokenizer = load(sys.argv[1])
+V = model.args.vocab_size
+calls = {
+    "generate": lambda p: generate(model, tokenizer, p, max_tokens=2),
+    "stream_generate": lambda p: list(stream_generate(model, tokenizer, p, max_tokens=2)),
+    "batch_generate": lambda p: batch_generate(model, tokenizer, [[1, 2], p], max_tokens=2),
+}
+bad = [[1, 99999], [1, V], [1, -1], [1, 2**40], [1, 2.0], [1, True], mx.array([1.5])]
+out = {"V": V}
+for name, call in calls.items():
+    for ids in bad:
+        try:
+            call(ids)
+            out[f"{name} {ids}"] = "accepted"
+        except MTPError as e:
+            out[f"{name} {ids}"] = str(e)
+    call([np.int64(1), V - 1])  # numpy integers and the last id are token ids
+    call(mx.array([1, V - 1]))
+print(json.dumps(out))
+"""
+
+
+def test_token_ids_outside_the_vocabulary(checkpoint):
+    """Ids past the vocabulary (which crashed the process), equal to its size,
+    negative, huge, floats or bools: an `MTPError` naming the id and the vocabulary's
+    size, from generate, stream_generate and batch_generate (whose message also
+    names the prompt). In a subprocess: a native crash must not end the tests."""
+    path = str(checkpoint("deepseek_v3"))
+    proc = subprocess.run(
+        [sys.executable, "-c", BAD_IDS, path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-300:], proc.stderr)
+    out = json.loads(proc.stdout.splitlines()[-1])
+    V = out.pop("V")
+    tokens = ["99999", str(V), "-1", str(2**40), "2.0", "True", "1.5"]
+    assert len(out) == 3 * len(tokens)
+    for (case, message), token in zip(out.items(), tokens * 3):
+        assert f"token id {token} " in message, (case, message)
+        assert f"vocabulary has {V} tokens (ids 0 to {V - 1})" in message
+        assert message.startswith("prompt 1: ") == case.startswith("batch_generate")
