@@ -436,7 +436,7 @@ PROCESSOR_OPTIONS = [
     ),
     click.option(
         "--json-schema",
-        type=click.File("r"),
+        type=click.File("rb"),
         default=None,
         help="Make the output JSON that follows the JSON schema in this file.",
     ),
@@ -537,8 +537,9 @@ def _logit_bias(pairs):
 
 def _grammar(options: dict):
     """The grammar of ``--json-schema FILE``, ``--json`` or ``--regex`` (None
-    without); two of them is a usage error, a schema file that is not JSON a
-    one-line error."""
+    without); two of them, or a schema file or pattern that cannot be read (not
+    UTF-8, not JSON, nested too deeply, not an object), is a one-line error and
+    exit 2. The grammar engine's own refusals come later (exit 1)."""
     from .errors import MTPError
     from .grammar import GrammarSpec
 
@@ -552,15 +553,40 @@ def _grammar(options: dict):
         raise click.UsageError(f"{' and '.join(given)} cannot go together")
     if options.get("json_schema"):
         f = options["json_schema"]
+        where = f"--json-schema {f.name}"
         try:
-            return GrammarSpec.json_schema(f.read())
+            return GrammarSpec.json_schema(_schema_file(f.read(), where))
         except MTPError as e:
-            raise MTPError(f"{f.name}: {e}") from None
+            _fail(f"{where}: {e}", 2)
     if options.get("json_object"):
         return GrammarSpec.json_object()
     if options.get("regex"):
-        return GrammarSpec.regex(options["regex"])
+        try:
+            return GrammarSpec.regex(check_text(options["regex"], "--regex"))
+        except MTPError as e:
+            _fail(str(e), 2)
     return None
+
+
+def _schema_file(data: bytes, where: str):
+    """The JSON value of a schema file's bytes; not UTF-8, not JSON or nested
+    deeper than Python's parser goes: one line naming ``where``, exit 2."""
+    import json
+
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        _fail(
+            f"{where}: not valid UTF-8 (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start})",
+            2,
+        )
+    try:
+        return json.loads(text)
+    except RecursionError:
+        _fail(f"{where}: the JSON nests too deeply to read", 2)
+    except ValueError as e:
+        _fail(f"{where}: not valid JSON: {e}", 2)
 
 
 def _rank() -> int:

@@ -450,3 +450,37 @@ def test_token_ids_outside_the_vocabulary(checkpoint):
         assert f"token id {token} " in message, (case, message)
         assert f"vocabulary has {V} tokens (ids 0 to {V - 1})" in message
         assert message.startswith("prompt 1: ") == case.startswith("batch_generate")
+
+
+# --- issue 40 item 20: grammar flags whose file or pattern cannot be read -------------
+
+
+def test_grammar_flags_that_cannot_be_read(checkpoint, tmp_path):
+    """--json-schema FILE nested 100000 deep, not UTF-8, not JSON or not an object,
+    and --regex bytes that are not UTF-8: one line naming the flag, exit 2, before
+    the model loads (the first two were tracebacks)."""
+    files = {
+        "deep.json": b'{"items":' * 100000 + b"{}" + b"}" * 100000,
+        "latin1.json": b'{"type": "string", "description": "caf\xe9"}',
+        "cut.json": b'{"type":',
+        "list.json": b"[1]",
+    }
+    messages = {
+        "deep.json": "the JSON nests too deeply to read",
+        "latin1.json": "not valid UTF-8 (byte 0xe9 at offset 38)",
+        "cut.json": "not valid JSON: Expecting value: line 1 column 9",
+        "list.json": "a JSON schema must be a JSON object, not list",
+    }
+    args = ["generate", "--model", str(tmp_path / "never-loaded"), "-p", "hi"]
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        code, out, err = cli_process([*args, "--json-schema", str(tmp_path / name)])
+        where = f"--json-schema {tmp_path / name}: "
+        assert (code, out) == (2, ""), (name, err)
+        assert err.startswith(f"mlx-mtp: error: {where}{messages[name]}"), err
+        assert err.count("\n") == 1 and err.endswith("\n")
+    code, out, err = cli_process([*args, "--regex", b"a\xffb"])
+    assert (code, out) == (2, "")
+    assert (
+        err == "mlx-mtp: error: --regex is not valid UTF-8 (byte 0xff at character 1)\n"
+    )
