@@ -409,10 +409,11 @@ from mlx_mtp import MTPError, batch_generate, generate, load, stream_generate
 
 model, tokenizer = load(sys.argv[1])
 V = model.args.vocab_size
+m, t = model, tokenizer
 calls = {
-    "generate": lambda p: generate(model, tokenizer, p, max_tokens=2),
-    "stream_generate": lambda p: list(stream_generate(model, tokenizer, p, max_tokens=2)),
-    "batch_generate": lambda p: batch_generate(model, tokenizer, [[1, 2], p], max_tokens=2),
+    "generate": lambda p: generate(m, t, p, max_tokens=2),
+    "stream_generate": lambda p: list(stream_generate(m, t, p, max_tokens=2)),
+    "batch_generate": lambda p: batch_generate(m, t, [[1, 2], p], max_tokens=2),
 }
 bad = [[1, 99999], [1, V], [1, -1], [1, 2**40], [1, 2.0], [1, True], mx.array([1.5])]
 out = {"V": V}
