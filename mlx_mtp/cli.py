@@ -817,7 +817,7 @@ def _generate_file(model, decode, ignore_chat_template, batch: dict, options: di
     if options["verbose"]:
         click.echo(pf.summary(response), err=True)
     if collect.failed:
-        where = batch["output"] or "stdout"
+        where = batch["output"] if batch["output"] not in (None, "-") else "stdout"
         _fail(
             f"{collect.failed} of {len(pending)} prompts failed: their results in "
             f"{where} hold the error"

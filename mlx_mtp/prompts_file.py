@@ -350,9 +350,8 @@ class ResultsFile:
     @property
     def pending(self) -> List[FilePrompt]:
         """The prompts without a result (or whose result is an error), in order."""
-        return [
-            p for p in self.prompts if "error" in self.records.get(p.line, {"error": 0})
-        ]
+        done = {n for n, r in self.records.items() if "error" not in r}
+        return [p for p in self.prompts if p.line not in done]
 
     def _read(self, data: bytes) -> None:
         by_line = {p.line: p for p in self.prompts}
@@ -368,7 +367,7 @@ class ResultsFile:
     def _take(self, raw: bytes, by_line: dict) -> bool:
         """Whether ``raw`` is the result of one of the prompts (then kept)."""
         record = _record(raw)
-        prompt = by_line.get(record.get("line")) if record else None
+        prompt = by_line.get(_line(record))
         if prompt is None or not _same_prompt(record, prompt):
             return False
         self.records[prompt.line] = record
@@ -378,7 +377,7 @@ class ResultsFile:
         record = _record(raw)
         if record is None or not ("text" in record or "error" in record):
             why = "it is not a result line of mlx-mtp"
-        elif record.get("line") not in by_line:
+        elif _line(record) not in by_line:
             why = f"{self.source} has no prompt on line {record.get('line')!r}"
         else:
             why = f"the prompt or id of line {record['line']} differs"
@@ -429,11 +428,16 @@ def _record(raw: bytes) -> Optional[dict]:
     return record if isinstance(record, dict) else None
 
 
+def _line(record: Optional[dict]) -> Optional[int]:
+    """The prompt's line a result names, if it names one."""
+    line = record.get("line") if record is not None else None
+    return line if type(line) is int else None
+
+
 def _same_prompt(record: dict, prompt: FilePrompt) -> bool:
     """Whether ``record`` is a result (or an error) of ``prompt``."""
     return (
-        type(record.get("line")) is int
-        and record.get("id") == prompt.id
+        record.get("id") == prompt.id
         and record.get("prompt") == prompt.prompt
         and ("text" in record or "error" in record)
     )
