@@ -456,10 +456,11 @@ def test_token_ids_outside_the_vocabulary(checkpoint):
 # --- issue 40 item 20: grammar flags whose file or pattern cannot be read -------------
 
 
-def test_grammar_flags_that_cannot_be_read(checkpoint, tmp_path):
+def test_grammar_flags_that_cannot_be_read(tmp_path):
     """--json-schema FILE nested 100000 deep, not UTF-8, not JSON or not an object,
-    and --regex bytes that are not UTF-8: one line naming the flag, exit 2, before
-    the model loads (the first two were tracebacks)."""
+    and --regex bytes that are not UTF-8 (kept by Python as a lone surrogate): one
+    line naming the flag, exit 2, before the model loads (the first two and the last
+    were tracebacks)."""
     files = {
         "deep.json": b'{"items":' * 100000 + b"{}" + b"}" * 100000,
         "latin1.json": b'{"type": "string", "description": "caf\xe9"}',
@@ -475,13 +476,12 @@ def test_grammar_flags_that_cannot_be_read(checkpoint, tmp_path):
     args = ["generate", "--model", str(tmp_path / "never-loaded"), "-p", "hi"]
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
-        code, out, err = cli_process([*args, "--json-schema", str(tmp_path / name)])
+        result = run_cli(*args, "--json-schema", str(tmp_path / name))
+        assert result.exit_code == 2, (name, result.output)
         where = f"--json-schema {tmp_path / name}: "
-        assert (code, out) == (2, ""), (name, err)
-        assert err.startswith(f"mlx-mtp: error: {where}{messages[name]}"), err
-        assert err.count("\n") == 1 and err.endswith("\n")
-    code, out, err = cli_process([*args, "--regex", b"a\xffb"])
-    assert (code, out) == (2, "")
-    assert (
-        err == "mlx-mtp: error: --regex is not valid UTF-8 (byte 0xff at character 1)\n"
+        assert_one_line_error(result, where + messages[name])
+    result = run_cli(*args, "--regex", "a\udcffb")
+    assert result.exit_code == 2
+    assert result.output == (
+        "mlx-mtp: error: --regex is not valid UTF-8 (byte 0xff at character 1)\n"
     )
