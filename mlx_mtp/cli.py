@@ -26,14 +26,14 @@ def _fail(message: str, code: int = 1):
     sys.exit(code)
 
 
-def _exit_interrupted():
-    """One line and exit 130, after Ctrl-C was caught.
+def _exit_interrupted(line: str = "interrupted"):
+    """One ``line`` and exit 130, after Ctrl-C was caught.
 
     CPython 3.11 and 3.12 mark a KeyboardInterrupt that leaves an ``exec`` of a string
     (dataclasses and namedtuples build their methods so, while modules import) as
     unhandled, even once caught, and then end the process by SIGINT instead of with
     its exit code. Any ``exec`` that completes clears that mark."""
-    click.echo("\ninterrupted", err=True)
+    click.echo(f"\n{line}", err=True)
     exec("")
     sys.exit(130)
 
@@ -461,7 +461,7 @@ PROCESSOR_OPTIONS = [
     ),
     click.option(
         "--json-schema",
-        type=click.File("r"),
+        type=click.File("rb"),
         default=None,
         help="Make the output JSON that follows the JSON schema in this file.",
     ),
@@ -562,8 +562,9 @@ def _logit_bias(pairs):
 
 def _grammar(options: dict):
     """The grammar of ``--json-schema FILE``, ``--json`` or ``--regex`` (None
-    without); two of them is a usage error, a schema file that is not JSON a
-    one-line error."""
+    without); two of them, or a schema file or pattern that cannot be read (not
+    UTF-8, not JSON, nested too deeply, not an object), is a one-line error and
+    exit 2. The grammar engine's own refusals come later (exit 1)."""
     from .errors import MTPError
     from .grammar import GrammarSpec
 
@@ -577,15 +578,40 @@ def _grammar(options: dict):
         raise click.UsageError(f"{' and '.join(given)} cannot go together")
     if options.get("json_schema"):
         f = options["json_schema"]
+        where = f"--json-schema {f.name}"
         try:
-            return GrammarSpec.json_schema(f.read())
+            return GrammarSpec.json_schema(_schema_file(f.read(), where))
         except MTPError as e:
-            raise MTPError(f"{f.name}: {e}") from None
+            _fail(f"{where}: {e}", 2)
     if options.get("json_object"):
         return GrammarSpec.json_object()
     if options.get("regex"):
-        return GrammarSpec.regex(options["regex"])
+        try:
+            return GrammarSpec.regex(check_text(options["regex"], "--regex"))
+        except MTPError as e:
+            _fail(str(e), 2)
     return None
+
+
+def _schema_file(data: bytes, where: str):
+    """The JSON value of a schema file's bytes; not UTF-8, not JSON or nested
+    deeper than Python's parser goes: one line naming ``where``, exit 2."""
+    import json
+
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        _fail(
+            f"{where}: not valid UTF-8 (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start})",
+            2,
+        )
+    try:
+        return json.loads(text)
+    except RecursionError:
+        _fail(f"{where}: the JSON nests too deeply to read", 2)
+    except ValueError as e:
+        _fail(f"{where}: not valid JSON: {e}", 2)
 
 
 def _rank() -> int:
@@ -683,8 +709,12 @@ MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo mode
     "--output",
     default=None,
     metavar="FILE",
-    help="With --prompts-file: write the results to this file (whole or not at "
-    "all) [default: stdout].",
+    help="With --prompts-file: append each result to this file as soon as it is "
+    "done, and put the file in the prompts' order once all are. A rerun with the "
+    "same FILE goes on from there: it checks that each line of FILE is the result "
+    "of the prompt on its line (same line, id and prompt; the options are not "
+    "compared), skips those prompts, and retries the ones that failed [default: "
+    "stdout, in the prompts' order].",
 )
 @click.option(
     "--progress",
@@ -701,12 +731,17 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
 
     With --prompts-file FILE, every prompt of FILE is generated, the prompts
     decoded in batches with MTP (each text the same as alone), and the results
-    written as JSONL, one object a prompt in the file's order: id, prompt, text,
-    finish_reason, prompt_tokens, generation_tokens and mtp (drafted, accepted,
-    acceptance_rate, tokens_per_round, batch_sizes). FILE holds one prompt a line
-    (blank lines skipped, the text taken as it is), or JSONL when every line is a
-    JSON object: "prompt" (text) or "messages" (a chat), an optional "id", and any
-    decode option by its name, for that prompt alone:
+    written as JSONL, one object a prompt: id, line (the prompt's line in FILE),
+    prompt, text, finish_reason, prompt_tokens, generation_tokens and mtp (drafted,
+    accepted, acceptance_rate, tokens_per_round, batch_sizes). A prompt that fails
+    while it decodes gets {id, line, prompt, "finish_reason": "error", error}, the
+    others go on, and the run exits 1. Each result is written as soon as it is done
+    (to stdout once the ones before it are; see --output); Ctrl-C or SIGTERM stops
+    with one line saying how many were written (exit 130 or 143). FILE holds one
+    prompt a line (blank lines skipped, the text taken as it is), or JSONL (when its
+    first line starts with "{" or any line is a JSON object): one JSON object a
+    line, "prompt" (text) or "messages" (a chat), an optional "id", and any decode
+    option by its name, for that prompt alone:
 
     \b
     {"id": "a", "prompt": "Hello", "max_tokens": 64}
@@ -763,48 +798,123 @@ def _check_batch_flags(batch: dict) -> None:
             raise click.UsageError(f"{flag} goes with --prompts-file")
 
 
+@stops_on_signals
 def _generate_file(model, decode, ignore_chat_template, batch: dict, options: dict):
-    """``generate --prompts-file``: the file read and checked before the model loads
-    (a bad line: one line, exit 2, nothing generated), its prompts decoded with
-    `mlx_mtp.batch_generate`, the results written (`mlx_mtp.prompts_file`)."""
+    """``generate --prompts-file``: the file read and checked before the model loads,
+    and then what only the model can tell (a bad line: one line naming it, exit 2,
+    nothing generated); the prompts without a result (`mlx_mtp.prompts_file.results`)
+    decoded with `mlx_mtp.batch_generate`, each result written as it is done. Prompts
+    that failed while they decoded: their error results, one line, exit 1."""
     from . import prompts_file as pf
     from .distributed import launched
-    from .generate import batch_generate
 
     if launched() is not None:
         raise click.UsageError("--prompts-file does not run under mlx.launch")
     path = batch["prompts_file"]
     try:
         prompts = pf.parse(pf.read(path), path)
-        per_prompt = pf.decode_options(prompts, decode, path)
-        pf.check_output(batch["output"])
+        per_line = pf.decode_options(prompts, decode, path)
+        per_line = {p.line: o for p, o in zip(prompts, per_line)}
+        pf.check_output(batch["output"], path)
+        results = pf.results(batch["output"], prompts, path)
+        pending = results.pending
+        if not pending:
+            results.close()
+            if options["verbose"]:
+                done = f"every prompt of {pf.source_name(path)} has its result"
+                click.echo(f"{done} in {batch['output']} already", err=True)
+            return
         mdl, tokenizer = _load_for_decoding(model, options)
         ids = [
             _file_prompt_ids(tokenizer, p, path, ignore_chat_template, options)
-            for p in prompts
+            for p in pending
         ]
+        todo = [per_line[p.line] for p in pending]
+        _check_loaded(mdl, tokenizer, pending, ids, todo, decode, path)
     except pf.PromptsFileError as e:
         _fail(str(e), 2)
     _rank_vocabulary(mdl, tokenizer, options, 0)
-    _warm_batch_costs(mdl, min(batch["max_batch"], len(prompts)), options["verbose"])
+    _warm_batch_costs(mdl, min(batch["max_batch"], len(pending)), options["verbose"])
     show = options["verbose"] and (batch["progress"] or sys.stderr.isatty())
-    with pf.Progress(len(prompts), show=show) as progress:
-        response = batch_generate(
-            mdl,
-            tokenizer,
-            ids,
-            options=per_prompt,
-            max_batch=batch["max_batch"],
-            on_output=progress,
-        )
-    texts = [pf.detokenize(tokenizer, t) for t in response.token_ids]
-    records = [
-        pf.record(p, i, t, response, n)
-        for n, (p, i, t) in enumerate(zip(prompts, ids, texts))
-    ]
-    pf.write(records, batch["output"])
+    progress = pf.Progress(len(prompts), show, done=len(prompts) - len(pending))
+    collect = pf.Collector(pending, ids, tokenizer, results, progress, path)
+    response = _decode_file(mdl, tokenizer, ids, todo, batch["max_batch"], collect)
     if options["verbose"]:
         click.echo(pf.summary(response), err=True)
+    if collect.failed:
+        where = batch["output"] if batch["output"] not in (None, "-") else "stdout"
+        _fail(
+            f"{collect.failed} of {len(pending)} prompts failed: their results in "
+            f"{where} hold the error"
+        )
+
+
+def _decode_file(model, tokenizer, ids, options, max_batch: int, collect):
+    """`mlx_mtp.batch_generate` of a prompts file's ``ids``, its outputs to
+    ``collect`` (`mlx_mtp.prompts_file.Collector`), its results closed at the end.
+    Ctrl-C, SIGTERM or SIGHUP: one line saying how many results were written and
+    where, exit 128 + the signal's number; an error: one line saying it too."""
+    import signal
+
+    from .errors import MTPError, one_line
+    from .generate import batch_generate
+
+    results = collect.results
+    try:
+        with collect.progress:
+            return batch_generate(
+                model,
+                tokenizer,
+                ids,
+                options=options,
+                max_batch=max_batch,
+                on_output=collect,
+            )
+    except KeyboardInterrupt:
+        _exit_interrupted(f"interrupted: {results.state()}")
+    except Stopped as e:
+        name = signal.Signals(e.signum).name
+        click.echo(f"\nstopped by {name}: {results.state()}", err=True)
+        sys.exit(128 + e.signum)
+    except MTPError as e:
+        _fail(f"{one_line(e, limit=1000)} ({results.state()})")
+    finally:
+        results.close()
+
+
+def _check_loaded(model, tokenizer, prompts, ids, options, base, path) -> None:
+    """What only the loaded model tells about each prompt of a file, checked before
+    any decoding: it fits the context, its grammar compiles, its logit_bias ids are
+    tokens of the model, and it asks no KV-cache limit or quantization where the
+    prompts decode in a batch (which has neither): a `PromptsFileError` naming the
+    line, or the flag when the command line asks it."""
+    from .batch_cache import batch_support
+    from .errors import MTPError, one_line
+    from .generate import fit_context
+    from .grammar import check_grammar
+    from .processors import make_processors
+    from .prompts_file import PromptsFileError, source_name
+
+    batched = batch_support(model) is None
+    if batched and (base.max_kv_size is not None or base.kv_bits is not None):
+        raise PromptsFileError(
+            "--max-kv-size and --kv-bits do not go with --prompts-file on this model "
+            "(its prompts are decoded in batches)"
+        )
+    for prompt, tokens, o in zip(prompts, ids, options):
+        try:
+            fit_context(model, len(tokens), o.max_tokens)
+            if o.grammar is not None:
+                check_grammar(o.grammar, tokenizer)
+            make_processors(o, model.args.vocab_size)
+            if batched and (o.max_kv_size is not None or o.kv_bits is not None):
+                raise MTPError(
+                    "max_kv_size and kv_bits cannot be used on this model with "
+                    "--prompts-file (its prompts are decoded in batches)"
+                )
+        except MTPError as e:
+            where = f"{source_name(path)} line {prompt.line}"
+            raise PromptsFileError(f"{where}: {one_line(e, limit=1000)}") from None
 
 
 def _warm_batch_costs(model, rows: int, verbose: bool) -> None:

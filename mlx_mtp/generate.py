@@ -5,10 +5,11 @@ Responses are mlx-lm's ``GenerationResponse`` plus ``mtp``, a snapshot of the ru
 `MTPStats`. Stopping at EOS and max_tokens follows mlx-lm's ``stream_generate``.
 """
 
+import numbers
 import time
 from contextlib import closing
 from dataclasses import dataclass, field, replace
-from typing import Callable, Generator, List, Optional, Sequence, Union
+from typing import Callable, Generator, Iterable, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse as _LMResponse
@@ -31,19 +32,46 @@ class GenerationResponse(_LMResponse):
     mtp: Optional[MTPStats] = None
 
 
-def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> List[int]:
+def encode_prompt(
+    tokenizer: TokenizerWrapper, prompt, vocab_size: Optional[int] = None
+) -> List[int]:
     """Token ids of a prompt given as text, ids or an ``mx.array`` (mlx-lm's rule for
-    BOS)."""
+    BOS). With ``vocab_size`` (the model's embedding rows), every id must be an
+    integer from 0 to ``vocab_size - 1``: anything else is an `MTPError` naming it
+    (the model would read outside its embedding, or crash)."""
     if isinstance(prompt, str):
         if not prompt:
             raise MTPError("the prompt is empty")
         bos = tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)
-        return tokenizer.encode(prompt, add_special_tokens=add_special)
-    ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+    elif isinstance(prompt, mx.array):
+        ids = prompt.tolist() if prompt.ndim else [prompt.item()]
+    elif isinstance(prompt, Iterable):
+        ids = list(prompt)
+    else:
+        raise MTPError(
+            f"a prompt must be text or token ids, got {type(prompt).__name__}"
+        )
     if not ids:
         raise MTPError("the prompt is empty")
-    return ids
+    return ids if vocab_size is None else _checked_ids(ids, vocab_size)
+
+
+def _checked_ids(ids: list, vocab_size: int) -> List[int]:
+    """``ids`` as ints, each a token id of a vocabulary of ``vocab_size`` tokens; an
+    `MTPError` naming the first that is not (a bool, a float, out of range)."""
+    out = []
+    for i, token in enumerate(ids):
+        whole = isinstance(token, numbers.Integral) and not isinstance(token, bool)
+        if not whole or not 0 <= token < vocab_size:
+            raise MTPError(
+                f"token id {token!r} (position {i} of the prompt) is not a token of "
+                f"this model: its vocabulary has {vocab_size} tokens (ids 0 to "
+                f"{vocab_size - 1})"
+            )
+        out.append(int(token))
+    return out
 
 
 def fit_context(model, prompt_tokens: int, max_tokens: int) -> int:
@@ -86,7 +114,8 @@ def stream_generate(
     Args:
         model: A model from `mlx_mtp.load`.
         tokenizer: Its tokenizer (a ``TokenizerWrapper`` or a Hugging Face tokenizer).
-        prompt: Text, or token ids.
+        prompt: Text, or token ids (each from 0 to the model's vocabulary size
+            - 1; any other id is an `MTPError`).
         max_tokens: Tokens to generate (-1: until EOS; default: the options').
         options: The `mlx_mtp.options.DecodeOptions` (default: its defaults);
             ``fields``, option names as keywords (``temp=0.7``,
@@ -114,7 +143,7 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     options = _checked(options, tokenizer)
-    ids = encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt, model.args.vocab_size)
     before = len(session.tokens) if session is not None else 0
     max_tokens = fit_context(model, before + len(ids), options.max_tokens)
     steps = mtp_generate_step(
@@ -280,7 +309,7 @@ def batch_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     if isinstance(prompts, (str, mx.array)) or not len(prompts):
         raise MTPError("prompts must be a non-empty list of prompts")
-    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    ids = [_prompt_ids(tokenizer, p, i, model) for i, p in enumerate(prompts)]
     per_prompt = _per_prompt(options, len(ids), grammar_fields(fields), max_tokens)
     n = len(ids)
     tokens = [[] for _ in ids]
@@ -324,6 +353,14 @@ def batch_generate(
         peak_memory=mx.get_peak_memory() / 1e9,
         errors=errors,
     )
+
+
+def _prompt_ids(tokenizer, prompt, i: int, model) -> List[int]:
+    """`encode_prompt` of prompt ``i`` of a batch; its error names the prompt."""
+    try:
+        return encode_prompt(tokenizer, prompt, model.args.vocab_size)
+    except MTPError as e:
+        raise MTPError(f"prompt {i}: {e}") from None
 
 
 def _detokenize(tokenizer: TokenizerWrapper, tokens: List[int]) -> str:

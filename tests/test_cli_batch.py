@@ -3,6 +3,10 @@ each result the text `mlx_mtp.generate` gives for that prompt alone."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ from mlx_mtp.cli import build_prompt, main, render_chat
 from mlx_mtp.generate import generate
 
 FAMILY = "qwen3_5"
+GOES_ON = "the same command goes on from there"  # an interrupted --output run's
 
 
 def run(*args, input=None):
@@ -147,6 +152,33 @@ def test_jsonl_lines_with_their_own_grammar_and_penalties(model_path, model):
         ('{"prompt": "a"}\nplain text\n', "line 2: not a JSON object, but line 1"),
         ('{"id": 3}\n', "line 1: give either 'prompt' or 'messages'"),
         ('{"messages": "hi"}\n', "line 1: 'messages' must be a non-empty list"),
+        (
+            '{"prompt": "a", "max_tokens": 3\n{"prompt": "b"}\n',
+            "line 1: not a JSON object (Expecting ',' delimiter at column 32), but "
+            "line 2 is (a JSONL file has one object a line)",
+        ),
+        (
+            '{"prompt": "a", "max_tokens": 3\n{"prompt": "b"\n',
+            "line 1: not a JSON object (Expecting ',' delimiter at column 32); a file "
+            "whose first line starts with '{' is JSONL",
+        ),
+        ("{x} to YAML\n", "line 1: not a JSON object (Expecting property name"),
+        ('hello\n{"prompt": "b"}\n', "line 1: not a JSON object, but line 2 is"),
+        ('{"prompt": ' * 50000 + "\n", "line 1: not a JSON object (it nests too"),
+        (
+            '{"messages": [{"role": "user", "content": 5}]}\n',
+            "line 1: messages[0].content must be a string, null or a list of parts",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image_url", '
+            '"image_url": {"url": "http://x/y.png"}}]}]}\n',
+            "line 1: messages[0].content[0] is an image: this model takes no images",
+        ),
+        ('{"messages": [{"content": "hi"}]}\n', "line 1: messages[0].role must be"),
+        (
+            '{"messages": [{"role": "user", "content": "\\ud800"}]}\n',
+            "line 1: messages holds a lone surrogate",
+        ),
         ("", "has no prompts (it is empty)"),
         ("\n  \n\n", "has no prompts (it is empty)"),
     ],
@@ -193,38 +225,83 @@ def test_a_chat_without_the_chat_template_is_refused(model_path, tmp_path):
     assert not out.exists()
 
 
-def test_output_is_written_whole_or_not_at_all(model_path, tmp_path, monkeypatch):
-    """Ctrl-C while the results are written: one line, exit 130, the old file as it
-    was and no temporary file left; a full run then replaces it."""
-    prompts, out = tmp_path / "p.txt", tmp_path / "out.jsonl"
-    prompts.write_text("hello\nworld\n")
+def test_an_output_of_other_results_is_never_overwritten(
+    model_path, tmp_path, monkeypatch
+):
+    """--output holding anything but results of these prompts (text, another prompts
+    file's results) or the prompts file itself (a link to it too): one line naming
+    it, exit 2, the file as it was. Ctrl-C while the finished file is put in order:
+    exit 130, every result kept; the rerun then puts it in order without
+    generating."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    lines = [{"prompt": "hello", "max_tokens": 6}, {"prompt": "world", "max_tokens": 2}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = prompts.read_text()
+    flags = ("generate", "--model", model_path, "-m", "4", "-k", "2")
+    args = (*flags, "--prompts-file", str(prompts))
     out.write_text("old\n")
-    args = ("generate", "--model", model_path, "--prompts-file", str(prompts))
-    args += ("-m", "4", "-k", "2", "--output", str(out))
+    result = run(*args, "--output", str(out))
+    assert result.exit_code == 2, result.output
+    assert result.output == (
+        f"mlx-mtp: error: --output {out} line 1 is not a result of {prompts} (it is "
+        "not a result line of mlx-mtp); give another --output, or delete that file "
+        "to start over\n"
+    )
+    assert out.read_text() == "old\n"
+    other = tmp_path / "other.jsonl"
+    other.write_text(text.replace("world", "there"))
+    theirs = (*flags, "--prompts-file", str(other), "--output", str(out))
+    assert run(*theirs).exit_code == 2
+    out.unlink()
+    assert run(*theirs).exit_code == 0
+    theirs = out.read_text()
+    result = run(*args, "--output", str(out))
+    assert (
+        result.exit_code == 2
+        and "(the prompt or id of line 2 differs)" in result.output
+    )
+    assert out.read_text() == theirs
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(prompts)
+    for same in (prompts, link):
+        result = run(*args, "--output", str(same))
+        assert result.exit_code == 2, result.output
+        assert (
+            result.output
+            == f"mlx-mtp: error: --output {same} is the prompts file itself\n"
+        )
+        assert prompts.read_text() == text
+    out.unlink()
 
     replace = os.replace
 
     def interrupted(src, dst):
         if str(dst) != str(out):  # another file (measured costs, ...)
             return replace(src, dst)
-        assert [r["id"] for r in results(Path(src))] == [0, 1]  # written in full
+        assert [r["line"] for r in results(Path(src))] == [1, 2]  # in order, whole
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
         m.setattr(os, "replace", interrupted)
-        result = run(*args)
+        result = run(*args, "--output", str(out))  # line 2 is done first
     assert result.exit_code == 130, result.output
-    assert result.stderr.strip() == "interrupted" and "Traceback" not in result.output
-    assert out.read_text() == "old\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "p.txt"]
-    result = run(*args)
+    assert result.stderr.strip().splitlines()[-1] == "interrupted"
+    assert "Traceback" not in result.output
+    assert [r["line"] for r in results(out)] == [2, 1]
+    names = ["link.jsonl", "other.jsonl", "out.jsonl", "p.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    result = run(*args, "--output", str(out))
     assert result.exit_code == 0, result.output
-    assert [r["id"] for r in results(out)] == [0, 1]
+    assert (
+        result.stderr == f"every prompt of {prompts} has its result in {out} already\n"
+    )
+    assert [r["line"] for r in results(out)] == [1, 2]
 
 
-def test_ctrl_c_mid_generation_leaves_no_file(model_path, tmp_path, monkeypatch):
-    """Ctrl-C while the prompts decode (the progress line up): the progress line,
-    then one line, exit 130; no output file."""
+def test_ctrl_c_before_a_result_leaves_no_file(model_path, tmp_path, monkeypatch):
+    """Ctrl-C while the prompts decode, before any is done (the progress line up):
+    the progress line, then one line saying that no result was written, exit 130;
+    no output file."""
     import importlib
 
     # the module (the package's ``generate`` attribute is the function)
@@ -247,7 +324,8 @@ def test_ctrl_c_mid_generation_leaves_no_file(model_path, tmp_path, monkeypatch)
     assert result.exit_code == 130, result.output
     progress, stop = result.stderr.rstrip("\n").split("\n")[-2:]
     assert progress.startswith("\r0/2 prompts | ") and "tok/s" in progress
-    assert stop == "interrupted" and "Traceback" not in result.output
+    assert stop == f"interrupted: 0 of 2 results written to {out}; {GOES_ON}"
+    assert "Traceback" not in result.output
     assert not out.exists() and list(tmp_path.iterdir()) == [prompts]
 
 
@@ -267,3 +345,193 @@ def test_progress_line_and_help(model_path):
     usage = " ".join(run("generate", "--help").output.split())
     for words in ("--prompts-file", "--max-batch", "JSONL", '"messages"', "--output"):
         assert words in usage
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ({"logit_bias": {"600": 1}}, "line 2: logit_bias token 600 is outside the"),
+        ({"regex": "(ab"}, "line 2: llguidance refuses the regex"),
+        ({"kv_bits": 4}, "line 2: max_kv_size and kv_bits cannot be used on this"),
+        (
+            {"prompt": "word " * 5000},
+            "line 2: the prompt has 15014 tokens but the model's context",
+        ),
+    ],
+)
+def test_what_the_model_refuses_names_the_line(model_path, tmp_path, line, message):
+    """What only the loaded model tells (a logit_bias id past its vocabulary, a
+    pattern the grammar engine refuses, a KV-cache setting a batch cannot take, a
+    prompt over the context) is found before any decoding: one line naming the
+    line, exit 2, no output file."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    lines = [{"prompt": "a"}, {"prompt": "b", **line}, {"prompt": "c"}]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = ("generate", "--model", model_path, "--prompts-file", str(prompts))
+    result = run(*args, "-m", "4", "--output", str(out))
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert result.output.startswith(f"mlx-mtp: error: {prompts} {message}")
+    assert not out.exists()
+
+
+def test_kv_flags_with_a_batched_prompts_file(model_path, tmp_path):
+    """--kv-bits on the command line of a prompts file that decodes in batches: one
+    line naming the flags, exit 2."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    args = ("generate", "--model", model_path, "--prompts-file", str(prompts))
+    result = run(*args, "--kv-bits", "4")
+    assert result.exit_code == 2
+    assert result.output == (
+        "mlx-mtp: error: --max-kv-size and --kv-bits do not go with --prompts-file "
+        "on this model (its prompts are decoded in batches)\n"
+    )
+
+
+def interrupt_once(args, out: Path):
+    """``python -m mlx_mtp ARGS`` as a user runs it, sent SIGINT as soon as the file
+    ``out`` holds a line: its exit code and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_mtp", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if out.exists() and "\n" in out.read_text():
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+def signal_after_a_result(monkeypatch, signum: int, after: int = 1) -> None:
+    """Make `mlx_mtp.batch_generate` send this process ``signum`` once ``after``
+    prompts are done (their results given to the writer)."""
+    import importlib
+
+    gen = importlib.import_module("mlx_mtp.generate")
+    real = gen.batch_generate
+
+    def signalled(*args, on_output=None, **kwargs):
+        done = []
+
+        def once(out):
+            on_output(out)
+            done.extend([out.uid] if out.finish_reason is not None else [])
+            if len(done) == after:
+                os.kill(os.getpid(), signum)
+
+        return real(*args, on_output=once, **kwargs)
+
+    monkeypatch.setattr(gen, "batch_generate", signalled)
+
+
+def test_an_interrupted_run_keeps_its_results_and_a_rerun_goes_on(
+    model_path, tmp_path, monkeypatch
+):
+    """SIGINT once --output holds a result: exit 130 and one line saying how many
+    results were written and where, each whole; SIGTERM in the rerun once it wrote
+    one more: exit 143, likewise; the next rerun generates the rest, and the file is
+    then the uninterrupted run's, byte for byte (one prompt at a time and a fixed k:
+    the MTP stats are the same too)."""
+    prompts, out, whole = (tmp_path / n for n in ("p.jsonl", "out.jsonl", "w.jsonl"))
+    lines = [{"id": f"s{i}", "prompt": f"story {i}"} for i in range(6)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["generate", "--model", model_path, "--prompts-file", str(prompts)]
+    args += ["-m", "40", "-k", "2", "--max-batch", "1", "--ignore-chat-template"]
+    args += ["--quiet", "--output"]
+    code, err = interrupt_once([*args, str(out)], out)
+    n = len(results(out))
+    assert code == 130 and 1 <= n < 6, (code, n, err)
+    assert err == f"\ninterrupted: {n} of 6 results written to {out}; {GOES_ON}\n"
+    with monkeypatch.context() as m:
+        signal_after_a_result(m, signal.SIGTERM)
+        result = run(*args, str(out))
+    assert result.exit_code == 143, result.output
+    assert len(results(out)) == n + 1
+    stopped = f"stopped by SIGTERM: {n + 1} of 6 results written to {out}; {GOES_ON}"
+    assert result.stderr == f"\n{stopped}\n"
+    assert run(*args, str(out)).exit_code == 0
+    assert run(*args, str(whole)).exit_code == 0
+    assert [r["id"] for r in results(whole)] == [f"s{i}" for i in range(6)]
+    assert out.read_text() == whole.read_text()
+
+
+def test_stdout_gets_the_results_in_order_as_they_are_done(model_path, monkeypatch):
+    """Without --output each result goes to stdout once it and those before it are
+    done; Ctrl-C after prompts 1 and 3 are done (2 is not): prompt 1's result
+    written, one line saying so and that prompt 3's waited, exit 130."""
+    lines = [
+        {"prompt": "a", "max_tokens": 2},
+        {"prompt": "b", "max_tokens": 30},
+        {"prompt": "c", "max_tokens": 3},
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    args = ("generate", "--model", model_path, "--prompts-file", "-", "--quiet")
+    with monkeypatch.context() as m:
+        signal_after_a_result(m, signal.SIGINT, after=2)
+        result = run(*args, input=text)
+    assert result.exit_code == 130, result.output
+    assert [json.loads(x)["line"] for x in result.stdout.splitlines()] == [1]
+    assert result.stderr == (
+        "\ninterrupted: 1 of 3 results written to stdout (1 more were done but wait "
+        "for an earlier prompt; --output FILE keeps every result as it is done, and "
+        "a rerun goes on)\n"
+    )
+
+
+def test_a_rerun_after_a_kill_mid_line_redoes_that_result(model_path, tmp_path):
+    """A last line cut short (the run was killed while writing it) is dropped: the
+    rerun generates that prompt again, and the file is whole and in order; a line
+    whose result is an error is retried."""
+    prompts, out = tmp_path / "p.txt", tmp_path / "out.jsonl"
+    prompts.write_text("hello\nworld\nfoo\n")
+    args = ("generate", "--model", model_path, "--prompts-file", str(prompts))
+    args += ("-m", "4", "-k", "2", "--max-batch", "1", "--output", str(out))
+    assert run(*args).exit_code == 0
+    whole = out.read_text()
+    first, second, third = whole.splitlines(keepends=True)
+    failed = {**json.loads(first), "finish_reason": "error", "error": "it failed"}
+    failed.pop("text")
+    out.write_text(json.dumps(failed) + "\n" + second + third[:40])
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("2 prompts | generated 8 tok")
+    assert out.read_text() == whole
+
+
+def test_a_prompt_that_fails_while_decoding_fails_alone(model_path, model, tmp_path):
+    """A line whose grammar llguidance compiles but fails on at its first token (an
+    object of 600 optional properties: "Current row has ... items; max is 2000"):
+    its result is an error naming the line, the other prompts get their lone texts,
+    and one line says how many failed, exit 1."""
+    properties = {f"p{i}": {"type": "string"} for i in range(600)}
+    lines = [
+        {"prompt": "a b c"},
+        {"prompt": "x", "json_schema": {"type": "object", "properties": properties}},
+        {"prompt": "def f(x):"},
+    ]
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ("generate", "--model", model_path, "--prompts-file", str(prompts))
+    result = run(*args, "-m", "8", "-k", "2", "--output", str(out))
+    assert result.exit_code == 1, result.output
+    assert result.stderr.splitlines()[-1] == (
+        f"mlx-mtp: error: 1 of 3 prompts failed: their results in {out} hold the "
+        "error"
+    )
+    rows = results(out)
+    assert [r["line"] for r in rows] == [1, 2, 3]
+    failed = rows[1]
+    assert set(failed) == {"id", "line", "prompt", "finish_reason", "error"}
+    assert failed["finish_reason"] == "error"
+    assert failed["error"].startswith(f"{prompts} line 2: ")
+    assert "Current row has" in failed["error"] and "\n" not in failed["error"]
+    tokenizer = model[1]
+    for row in (rows[0], rows[2]):
+        ids = build_prompt(tokenizer, row["prompt"], None, False, escapes=False)
+        assert row["text"] == lone(model, ids, max_tokens=8, num_draft_tokens=2)

@@ -449,3 +449,91 @@ def test_missing_or_misshapen_fusion_projection(family, broken, checkpoint):
     path = broken(family, lambda w: w.update({key: bad}))
     with pytest.raises(MissingHeadsError, match=message):
         load(str(path))
+
+
+# --- issue 40 item 10: token ids outside the vocabulary ------------------------------
+
+BAD_IDS = """
+import json, sys
+import mlx.core as mx
+import numpy as np
+from mlx_mtp import MTPError, batch_generate, generate, load, stream_generate
+
+model, tokenizer = load(sys.argv[1])
+V = model.args.vocab_size
+m, t = model, tokenizer
+calls = {
+    "generate": lambda p: generate(m, t, p, max_tokens=2),
+    "stream_generate": lambda p: list(stream_generate(m, t, p, max_tokens=2)),
+    "batch_generate": lambda p: batch_generate(m, t, [[1, 2], p], max_tokens=2),
+}
+bad = [[1, 99999], [1, V], [1, -1], [1, 2**40], [1, 2.0], [1, True], mx.array([1.5])]
+out = {"V": V}
+for name, call in calls.items():
+    for ids in bad:
+        try:
+            call(ids)
+            out[f"{name} {ids}"] = "accepted"
+        except MTPError as e:
+            out[f"{name} {ids}"] = str(e)
+    call([np.int64(1), V - 1])  # numpy integers and the last id are token ids
+    call(mx.array([1, V - 1]))
+print(json.dumps(out))
+"""
+
+
+def test_token_ids_outside_the_vocabulary(checkpoint):
+    """Ids past the vocabulary (which crashed the process), equal to its size,
+    negative, huge, floats or bools: an `MTPError` naming the id and the vocabulary's
+    size, from generate, stream_generate and batch_generate (whose message also
+    names the prompt). In a subprocess: a native crash must not end the tests."""
+    path = str(checkpoint("deepseek_v3"))
+    proc = subprocess.run(
+        [sys.executable, "-c", BAD_IDS, path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-300:], proc.stderr)
+    out = json.loads(proc.stdout.splitlines()[-1])
+    V = out.pop("V")
+    tokens = ["99999", str(V), "-1", str(2**40), "2.0", "True", "1.5"]
+    assert len(out) == 3 * len(tokens)
+    for (case, message), token in zip(out.items(), tokens * 3):
+        assert f"token id {token} " in message, (case, message)
+        assert f"vocabulary has {V} tokens (ids 0 to {V - 1})" in message
+        assert message.startswith("prompt 1: ") == case.startswith("batch_generate")
+
+
+# --- issue 40 item 20: grammar flags whose file or pattern cannot be read -------------
+
+
+def test_grammar_flags_that_cannot_be_read(tmp_path):
+    """--json-schema FILE nested 100000 deep, not UTF-8, not JSON or not an object,
+    and --regex bytes that are not UTF-8 (kept by Python as a lone surrogate): one
+    line naming the flag, exit 2, before the model loads (the first two and the last
+    were tracebacks)."""
+    files = {
+        "deep.json": b'{"items":' * 100000 + b"{}" + b"}" * 100000,
+        "latin1.json": b'{"type": "string", "description": "caf\xe9"}',
+        "cut.json": b'{"type":',
+        "list.json": b"[1]",
+    }
+    messages = {
+        "deep.json": "the JSON nests too deeply to read",
+        "latin1.json": "not valid UTF-8 (byte 0xe9 at offset 38)",
+        "cut.json": "not valid JSON: Expecting value: line 1 column 9",
+        "list.json": "a JSON schema must be a JSON object, not list",
+    }
+    args = ["generate", "--model", str(tmp_path / "never-loaded"), "-p", "hi"]
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        result = run_cli(*args, "--json-schema", str(tmp_path / name))
+        assert result.exit_code == 2, (name, result.output)
+        where = f"--json-schema {tmp_path / name}: "
+        assert_one_line_error(result, where + messages[name])
+    result = run_cli(*args, "--regex", "a\udcffb")
+    assert result.exit_code == 2
+    assert result.output == (
+        "mlx-mtp: error: --regex is not valid UTF-8 (byte 0xff at character 1)\n"
+    )
