@@ -42,6 +42,7 @@ LAYERS = [
     [
         "generate",
         "bench",
+        "replies",
         "server_checks",
         "anthropic_api",
         "server",
