@@ -247,7 +247,8 @@ class Sessions:
             key = owner, id(session)
             self._items[key], self._sizes[key] = session, size
             while len(self._items) > self.size or (
-                self.max_bytes is not None and self.nbytes > self.max_bytes
+                self.max_bytes is not None
+                and sum(self._sizes.values()) > self.max_bytes
             ):
                 dropped, _ = self._items.popitem(last=False)
                 del self._sizes[dropped]
@@ -255,7 +256,8 @@ class Sessions:
     @property
     def nbytes(self) -> int:
         """The bytes the kept sessions hold."""
-        return sum(self._sizes.values())
+        with self._lock:
+            return sum(self._sizes.values())
 
     def clear(self) -> None:
         """Drop every kept session."""

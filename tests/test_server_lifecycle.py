@@ -79,8 +79,12 @@ def until(condition, seconds=60, what="the condition"):
 
 def kept_texts(server) -> list:
     """The kept conversations' texts, decoded."""
-    tokenizer = server.generator.model_provider.tokenizer
-    items = list(server.generator.sessions._items.values())
+    tokenizer, sessions = (
+        server.generator.model_provider.tokenizer,
+        server.generator.sessions,
+    )
+    with sessions._lock:  # the generation thread keeps sessions meanwhile
+        items = list(sessions._items.values())
     return [(len(s.tokens), tokenizer.decode(s.tokens)) for s in items]
 
 
@@ -297,17 +301,14 @@ def test_a_request_whose_grammar_compiles_as_the_server_closes_gets_503(
         )
         request.start()
         assert compiling.wait(60)
-        start = time.monotonic()
         server.close()
-        request.join(server_module.CLOSE_WAIT + 10)
-        took = time.monotonic() - start
+        request.join(30)
     finally:
         release.set()
         server.close()
     assert "reply" in out, "no reply"
     status, reply = out["reply"]
     assert status == 503 and "shutting down" in reply["error"]["message"], reply
-    assert took < server_module.CLOSE_WAIT, took
 
 
 # --- mlx-lm's private members (item 5) ------------------------------------------------
