@@ -512,7 +512,11 @@ def _single(c, b: int, like, below=None, mark=None):
     if isinstance(c, RecurrentCache):
         out = RecurrentCache(len(c.cache))
         slots = mark.base if mark is not None else c.cache
-        out.cache = [None if s is None else s[b : b + 1] for s in slots]
+        # the row gathered into a buffer of its own: a slice, or a copy of one
+        # (which may take over the slice's buffer), would hold every row's states
+        # (a kept session is counted at its arrays' sizes, `mlx_mtp.server.Sessions`)
+        row = mx.array([b])
+        out.cache = [None if s is None else mx.take(s, row, axis=0) for s in slots]
         return out
     keys, values, pos = c.row_kv(b, below)
     if isinstance(like, WindowCache):

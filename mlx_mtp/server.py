@@ -33,12 +33,15 @@ no public hooks for the rest: the private members it overrides or calls are list
 `MLX_LM_PRIVATE`, with the parameters they must have, and checked at import
 (`check_mlx_lm`), so that an mlx-lm of another release fails at start in one line.
 
-A client that goes away mid-stream stops its generation within one round (mlx-lm's
-handler stops the request's context; the loop checks it after every round, and its
-row leaves the batch), and the session it used is left consistent. A failure costs
-only the requests it touched, and the server serves the next one; SIGINT and
-SIGTERM stop generation within a round and end open streams with ``[DONE]``
-(`Server.serve_forever`). With API keys, each key's prompt caches are its own.
+A client that goes away stops its generation within a round (the request's context
+is stopped: by mlx-lm's handler when a stream's write fails, and by the handler
+waiting for a reply, which watches the connection, `_hung_up`; the loop checks it
+after every round, and its row leaves the batch), and the session it used is left
+consistent. A failure costs only the requests it touched, and the server serves
+the next one; SIGINT and SIGTERM stop generation within a round, end open streams
+with ``[DONE]`` and answer a request not started (its grammar still compiling
+included) with a 503 (`Server.serve_forever`). With API keys, each key's prompt
+caches are its own.
 """
 
 import argparse
@@ -65,7 +68,7 @@ from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from queue import Empty, Queue
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx_lm
@@ -94,7 +97,7 @@ from .loading import load
 from .models.deepseek_v4_cache import V4Cache
 from .options import DecodeOptions
 from .replies import StopText, Unparsed, checked_parser, finite
-from .resolve import caches_without_rollback, draft_vocabs
+from .resolve import caches_without_rollback, draft_vocabs, drafting
 from .sampling import SamplingError
 from .server_checks import (
     MAX_DEPTH,
@@ -194,62 +197,79 @@ UNSUPPORTED = {
 
 class Sessions:
     """Conversations whose caches can be gone on from: an LRU of `Session`s, at most
-    ``size`` of them and ``max_bytes`` of cache memory.
+    ``size`` of them and ``max_bytes`` of memory, each counted at what it holds
+    (`Session.nbytes`: every array, at its buffer's size; its pending computation
+    is started when it is put, so that it soon holds nothing else). A session
+    larger than ``max_bytes`` alone is not kept.
 
     `take` hands out (and removes) the session whose tokens the prompt extends, the
-    longest such; `put` returns a session after a generation. A session is used by
-    one generation at a time, so no two requests share caches. Each session belongs
-    to an ``owner`` (the API key its requests presented; None without keys) and is
-    handed out to that owner's requests only.
+    longest such that drafts with the MTP depth asked for; `put` returns a session
+    after a generation. A session is used by one generation at a time, so no two
+    requests share caches. Each session belongs to an ``owner`` (the API key its
+    requests presented; None without keys) and is handed out to that owner's
+    requests only.
     """
 
     def __init__(self, size: int = 8, max_bytes: Optional[int] = None):
         self.size, self.max_bytes = size, max_bytes
         self._items: "OrderedDict[tuple, Session]" = OrderedDict()  # (owner, id)
+        self._sizes: Dict[tuple, int] = {}  # their `Session.nbytes`, as put
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def take(self, prompt: List[int], owner=None) -> Optional[Session]:
+    def take(
+        self, prompt: List[int], owner=None, depth: Optional[int] = None
+    ) -> Optional[Session]:
+        """The longest kept session of ``owner`` whose tokens ``prompt`` extends and
+        whose caches hold ``depth`` MTP layers (None: any depth; a session of
+        another depth cannot go on with this one's drafts), removed; None if none."""
         with self._lock:
             best, best_len = None, 0
             for key, s in self._items.items():
-                if key[0] != owner:
+                if key[0] != owner or depth not in (None, s.state.depth):
                     continue
                 tokens = s.tokens
                 n = len(tokens)
                 if best_len < n < len(prompt) and prompt[:n] == tokens:
                     best, best_len = key, n
-            return self._items.pop(best) if best is not None else None
+            if best is None:
+                return None
+            del self._sizes[best]
+            return self._items.pop(best)
 
     def put(self, session: Session, owner=None) -> None:
+        """Keep ``session`` (the generation thread's, which evaluates its arrays),
+        the least recently kept ones dropped to stay within the bounds."""
         if session.state is None:
             return
+        arrays = session.arrays()
+        mx.async_eval(arrays)  # once computed, an array holds no other buffer
+        size = sum(a.nbytes for a in arrays)
+        if self.max_bytes is not None and size > self.max_bytes:
+            return
         with self._lock:
-            self._items[owner, id(session)] = session
+            key = owner, id(session)
+            self._items[key], self._sizes[key] = session, size
             while len(self._items) > self.size or (
                 self.max_bytes is not None
-                and len(self._items) > 1
-                and self.nbytes > self.max_bytes
+                and sum(self._sizes.values()) > self.max_bytes
             ):
-                self._items.popitem(last=False)
+                dropped, _ = self._items.popitem(last=False)
+                del self._sizes[dropped]
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for s in self._items.values():
-            for c in s.caches.trunk + s.caches.mtp:
-                total += sum(a.nbytes for a in _arrays(c.state))
-        return total
+        """The bytes the kept sessions hold."""
+        with self._lock:
+            return sum(self._sizes.values())
 
-
-def _arrays(state):
-    if isinstance(state, mx.array):
-        return [state]
-    if isinstance(state, (list, tuple)):
-        return [a for x in state for a in _arrays(x)]
-    return []
+    def clear(self) -> None:
+        """Drop every kept session."""
+        with self._lock:
+            self._items.clear()
+            self._sizes.clear()
 
 
 # --- model provider ------------------------------------------------------------------
@@ -291,20 +311,43 @@ class MTPModelProvider(lm_server.ModelProvider):
         self.draft_model = None
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
-        """The served model and its tokenizer (loaded on first need); a 404 for any
-        other name."""
-        if model_path not in self.aliases:
+        """The served model and its tokenizer, loaded on first need: by `Server`
+        before it serves, or by the generation loop as it starts (never by a
+        request: see `held`); a 404 for any other name."""
+        self.check_name(model_path)
+        if self.model is None:
+            self._load_served()
+        return self.model, self.tokenizer
+
+    def check_name(self, name: str) -> None:
+        """A 404 unless ``name`` is one of the served model's names (`aliases`);
+        nothing is loaded."""
+        if name not in self.aliases:
             raise RequestError(
                 404,
-                f"the model {model_path!r} does not exist; this server serves "
+                f"the model {name!r} does not exist; this server serves "
                 f"{self.served!r}",
                 "invalid_request_error",
                 "model_not_found",
                 "model",
             )
-        if self.model is None:
-            self._load_served()
-        return self.model, self.tokenizer
+
+    def held(self) -> "Served":
+        """The served model and its tokenizer, as held now, for a request's checks;
+        never loaded here: a 503 once the server closed (the generation loop
+        dropped them as it ended)."""
+        model, tokenizer = self.model, self.tokenizer
+        if model is None or tokenizer is None:
+            raise _shutting_down()
+        return Served(model, tokenizer)
+
+
+class Served(NamedTuple):
+    """The served model and its tokenizer, as a request's checks hold them: the
+    generation loop may drop the provider's meanwhile (`MTPModelProvider.held`)."""
+
+    model: Any
+    tokenizer: Any
 
 
 def warm_costs(model, defaults: DecodeOptions) -> None:
@@ -378,10 +421,16 @@ def model_id(path: str) -> str:
 
 SHUTDOWN_WAIT = 10.0  # seconds `MTPResponseGenerator.shutdown` waits for open replies
 CLOSE_WAIT = 2.0  # seconds `Server.close` then waits for connections to be handled
+WATCH_EVERY = 0.05  # seconds between looks at a waiting request's client and server
 
 
 def _shutting_down() -> RequestError:
     return RequestError(503, "the server is shutting down", "server_error")
+
+
+def _client_gone() -> RequestError:
+    """A request whose client went away: nobody reads its reply."""
+    return RequestError(499, "the client closed its connection", "client_gone")
 
 
 def _as_request_error(e: Exception) -> RequestError:
@@ -402,16 +451,21 @@ def _options_error(e: MTPError) -> RequestError:
 class _Responses(Queue):
     """One request's response queue, which knows its request: ``ctx`` once the
     generation put it, ``taken`` once the generation loop took the request,
-    ``ended`` once None (the end) or an exception was put (nothing is put after)."""
+    ``ended`` once None (the end) or an exception was put (nothing is put after; a
+    context put after is stopped at once), and ``left``, whether its client went away
+    (the handler's look at its connection; `watch`)."""
 
     def __init__(self):
         super().__init__()
         self.ctx, self.taken, self.ended = None, False, False
+        self.left: Callable[[], bool] = lambda: False
         self._guard = threading.Lock()
 
     def put(self, item, block=True, timeout=None):
         with self._guard:
             if self.ended:
+                if isinstance(item, lm_server.GenerationContext):
+                    item.stop()  # the request ended before it started
                 return
             if isinstance(item, lm_server.GenerationContext):
                 self.ctx = item
@@ -423,6 +477,13 @@ class _Responses(Queue):
         self.put(error)
         if self.ctx is not None:
             self.ctx.stop()
+
+    def watch(self) -> None:
+        """End the request once its client went away (``left``): its generation
+        stops within a round, as when a stream's client goes (its row leaves the
+        batch), or before it starts."""
+        if not self.ended and self.left():
+            self.fail(_client_gone())
 
 
 @dataclass
@@ -652,9 +713,12 @@ def device_memory() -> int:
 
 def default_budget(model) -> int:
     """The cache memory of the batch unless ``batch_cache_bytes`` says: half of what
-    `device_memory` leaves after the weights (the other half for the kept
-    conversations, half of it unless ``prompt_cache_bytes`` says, the copy of the
-    caches a join makes and the rounds' activations)."""
+    `device_memory` leaves after the weights. Of the other half, the kept
+    conversations take up to half (`Server`'s default ``prompt_cache_bytes``); each
+    is counted at its arrays' full size, the snapshot of a prompt's caches that a
+    join keeps too (a full copy: `Session.snapshot`). The rest is for what the
+    budgets do not count: an admission's caches while they are copied into the
+    batch (the budget counts them once), and the rounds' activations."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return max(0, (device_memory() - weights) // 2)
 
@@ -745,6 +809,8 @@ class _Scheduler:
     def take(self, item) -> None:
         """A request from the generator's queue: waiting, or refused at once."""
         responses, request, args = item
+        if responses.ended:  # its client went away while it was queued
+            return
         try:
             self.waiting.append(self._open(responses, request, args))
         except Exception as e:  # this request's failure only
@@ -816,7 +882,7 @@ class _Scheduler:
         done = 0
         for group in prefill_groups(fresh) if len(fresh) > 1 else []:
             tokens = sum(len(a.todo) for a in group)
-            if len(group) < 2 or self.gen._stop:
+            if len(group) < 2 or self.gen._closing:
                 continue
             if self.rows and done + tokens > self.chunk:
                 continue
@@ -841,7 +907,7 @@ class _Scheduler:
         that ran. A failure is ``s``'s only."""
         ran = 0
         while not s.admission.ready and (room is None or ran < room):
-            if self.gen._stop:
+            if self.gen._closing:
                 break
             try:
                 s.admission.advance()
@@ -858,10 +924,7 @@ class _Scheduler:
         """Begin ``s``'s admission, from its conversation's session if one is kept
         (made by a batch: one of another loop is left in `Sessions`)."""
         sessions, owner = self.gen.sessions, s.job.owner
-        session = sessions.take(s.prompt, owner)
-        if session is not None and session.state.depth != self.batch.depth:
-            sessions.put(session, owner)
-            session = None
+        session = sessions.take(s.prompt, owner, self.batch.depth)
         done = len(session.tokens) if session is not None else 0
         options = s.job.options.replace(max_tokens=s.args.max_tokens)
         try:
@@ -1071,7 +1134,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         model = self.model_provider.model
         with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
             self.scheduler = _Scheduler(self) if self.cannot_batch is None else None
-            while not self._stop:
+            while not self._closing:
                 self._turn()
         if self.scheduler is not None:
             self.scheduler.close()
@@ -1128,6 +1191,8 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
 
     def _serve_one(self, item) -> None:
         responses, request, args = item
+        if responses.ended:  # its client went away while it was queued
+            return
         try:
             self._serve_alone(request, args)
         except Exception as e:  # every failure goes back to its request
@@ -1143,7 +1208,8 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         stop_sequences, text_sm = self._make_state_machine(
             self.model_provider.model_key, tokenizer, args.stop_words
         )
-        session = self.sessions.take(prompt, job.owner)
+        depth = _depth(self.model_provider.model, job.options)
+        session = self.sessions.take(prompt, job.owner, depth)
         done = len(session.tokens) if session is not None else 0
         ctx = _Context(
             has_thinking=tokenizer.has_thinking,
@@ -1244,11 +1310,14 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         return first
 
     def _wait(self, responses: _Responses):
-        """What the generation puts next for a request; RuntimeError once the
-        generation thread died, as nothing more will come."""
+        """What the generation puts next for a request, its client watched
+        meanwhile (`_Responses.watch`: a reply not streamed writes nothing until it
+        is over, so only this notices a client that went away); RuntimeError once
+        the generation thread died, as nothing more will come."""
         while True:
+            responses.watch()
             try:
-                return responses.get(timeout=1.0)
+                return responses.get(timeout=WATCH_EVERY)
             except Empty:
                 if not self.generation_available():
                     raise RuntimeError("generation thread died") from None
@@ -1280,7 +1349,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         for responses in live:
             if responses.ctx is not None:
                 responses.ctx.stop()
-        super().stop_and_join()  # the loop stops at its next check
+        self.join()  # the loop stops at its next check
         for responses in live:
             responses.put(None)  # a request that ended already ignores it
         with self._lock:
@@ -1288,6 +1357,21 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
 
     def stop_and_join(self):
         self.shutdown()
+
+    @property
+    def closing(self) -> bool:
+        """`shutdown` was called: no request starts any more."""
+        return self._closing
+
+
+def _depth(model, options: DecodeOptions) -> int:
+    """The MTP layers whose caches a request decoding alone with ``options`` goes
+    on from (a kept session must hold as many); -1, which no session holds, for
+    options the loop refuses (before it touches a session)."""
+    try:
+        return drafting(model, options).depth(model)
+    except MTPError:
+        return -1
 
 
 def _chain(first, rest):
@@ -1343,6 +1427,23 @@ class _Deadline:
         self._raw.close()
 
 
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` closed or reset the connection: a read that does
+    not wait finds its end (bytes sent ahead are left unread). A client that shut
+    down only its sending side looks gone too."""
+    timeout = sock.gettimeout()
+    try:
+        sock.setblocking(False)
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        finally:
+            sock.settimeout(timeout)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 # mlx-lm's handler attributes whose request field has another name
 HANDLER_FIELDS = {"requested_model": "model"}
 
@@ -1360,12 +1461,24 @@ class MTPHandler(lm_server.APIHandler):
         self.rfile = _Deadline(self.rfile, self.connection, self.timeout)
         self._pending = None  # the body's bytes not read yet, once known
         self._job = None  # a completion request's record, once its fields passed
+        self._served = None  # the model and tokenizer its checks use (`Served`)
+        self._watched = 0.0  # when `_client_left` last looked
         self._anthropic = False  # a request of Anthropic's Messages API
 
     def _received(self) -> None:
         """The request is read: from now on the timeout bounds each idle wait of the
         reply (a client that reads nothing of it for that long is dropped)."""
         self.connection.settimeout(self.timeout)
+
+    def _client_left(self) -> bool:
+        """Whether the client closed (or reset) its connection (`_hung_up`); looked
+        at once per `WATCH_EVERY` at most, else False. From the handler's thread
+        only (it alone reads and writes the connection)."""
+        now = time.monotonic()
+        if now - self._watched < WATCH_EVERY:
+            return False
+        self._watched = now
+        return _hung_up(self.connection)
 
     def _fail(self, error: RequestError) -> None:
         self._drain()
@@ -1531,8 +1644,7 @@ class MTPHandler(lm_server.APIHandler):
             self._read_body(length)
             if self._anthropic:
                 self._body, stream = anthropic_api.chat_request(self._body)
-            self._check_fields(owner)
-            self._check_room()
+            self._while_open(self._check_request, owner)
         except RequestError as e:
             return self._fail(e)
         if self._anthropic:  # its chat reply streams, for `anthropic_api.Wire`
@@ -1558,6 +1670,35 @@ class MTPHandler(lm_server.APIHandler):
             self.wfile.flush()
         except OSError:
             log.info("client went away before its error event")
+
+    def _while_open(self, fn, *args) -> None:
+        """``fn(*args)`` on a thread of its own, waited for here until it is done
+        (its exception raised here), or until the server closes: then a 503 at
+        once, as for any request not started (`_shutting_down`), its thread left
+        to finish on its own. The request's checks may take seconds (a large
+        schema compiles), and a server that closes waits a little only
+        (`CLOSE_WAIT`) for the connections it handles."""
+        done, out = threading.Event(), {}
+
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:  # raised in the handler's thread
+                out["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="request checks", daemon=True).start()
+        while not done.wait(WATCH_EVERY):
+            if self.response_generator.closing:
+                raise _shutting_down()
+        if "error" in out:
+            raise out["error"]
+
+    def _check_request(self, owner: Optional[int]) -> None:
+        """Everything checked of a request before it is queued."""
+        self._check_fields(owner)
+        self._check_room()
 
     def _route(self) -> None:
         if anthropic_api.is_messages(self.path):
@@ -1645,13 +1786,14 @@ class MTPHandler(lm_server.APIHandler):
         name = body.get("model", DEFAULT_MODEL)
         if not isinstance(name, str):
             raise bad_request("model must be a string", "model")
-        provider.load(name)  # a RequestError for any other model
+        provider.check_name(name)  # a RequestError for any other model
+        self._served = provider.held()  # a 503 once the server closed
         body["model"] = provider.served  # replies name the served model
         for name, neutral in UNSUPPORTED.items():
             if name in body and body[name] not in neutral:
                 message = f"{name} is not supported by mlx-mtp's decoding"
                 raise bad_request(message, name)
-        check_sampling(body, args.decode, provider.model.args.vocab_size)
+        check_sampling(body, args.decode, self._served.model.args.vocab_size)
         chat = self.path != "/v1/completions"
         need = "messages" if chat else "prompt"
         if need not in body:
@@ -1675,14 +1817,16 @@ class MTPHandler(lm_server.APIHandler):
         options = self._decode_options(body)
         stops = self._check_reply_fields(body)
         self._job = _Job(options, owner, body.get("stream") is True, stops=stops)
+        self._job.responses.left = self._client_left
         self._raw = json.dumps(body).encode()
 
     def _decode_options(self, body: dict) -> DecodeOptions:
         """The request's decode options (`request_options`: the server's, then the
         request's fields); 400 for a grammar the engine refuses (compiled here, on
-        the handler's thread, and cached for the generation), and for options whose
+        the request's checks' thread, `_while_open`, and cached for the
+        generation), and for options whose
         decoding would time round costs on the generation thread (`times_costs`)."""
-        provider = self.response_generator.model_provider
+        provider = self._served
         options = request_options(
             body,
             self.response_generator.cli_args.decode,
@@ -1697,7 +1841,7 @@ class MTPHandler(lm_server.APIHandler):
         forced = tool_choice(body, provider.tokenizer)
         if forced is not None:
             options = options.replace(grammar=forced)
-        if times_costs(self.response_generator.model_provider.model, options):
+        if times_costs(provider.model, options):
             n = options.draft_vocab
             raise bad_request(
                 f"draft_vocab {n} with an 'auto' num_draft_tokens or draft_source "
@@ -1758,7 +1902,7 @@ class MTPHandler(lm_server.APIHandler):
         request is then served, or refused, as without this check. (It changes
         ``self._body``'s messages as mlx-lm does: ``self._raw`` is already set.)"""
         body, args = self._body, self.response_generator.cli_args
-        tokenizer = self.response_generator.model_provider.tokenizer
+        tokenizer = self._served.tokenizer
         messages = body["messages"]
         try:
             lm_server.process_message_content(messages)

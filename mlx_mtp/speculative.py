@@ -25,7 +25,7 @@ import copy
 import functools
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generator, List, Optional, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Union
 
 import mlx.core as mx
 
@@ -413,7 +413,9 @@ class Session:
 
     def snapshot(self) -> "Session":
         """An independent copy to go on from later: the same caches and state as new
-        array objects (MLX copies a buffer only when one side writes to it)."""
+        array objects, no rollback record kept. Not copy-on-write: once evaluated,
+        each array is a full copy (a snapshot takes about the session's `nbytes`
+        again)."""
         state = replace(self.state, tokens=list(self.state.tokens), marks=None)
         if state.hidden is not None:
             state.hidden = mx.array(state.hidden)
@@ -422,6 +424,37 @@ class Session:
             [_copy_cache(c) for c in self.caches.mtp],
         )
         return Session(caches, state)
+
+    def arrays(self) -> List[mx.array]:
+        """Every array the session holds, each once: its caches' (found as
+        `snapshot` finds them: buffers at their allocated size, rollback records
+        included) and its decode state's."""
+        found: Dict[int, Any] = {}
+        _collect([self.caches, self.state], found)
+        return [a for a in found.values() if isinstance(a, mx.array)]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of `arrays`: what the session holds once they are evaluated
+        (an array whose computation is pending may hold its inputs too)."""
+        return sum(a.nbytes for a in self.arrays())
+
+
+def _collect(value, found: Dict[int, Any]) -> None:
+    """``value``'s arrays, and the objects walked, into ``found`` (by id, each
+    once): in lists, tuples and the attributes of objects, as `_copy_cache` walks
+    them."""
+    if id(value) in found:
+        return
+    if isinstance(value, mx.array):
+        found[id(value)] = value
+    elif isinstance(value, (list, tuple)):
+        for x in value:
+            _collect(x, found)
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        found[id(value)] = value
+        for x in vars(value).values():
+            _collect(x, found)
 
 
 def _copy_cache(cache):
