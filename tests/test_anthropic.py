@@ -44,15 +44,20 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("anthropic")
+def tool_checkpoint(out):
+    """A predictable qwen3_5 checkpoint in ``out`` with the Hermes-style tool
+    `TEMPLATE` as its chat template."""
     checkpoint = write_checkpoint("qwen3_5", out / "plain", predictable=True)
     folder = shutil.copytree(checkpoint, out / "tools")
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tool_checkpoint(tmp_path_factory.mktemp("anthropic"))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ given text."""
 import http.client
 import json
 import math
-import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -20,9 +19,8 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import stream_generate
 from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args
-from mlx_mtp.testing.fixtures import write_checkpoint
 
-from .test_anthropic import TEMPLATE
+from .test_anthropic import tool_checkpoint
 from .test_server import scripted
 
 USER = [{"role": "user", "content": "Write a function."}]
@@ -35,13 +33,7 @@ ANTHROPIC_WEATHER = {"name": "get_weather", "input_schema": {"type": "object"}}
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("replies")
-    checkpoint = write_checkpoint("qwen3_5", out / "plain", predictable=True)
-    folder = shutil.copytree(checkpoint, out / "tools")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return tool_checkpoint(tmp_path_factory.mktemp("replies"))
 
 
 @pytest.fixture(scope="module")
