@@ -38,52 +38,28 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from . import batch_cache
-from .batch_cache import batch_support, rewind_rows, to_batch
+from .batch_cache import batch_support, to_batch
 from .batch_costs import BatchLength, model_batch_costs
-from .cache import (
-    Caches,
-    Capture,
-    RecurrentCache,
-    begin_verify,
-    check_rollback,
-    make_caches,
-)
+from .cache import Caches, check_rollback, make_caches
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError, one_line
 from .options import DecodeOptions
-from .rejection import accept_stochastic
 from .resolve import drafting
-from .sampling import SamplingParams, filtered_logprobs, log_softmax, sample
-from .speculative import (
-    DecodeState,
-    Draft,
-    Round,
-    Run,
-    Session,
-    append,
-    draft_lookup,
-    extend_mtp,
-    prefill,
-)
+from .round import DecodeState, Round, commit, draft_heads, launch, plan
+from .speculative import Run, Session, append, extend_mtp, prefill
 from .stats import MTPStats
 
 
 @dataclass
 class Row:
     """One stream of a batch: ``run`` holds its decode state, settings, key, draft
-    policies and statistics, as the single-stream loop keeps them (`Run`)."""
+    policies, statistics and rules (a row of `mlx_mtp.round`'s phases)."""
 
     uid: Any
     run: Run
     eos: frozenset = frozenset()
     batch_sizes: Dict[int, int] = field(default_factory=dict)  # rounds per batch size
     session: Optional[Session] = None  # set on leaving (`Batch.keep_sessions`)
-    # the round being built: drafts asked for, a lookup draft, the round's keys
-    k: int = 0
-    lookup: Optional[List[int]] = None
-    draft_key: Optional[mx.array] = None
-    accept_key: Optional[mx.array] = None
-    failure: Optional[Exception] = None  # its rules raised: it leaves at commit
 
     @property
     def state(self) -> DecodeState:
@@ -94,7 +70,7 @@ class Row:
         return self.run.stats
 
     @property
-    def params(self) -> SamplingParams:
+    def params(self):
         return self.run.params
 
     @property
@@ -102,23 +78,10 @@ class Row:
         """The draft vocabulary of the row's next heads draft."""
         return self.run.policy.vocab
 
-    def room(self) -> int:
-        """The most drafts this row may make without passing ``max_tokens``."""
-        return self.run.room(self.stats.emitted)
-
     @property
-    def ruled(self) -> bool:
-        """Whether the row has rules (`mlx_mtp.processors.Rules`) that did not fail."""
-        return self.run.rules is not None and self.failure is None
-
-    def rule(self, method: str, *args):
-        """``self.run.rules.<method>(*args)``; None if it raises, the exception then
-        the row's ``failure`` (its rules are left out from then on)."""
-        try:
-            return getattr(self.run.rules, method)(*args)
-        except Exception as e:
-            self.failure = e
-            return None
+    def failure(self) -> Optional[Exception]:
+        """What its rules raised (it leaves at the next commit), or None."""
+        return self.run.failure
 
 
 @dataclass
@@ -152,44 +115,6 @@ def failed_output(uid, failure: BaseException, stats, vocab_size: int, sizes=Non
         sizes if sizes is not None else {},
         one_line(failure),
     )
-
-
-@dataclass
-class BatchRound:
-    """One launched round: row b drafted ``ks[b]`` of the ``K`` (its ``lookups[b]``
-    tokens, or the heads' from draft vocabulary ``vocabs[b]``); ``heads``: whether
-    the MTP layers ran (every row's frontier then moves)."""
-
-    ks: List[int]
-    lookups: List[Optional[List[int]]]
-    vocabs: List[Optional[int]]
-    heads: bool
-    drafts: mx.array  # (B, K)
-    hidden: mx.array  # (B, K + 1, H)
-    logprobs: mx.array  # (B, K + 1, V)
-    accepted: mx.array  # (B,)
-    next_tokens: mx.array  # (B,)
-    marks: list  # `mlx_mtp.cache.begin_verify`'s, per trunk cache
-
-    @property
-    def K(self) -> int:
-        return self.drafts.shape[1]
-
-    def select(self, rows: List[int]) -> "BatchRound":
-        """The round of ``rows`` only (rows that left the batch dropped)."""
-        idx = mx.array(rows, dtype=mx.int32)
-        return BatchRound(
-            [self.ks[i] for i in rows],
-            [self.lookups[i] for i in rows],
-            [self.vocabs[i] for i in rows],
-            self.heads,
-            self.drafts[idx],
-            self.hidden[idx],
-            self.logprobs[idx],
-            self.accepted[idx],
-            self.next_tokens[idx],
-            [batch_cache.select_mark(m, idx) for m in self.marks],
-        )
 
 
 class Admission:
@@ -362,8 +287,8 @@ class Batch:
         self.rows: List[Row] = []  # the rows of the rounds launched
         self.joining: List[Row] = []  # joined, in the rounds launched from now on
         self.caches: Optional[Caches] = None
-        self.queued: List[BatchRound] = []  # launched, not committed (oldest first)
-        self._planned = False  # the rows' next drafts are planned already
+        self.queued: List[Round] = []  # launched, not committed (oldest first)
+        self._next = None  # the next round's `RoundPlan`, made ahead (`step`)
 
     def __len__(self) -> int:
         """The streams in the batch (those joining included)."""
@@ -405,8 +330,9 @@ class Batch:
             if keep:
                 batch_cache.select(self.caches, keep)
                 self.queued = [rnd.select(keep) for rnd in self.queued]
+                self._next = self._next and self._next.select(keep)
             else:
-                self.caches, self.queued = None, []
+                self.caches, self.queued, self._next = None, [], None
         return gone
 
     def session_of(self, row: Row) -> Session:
@@ -433,11 +359,9 @@ class Batch:
             self.queued.append(self._launch())
         rnd = self.queued[0]
         if len(self.queued) == 1 and self._can_queue_behind(rnd):
-            self._plan(ahead=1)
-            if all(r.k == 0 for r in self.rows):
+            self._next = plan(self.runs, ahead=1, cap=self._cap)
+            if self._next.K == 0:
                 self.queued.append(self._launch(pending=rnd.next_tokens))
-            else:
-                self._planned = True
         mx.eval(rnd.accepted, rnd.next_tokens, rnd.drafts)
         outputs = self._commit(rnd)
         self.queued.pop(0)
@@ -450,38 +374,26 @@ class Batch:
                 self.queued.append(self._launch())
         return outputs
 
+    @property
+    def runs(self) -> List[Run]:
+        """The rows' streams, in the batch's order."""
+        return [r.run for r in self.rows]
+
     def draft_once(self) -> None:
         """Draft one token for every row and undo it (to time a draft step:
         `mlx_mtp.batch_costs`); no round may be launched."""
-        for r in self.rows:
-            r.draft_key = mx.random.key(0)
-        ks = [1] * len(self.rows)
-        drafts, _ = draft_rows(self.model, self.caches, self.rows, ks, self.depth)
+        rp = plan(self.runs)
+        rp.ks, rp.lookups = [1] * len(self.rows), [None] * len(self.rows)
+        drafts, _ = draft_heads(self.model, self.caches, self.runs, rp, self.depth)
         mx.eval(drafts)
         for c in self.caches.mtp:
             c.keep_below([r.state.frontier for r in self.rows])
 
-    def _can_queue_behind(self, rnd: BatchRound) -> bool:
+    def _can_queue_behind(self, rnd: Round) -> bool:
         """Whether the round after ``rnd`` may be planned before ``rnd`` is
-        committed: ``rnd`` drafts nothing (its commit takes its one token whatever
-        its value), nobody waits to join, and no row drafts from lookups (which
-        need the tokens' values)."""
-        return (
-            rnd.K == 0
-            and not self.joining
-            and not any(r.run.drafting.lookup_tokens for r in self.rows)
-            and not any(r.run.rules and r.run.rules.needs_tokens for r in self.rows)
-            and not any(r.failure for r in self.rows)  # it leaves at this commit
-        )
-
-    def _bases(self) -> list:
-        """Marks for a plain round, which never rolls back: the recurrent caches'
-        contents before it (what a session taken meanwhile holds), and no
-        per-position recording."""
-        return [
-            Capture(list(c.cache)) if isinstance(c, RecurrentCache) else None
-            for c in self.caches.trunk
-        ]
+        committed: as for one stream (`Run.pipelined`), for every row, and nobody
+        waits to join."""
+        return not self.joining and all(r.run.pipelined(rnd) for r in self.rows)
 
     def _admit_joining(self) -> None:
         """Put the joining rows' caches into the batch (no round is launched); their
@@ -497,35 +409,6 @@ class Batch:
             self.rows.append(row)
         self.joining = []
 
-    def _plan(self, ahead: int = 0) -> None:
-        """Set each row's drafts for the next round: ``row.k`` from its policy (its
-        heads) or its lookup draft (``row.lookup``), capped by its room (``ahead``:
-        tokens it yields before that round) and, for the rows whose text does not
-        depend on it (`_cappable`), by `_cap`. A heads round runs every MTP layer in
-        use, however few drafts its rows ask for (`draft_rows`), so that every
-        layer's frontier moves (see `Run.plan`)."""
-        for r in self.rows:
-            room = r.run.room(r.stats.emitted + ahead)
-            r.k = min(r.run.policy.next(), room)
-            if len(r.state.tokens) - 1 + ahead <= r.state.frontier:
-                r.k = 0  # no hidden state to draft from yet (a one-token prompt)
-            r.lookup = None
-            if r.run.drafting.lookup_tokens and r.failure is None:
-                try:
-                    r.lookup = r.run.lookup_draft(r.k)  # its grammar may raise
-                except Exception as e:
-                    r.failure, r.k = e, 0
-                r.k = len(r.lookup) if r.lookup else r.k
-        auto = [_cappable(r) for r in self.rows]
-        cap = self._cap([r.k for r in self.rows], auto)
-        if cap is not None:
-            for r, free in zip(self.rows, auto):
-                if free and r.lookup:
-                    r.lookup = r.lookup[:cap] or None
-                    r.k = len(r.lookup or ())
-                elif free:
-                    r.k = min(r.k, cap)
-
     def _cap(self, asks: List[int], auto: List[bool]) -> Optional[int]:
         """The cap `BatchLength` puts on the auto rows' drafts (its costs measured
         on first need), or None."""
@@ -536,55 +419,19 @@ class Batch:
             self.length = BatchLength(costs, max(self.depth, 1))
         return self.length.cap(self.rows, asks, auto)
 
-    def _launch(self, pending: Optional[mx.array] = None) -> BatchRound:
-        """Build a round (draft, verify, accept) lazily and start evaluating it;
-        ``pending``: the rows' pending tokens when not committed yet (a plain round
-        launched behind a plain round)."""
-        if not self._planned:
-            self._plan()
-        self._planned = False
-        rows = self.rows
-        for r in rows:
-            r.run.key, sub = mx.random.split(r.run.key)
-            r.draft_key, r.accept_key = mx.random.split(sub)
-        for b, r in enumerate(rows):
-            if r.ruled:
-                r.rule("begin", None if pending is None else pending[b])
-        heads = [0 if r.lookup else r.k for r in rows]
-        drafts, q = draft_rows(self.model, self.caches, rows, heads, self.depth)
-        drafts, q = _with_lookups(rows, drafts, q, self.model.args.vocab_size)
-        ks = [r.k for r in rows]
-        for r in rows:
-            for token in r.lookup or ():
-                if r.ruled:
-                    r.rule("push", token)
-            if r.ruled:
-                r.rule("end_draft")
-        if pending is None:
-            pending = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)
-        ids = mx.concatenate([pending[:, None], drafts], axis=1)  # (B, K + 1)
-        marks = begin_verify(self.caches.trunk) if ks and max(ks) else self._bases()
-        hidden = self.model.hidden(ids, self.caches.trunk)  # (B, K + 1, H)
-        logits = _verify_logits(rows, self.model.logits(hidden), drafts)
-        logprobs = log_softmax(logits)  # (B, K + 1, V)
-        accepted, next_tokens = accept_rows(rows, ks, drafts, q, logprobs)
-        mx.async_eval(accepted, next_tokens, drafts, hidden, logprobs)
-        lookups = [r.lookup for r in rows]
-        vocabs = [None if r.lookup else r.vocab for r in rows]
-        return BatchRound(
-            ks,
-            lookups,
-            vocabs,
-            max(heads) > 0,
-            drafts,
-            hidden,
-            logprobs,
-            accepted,
-            next_tokens,
-            marks,
-        )
+    def _launch(self, pending: Optional[mx.array] = None) -> Round:
+        """Build a round (draft, verify, accept) lazily and start evaluating it,
+        from the plan made ahead (`step`) or a new one; ``pending``: the rows'
+        pending tokens when not committed yet (a plain round launched behind a plain
+        round)."""
+        rp, self._next = self._next, None
+        if rp is None:
+            rp = plan(self.runs, cap=self._cap)
+        elif len(rp.ks) < len(self.rows):  # rows joined since: plain this round
+            rp = rp.extended(self.runs[len(rp.ks) :])
+        return launch(self.model, self.caches, self.runs, rp, self.depth, pending)
 
-    def _commit(self, rnd: BatchRound) -> List[RowOutput]:
+    def _commit(self, rnd: Round) -> List[RowOutput]:
         """Commit a round: each row's accepted drafts and next token, up to its
         first EOS and its ``max_tokens``; every cache keeps exactly those. A row
         that failed gets its error output instead (its caches keep the round's
@@ -599,36 +446,26 @@ class Batch:
                 new, finish = self._commit_tokens(rnd, b, a, new)
             committed.append(new)
             outputs.append(self._output(rnd, b, a, new, finish))
-        kept = [len(new) for new in committed]
-        drop = [rnd.K + 1 - m for m in kept]
-        if any(drop):  # never behind a queued round: a plain round drops nothing
-            rewind_rows(self.caches.trunk, rnd.marks, drop)
-        for b, row in enumerate(self.rows):
-            hidden = rnd.hidden[b : b + 1, : kept[b]]
-            _commit_row(row.state, hidden, rnd.heads, self.depth, committed[b])
-        if rnd.heads:
-            for c in self.caches.mtp:
-                c.keep_below([r.state.frontier for r in self.rows])
+        commit(self.caches, self.runs, rnd, committed, self.depth)
         return outputs
 
-    def _commit_tokens(self, rnd: BatchRound, b: int, a: int, made: List[int]):
+    def _commit_tokens(self, rnd: Round, b: int, a: int, made: List[int]):
         """Row b's tokens of ``rnd`` (``made``: its ``a`` accepted drafts and next
         token) cut at its first EOS and its ``max_tokens``, and its finish reason:
         its statistics, policies and rules move on over them."""
-        row = self.rows[b]
+        row, rp = self.rows[b], rnd.plan
         new, finish = self._cut(row, made)
-        source = "lookup" if rnd.lookups[b] else "heads"
-        row.stats.record(rnd.ks[b], a, source, rnd.vocabs[b])
+        k, source, vocab = rp.ks[b], rp.source(b), rp.vocab(b)
+        row.stats.record(k, a, source, vocab)
         row.stats.emitted += len(new) - len(made)
-        draft = Draft(mx.zeros((rnd.ks[b],)), None, 0, source, rnd.vocabs[b])
-        row.run.observe(Round(draft, None, None), a, made)
+        row.run.observe(k, a, source, vocab, made)
         if row.run.rules is not None:
-            row.rule("commit", new)
+            row.run.rule("commit", new)
         B = len(self.rows)
         row.batch_sizes[B] = row.batch_sizes.get(B, 0) + 1
         return new, finish
 
-    def _output(self, rnd: BatchRound, b: int, a: int, new, finish) -> RowOutput:
+    def _output(self, rnd: Round, b: int, a: int, new, finish) -> RowOutput:
         """Row b's output of ``rnd``: its new tokens, or its error if it failed."""
         row = self.rows[b]
         if row.failure is not None:
@@ -655,54 +492,6 @@ class Batch:
         if limit >= 0 and row.stats.emitted + len(made) >= limit:
             return made[: limit - row.stats.emitted], "length"
         return made, None
-
-
-def _cappable(row: Row) -> bool:
-    """Whether the batch may cap ``row``'s drafts (`BatchLength`): its options say
-    ``-k auto`` and its text does not depend on its draft lengths (greedy, or
-    sampled without a seed). A seeded sampled row drafts what its policy asks, as
-    alone, so that its random draws, and so its text, are its lone ones."""
-    options = row.run.options
-    if options.num_draft_tokens != "auto":
-        return False
-    return row.params.greedy or options.seed is None
-
-
-def _commit_row(state: DecodeState, hidden, heads: bool, depth: int, tokens) -> None:
-    """Append a row's committed tokens and their trunk hidden states ``(1, m, H)``;
-    after a heads round, MTP rows up to n - depth stay in the MTP caches (as
-    `mlx_mtp.speculative.commit` keeps them) and the rest is recomputed."""
-    if state.hidden is not None:
-        n = len(state.tokens) - 1
-        frontier = max(state.frontier, n - depth + 1) if heads else state.frontier
-        kept = state.hidden[:, frontier - state.frontier :]
-        state.hidden = mx.concatenate([kept, hidden], axis=1)
-        state.frontier = frontier
-    state.tokens.extend(tokens)
-
-
-def _with_lookups(rows: List[Row], drafts: mx.array, q, vocab_size: int):
-    """The heads' ``(B, K_heads)`` drafts with every lookup row's own tokens in its
-    row, padded to the longest draft of the round; ``q`` per row (a point mass on
-    each lookup token, as `mlx_mtp.speculative.draft_lookup`)."""
-    K = max(r.k for r in rows)
-    B = len(rows)
-    if drafts.shape[1] < K:
-        fill = mx.zeros((B, K - drafts.shape[1]), dtype=mx.int32)
-        drafts = mx.concatenate([drafts, fill], axis=1)
-    if not any(r.lookup for r in rows):
-        return drafts, q
-    q = list(q) if q is not None else [None] * B
-    found = []
-    for b, r in enumerate(rows):
-        if r.lookup:
-            found.append(r.lookup + [0] * (K - len(r.lookup)))
-            if not r.params.greedy:
-                q[b] = draft_lookup(r.lookup, r.params, vocab_size).logprobs
-        else:
-            found.append([0] * K)
-    is_lookup = mx.array([bool(r.lookup) for r in rows])[:, None]
-    return mx.where(is_lookup, mx.array(found, dtype=mx.int32), drafts), q
 
 
 def warm_batch_costs(model, max_batch: int = DEFAULT_MAX_BATCH, on_measure=None):
@@ -732,220 +521,6 @@ def depth_for(model, options: DecodeOptions) -> int:
     k = options.num_draft_tokens
     longest = options.max_draft_tokens if k == "auto" else k
     return min(longest, model.num_mtp_layers)
-
-
-def _draft_logits(model, rows: List[Row], h: mx.array) -> mx.array:
-    """``(B, V)`` draft logits of ``h`` ``(B, H)``, each row's from its own draft
-    vocabulary (`Model.draft_logits`)."""
-    vocabs = [r.vocab for r in rows]
-    first = vocabs[0]
-    logits = model.draft_logits(h, first)
-    for v in set(vocabs) - {first}:
-        mine = mx.array([x == v for x in vocabs])[:, None]
-        logits = mx.where(mine, model.draft_logits(h, v), logits)
-    return logits
-
-
-def _ruled_logits(model, rows: List[Row], logits, h, drafts, ks: List[int]):
-    """``(B, V)`` draft logits, each row with rules processed as its target row
-    after its drafts so far will be (`mlx_mtp.processors.Rules`); a row past its
-    ``ks[b]`` drafts, whose drafts are never accepted, is left as it is. A grammar
-    that allows none of a draft vocabulary's rows drafts from the whole head (of
-    the trunk's hidden states ``h``; None for an assistant's)."""
-    j = len(drafts)
-    ruled = [b for b, r in enumerate(rows) if r.ruled and j < ks[b]]
-    if not ruled:
-        return logits
-    out = [logits[b : b + 1] for b in range(len(rows))]
-    for b in ruled:
-        row, mine = rows[b], [d[b : b + 1] for d in drafts]
-        processed = row.rule("draft_logits", out[b], mine)
-        if processed is None:  # it failed: left as it is
-            continue
-        out[b] = processed
-        if h is None or not row.run.rules.needs_tokens:
-            continue
-        if not mx.isfinite(out[b]).any().item():
-            full = row.rule("draft_logits", model.logits(h[b : b + 1]), mine)
-            out[b] = out[b] if full is None else full
-    return mx.concatenate(out)
-
-
-def _push_rows(rows: List[Row], token: mx.array, ks: List[int], j: int) -> None:
-    """Give each grammar row its draft j (read to the host), up to its ``ks[b]``."""
-    ruled = [
-        b
-        for b, r in enumerate(rows)
-        if r.ruled and r.run.rules.needs_tokens and j < ks[b]
-    ]
-    if ruled:
-        host = token.tolist()
-        for b in ruled:
-            rows[b].rule("push", host[b])
-
-
-def _verify_logits(rows: List[Row], logits: mx.array, drafts: mx.array) -> mx.array:
-    """``(B, K + 1, V)`` target logits, each row with rules processed row by row
-    with its own prefixes (`mlx_mtp.processors.Rules.verify_logits`); a row whose
-    rules failed as they are."""
-    if not any(r.ruled for r in rows):
-        return logits
-    out = []
-    for b, (r, d) in enumerate(zip(rows, drafts)):
-        processed = r.rule("verify_logits", logits[b], d) if r.ruled else None
-        out.append(logits[b] if processed is None else processed)
-    return mx.stack(out)
-
-
-def _pick_rows(rows: List[Row], logits: mx.array, keys: List[mx.array]):
-    """One draft token per row from ``(B, V)`` logits: argmax for greedy rows, a
-    sample from the row's filtered distribution otherwise. Returns ``(B,)`` tokens
-    and, when any row samples, each row's ``(1, V)`` draft log-probabilities (None
-    for greedy rows)."""
-    tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # (B,)
-    if all(r.params.greedy for r in rows):
-        return tokens, None
-    picked, q = [], []
-    for b, r in enumerate(rows):
-        if r.params.greedy:
-            picked.append(tokens[b])
-            q.append(None)
-            continue
-        lp = filtered_logprobs(logits[b : b + 1], r.params)  # (1, V)
-        # drawn as (1, V), as the single-stream loop does: the same key then gives
-        # the same token (a key's draw depends on the shape)
-        picked.append(sample(lp, keys[b])[0].astype(mx.int32))
-        q.append(lp)
-    return mx.stack(picked), q
-
-
-def _layer_ids(rows: List[Row], drafts: List[mx.array], j: int, width: int):
-    """Tokens of MTP layer j for every row's pending rows, left-padded to ``width``:
-    row b's t_{i+j+1} for i in frontier..n-1, drafts past t_n. (B, width)"""
-    host = []
-    for r in rows:
-        s = r.state
-        committed = s.tokens[s.frontier + j + 1 :]
-        host.append([0] * (width - len(committed)) + committed)
-    ids = mx.array(host, dtype=mx.int32)  # (B, width)
-    if j:
-        ids = mx.concatenate([ids, mx.stack(drafts[:j], axis=1)], axis=1)
-    return ids[:, -width:]
-
-
-def draft_rows(model, caches: Caches, rows: List[Row], ks: List[int], depth: int):
-    """K = max(ks) draft tokens per row from the heads (row b uses its first
-    ``ks[b]``): the MTP layers in use over every row's pending rows
-    (frontier..n-1), then the last layer chained, or a separate assistant
-    (`draft_assisted_rows`). Returns ``(B, K)`` tokens and per row its ``(K, V)``
-    draft log-probabilities (None for a greedy row; None for all when every row is
-    greedy)."""
-    mtp_caches, trunk_caches = caches.mtp, caches.trunk
-    B, K = len(rows), max(ks)
-    if K == 0 or depth == 0:
-        return mx.zeros((B, 0), dtype=mx.int32), None
-    if model.assistant is not None:
-        return draft_assisted_rows(model, trunk_caches, rows, ks)
-    steps = max(K, depth)  # every layer in use runs, so every frontier may move
-    counts = [len(r.state.tokens) - 1 - r.state.frontier for r in rows]
-    width = max(counts)
-    pads = [width - c for c in counts]
-    h = mx.concatenate(
-        [mx.pad(r.state.hidden, [(0, 0), (p, 0), (0, 0)]) for r, p in zip(rows, pads)]
-    )  # (B, width, H)
-    # each row's keys as alone: one per draft it makes (k_b of the K), none for a
-    # row drafting nothing (its extra drafts are never accepted, any key does)
-    keys = [mx.random.split(r.draft_key, max(k, 1)) for r, k in zip(rows, ks)]
-    keys = [[rk[min(j, rk.shape[0] - 1)] for j in range(steps)] for rk in keys]
-    tokens, logprobs = [], []
-    for j in range(steps):
-        if j < depth:
-            layer, ids = j, _layer_ids(rows, tokens, j, width)
-            mtp_caches[layer].pad(pads)
-        else:
-            layer, h, ids = depth - 1, h[:, -1:], tokens[-1][:, None]
-        h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (B, width, H)
-        logits = _draft_logits(model, rows, h[:, -1])
-        logits = _ruled_logits(model, rows, logits, h[:, -1], tokens, ks)
-        token, lp = _pick_rows(rows, logits, [k[j] for k in keys])
-        _push_rows(rows, token, ks, j)
-        tokens.append(token)
-        logprobs.append(lp)
-    tokens, logprobs = tokens[:K], logprobs[:K]  # the deeper layers' ran for caches
-    q = None
-    if logprobs[0] is not None:
-        q = [None if lps[0] is None else mx.concatenate(lps) for lps in zip(*logprobs)]
-    return mx.stack(tokens, axis=1), q
-
-
-def draft_assisted_rows(model, trunk_caches, rows: List[Row], ks: List[int]):
-    """K draft tokens per row from an assistant (as
-    `mlx_mtp.speculative.draft_assisted` drafts for one stream): every step at row
-    b's position n_b of its pending token, from (t_n, h_{n-1}) and then (its last
-    draft, its own h'), reading the trunk's K/V in place with a mask per row (its
-    committed positions; the last W + 1 of them in a sliding layer). Nothing is
-    written to any cache."""
-    K = max(ks)
-    n = mx.array([len(r.state.tokens) - 1 for r in rows], dtype=mx.int32)[:, None]
-    kv, masks = {}, {}
-    for kind, i in model.reads.items():
-        c = trunk_caches[i]
-        pos = c.pos[:, : c._idx]  # (B, T)
-        seen = (pos >= 0) & (pos < n)
-        if kind == "sliding_attention":
-            seen = seen & (pos >= n - model.assistant.window)
-        kv[kind] = (c.keys[..., : c._idx, :], c.values[..., : c._idx, :])
-        masks[kind] = seen[:, None, None, :]  # (B, 1, 1, T)
-    keys = [mx.random.split(r.draft_key, max(k, 1)) for r, k in zip(rows, ks)]
-    token = mx.array([r.state.tokens[-1] for r in rows], dtype=mx.int32)  # (B,)
-    last = [r.state.hidden[:, -1:] for r in rows]  # h_{n-1}
-    like = next(x for x in last if x.shape[1])  # a row that drafts has one
-    h = mx.concatenate(  # zeros for a row without (a one-token prompt: no draft)
-        [x if x.shape[1] else mx.zeros_like(like) for x in last]
-    )  # (B, 1, H)
-    tokens, logprobs = [], []
-    for j in range(K):
-        logits, h = model.assist(token[:, None], h, kv, n[:, 0], masks)
-        step_keys = [rk[min(j, rk.shape[0] - 1)] for rk in keys]
-        ruled = _ruled_logits(model, rows, logits[:, -1], None, tokens, ks)
-        token, lp = _pick_rows(rows, ruled, step_keys)
-        _push_rows(rows, token, ks, j)
-        tokens.append(token)
-        logprobs.append(lp)
-    q = None
-    if logprobs[0] is not None:
-        q = [None if lps[0] is None else mx.concatenate(lps) for lps in zip(*logprobs)]
-    return mx.stack(tokens, axis=1), q
-
-
-def accept_rows(rows: List[Row], ks: List[int], drafts, q, logprobs):
-    """Per row, the number of its first ``ks[b]`` drafts accepted and the token that
-    follows them: greedy matching for greedy rows, speculative sampling otherwise
-    (``q[b]``: the row's draft log-probabilities). Returns ``(B,)`` arrays."""
-    K = drafts.shape[1]
-    target = mx.argmax(logprobs, axis=-1).astype(mx.int32)  # (B, K + 1)
-    limit = mx.arange(K)[None] < mx.array(ks)[:, None]
-    match = (target[:, :K] == drafts) & limit
-    accepted = mx.cumprod(match.astype(mx.int32), axis=1).sum(axis=1)  # (B,)
-    nexts = mx.take_along_axis(target, accepted[:, None], axis=1)[:, 0]
-    if all(r.params.greedy for r in rows):
-        return accepted, nexts
-    a_rows, n_rows = [], []
-    for b, r in enumerate(rows):
-        if r.params.greedy:
-            a_rows.append(accepted[b])
-            n_rows.append(nexts[b])
-            continue
-        k = ks[b]
-        p = filtered_logprobs(logprobs[b, : k + 1], r.params)  # (k + 1, V)
-        if k == 0:
-            a_rows.append(mx.array(0, dtype=mx.int32))
-            n_rows.append(sample(p[0], r.accept_key).astype(mx.int32))
-            continue
-        res = accept_stochastic(drafts[b, :k], q[b][:k], p, r.accept_key)
-        a_rows.append(res.num_accepted.astype(mx.int32))
-        n_rows.append(res.next_token.astype(mx.int32))
-    return mx.stack(a_rows), mx.stack(n_rows)
 
 
 def run_batch(

@@ -77,3 +77,31 @@ def accept_stochastic(
     residual = mx.where(residual.sum() > 0, residual, p_a)  # p == q: never rejects
     next_token = sample(mx.log(residual), token_key)
     return AcceptResult(a, next_token)
+
+
+def accept_point_mass(
+    draft_tokens: mx.array, target_logprobs: mx.array, key: mx.array
+) -> AcceptResult:
+    """Speculative sampling of a draft with no distribution (tokens found in the
+    context): q is a point mass on each draft, so draft j is accepted with
+    probability p_j(x_j), and a rejection draws from p_j with x_j removed. The same
+    draws as `accept_stochastic` with the dense point-mass q, without building it.
+
+    Args:
+        draft_tokens: ``(k,)`` tokens, k >= 1.
+        target_logprobs: ``(k + 1, V)`` filtered target log-probabilities p.
+        key: PRNG key for this round.
+    """
+    k = draft_tokens.shape[0]
+    accept_key, token_key = mx.random.split(key)
+    p = mx.exp(target_logprobs)  # (k + 1, V)
+    p_draft = mx.take_along_axis(p[:k], draft_tokens[:, None], axis=-1)[:, 0]  # (k,)
+    u = mx.random.uniform(shape=(k,), key=accept_key)
+    a = _leading_true(u < p_draft)
+    # Row a of p without its draft token (none past the drafts: bonus from p_k).
+    drafted = mx.concatenate([draft_tokens, mx.array([-1], draft_tokens.dtype)])
+    p_a = p[a]
+    residual = mx.where(mx.arange(p.shape[-1]) == drafted[a], 0.0, p_a)
+    residual = mx.where(residual.sum() > 0, residual, p_a)
+    next_token = sample(mx.log(residual), token_key)
+    return AcceptResult(a, next_token)

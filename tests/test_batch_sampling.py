@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_mtp.batch as batch_module
+import mlx_mtp.round as rounds
 from mlx_mtp.batch import Batch
 from mlx_mtp.loading import load_model
 from mlx_mtp.sampling import SamplingParams
@@ -68,5 +68,5 @@ def test_a_wrong_rule_fails_the_batched_test(small_hybrid, monkeypatch):
         token = mx.random.categorical(target_logprobs[k], key=key)
         return AcceptResult(mx.array(k), token)
 
-    monkeypatch.setattr(batch_module, "accept_stochastic", accept_always)
+    monkeypatch.setattr(rounds, "accept_stochastic", accept_always)
     assert batched_sampling_fails(small_hybrid, SamplingParams(temp=1.0, top_k=8))

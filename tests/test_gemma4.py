@@ -99,13 +99,18 @@ def test_drafting_reads_the_caches_in_place_and_writes_nothing(model):
     assert kv["sliding_attention"][0].shape[2] == W + 1
     assert kv["full_attention"][0].shape[2] == len(prompt)
     before = [(c.offset, np.array(c.state[0])) for c in (sliding, full)]
-    from mlx_mtp.speculative import DecodeState, draft
+    from types import SimpleNamespace
+
+    from mlx_mtp.round import DecodeState, RoundPlan, draft_heads
 
     h = model.hidden(mx.array(prompt[-2:-1])[None])
     state = DecodeState(prompt + [7], h, frontier=len(prompt) - 1, depth=1)
-    d = draft(model, caches, state, 4, SamplingParams(), mx.random.key(0))
-    mx.eval(d.tokens)
-    assert d.k == 4
+    run = SimpleNamespace(state=state, params=SamplingParams(), ruled=False)
+    keys = mx.random.split(mx.random.key(0))
+    rp = RoundPlan([4], [None], [None], [keys[0]], [keys[1]])
+    tokens, _ = draft_heads(model, caches, [run], rp, 1)
+    mx.eval(tokens)
+    assert tokens.shape == (1, 4)
     for c, (offset, keys) in zip((sliding, full), before):
         assert c.offset == offset and np.array_equal(np.array(c.state[0]), keys)
 
@@ -144,17 +149,18 @@ def test_sampling_test_catches_a_draft_distribution_cut_to_the_centroids(
     """Negative control: drafts sampled from the centroid head's logits (every other
     token at the smallest selected logit minus 1) but reported as if the other tokens
     had no mass must fail the same test."""
-    from mlx_mtp import speculative
+    from mlx_mtp import round as rounds
 
-    pick = speculative._pick
+    pick = rounds._pick
 
-    def cut(logits, params, key):
-        token, logprobs = pick(logits, params, key)
+    def cut(runs, logits, keys):
+        tokens, q = pick(runs, logits, keys)
         floor = logits.min(axis=-1, keepdims=True)
         cut = mx.where(logits > floor, logits, -mx.inf)
-        return token, cut - mx.logsumexp(cut, axis=-1, keepdims=True)
+        lp = cut - mx.logsumexp(cut, axis=-1, keepdims=True)  # (B, V)
+        return tokens, [None if x is None else lp[b : b + 1] for b, x in enumerate(q)]
 
-    monkeypatch.setattr(speculative, "_pick", cut)
+    monkeypatch.setattr(rounds, "_pick", cut)
     assert sampling_fails(small, 2)
 
 

@@ -4,10 +4,11 @@ every fixture family, and sampling exactness with a point-mass draft distributio
 import mlx.core as mx
 import pytest
 
-import mlx_mtp.speculative as speculative
+import mlx_mtp.round as rounds
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load_model
 from mlx_mtp.lookup import continuation
+from mlx_mtp.rejection import accept_stochastic
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing.fixtures import FAMILIES
 
@@ -81,14 +82,12 @@ def test_sampling_test_catches_a_lookup_draft_scored_as_uniform(small, monkeypat
     """Negative control: a lookup draft whose distribution is taken as uniform (not a
     point mass) is accepted too often, and the same test fails."""
 
-    def uniform(tokens, params, vocab_size):
-        d = real(tokens, params, vocab_size)
-        if d.logprobs is not None:
-            d.logprobs = mx.full(d.logprobs.shape, -mx.log(mx.array(vocab_size)))
-        return d
+    def uniform(tokens, target, key):
+        V = target.shape[-1]
+        q = mx.full((tokens.shape[0], V), -mx.log(mx.array(V)))
+        return accept_stochastic(tokens, q, target, key)
 
-    real = speculative.draft_lookup
-    monkeypatch.setattr(speculative, "draft_lookup", uniform)
+    monkeypatch.setattr(rounds, "accept_point_mass", uniform)
     assert sampling_after_prompt_fails(
         small, PROMPT, VOCAB, 0, draft_source="lookup", lookup_tokens=3
     )

@@ -12,8 +12,11 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_mtp.cache import RecurrentCache, begin_verify, make_caches, rewind
 from mlx_mtp.loading import load_model
 from mlx_mtp.models.qwen3_next import SHIFTED
+from mlx_mtp.options import DecodeOptions
+from mlx_mtp.resolve import drafting
+from mlx_mtp.round import commit, launch, plan
 from mlx_mtp.sampling import SamplingParams
-from mlx_mtp.speculative import build_round, commit, prefill
+from mlx_mtp.speculative import Run, Session, prefill
 
 from .test_cache import assert_same_cache, fresh_caches
 
@@ -65,15 +68,18 @@ def test_rollback_parity_after_partial_round(family, loaded):
     """Run rounds until one accepts some but not all drafts; the trunk caches then
     equal a fresh prefill of the committed tokens."""
     model, tokenizer = loaded(family, predictable=True)
-    k, params = 3, SamplingParams()
+    k, opts = 3, DecodeOptions(num_draft_tokens=3, max_tokens=-1, draft_vocab=None)
     caches = make_caches(model)
     state = prefill(model, caches, tokenizer.encode(PROMPT), 1, 512)
-    key, partial = mx.random.key(0), 0
+    session = Session(caches, state)
+    run = Run(model, session, drafting(model, opts), opts, mx.random.key(0))
+    run.begin()
+    partial = 0
     for _ in range(40):
-        rnd = build_round(model, caches, state, k, params, key)
-        a = rnd.result.num_accepted.item()
-        new = rnd.draft.tokens[:a].tolist() + [rnd.result.next_token.item()]
-        commit(caches, state, rnd, a, new)
+        rnd = launch(model, caches, [run], plan([run]), state.depth)
+        a = rnd.accepted.item()
+        new = rnd.drafts[0, :a].tolist() + [rnd.next_tokens.item()]
+        commit(caches, [run], rnd, [new], state.depth)
         if 0 < a < k:
             partial += 1
             fresh = fresh_caches(model, state.tokens[:-1])

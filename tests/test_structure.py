@@ -37,7 +37,7 @@ LAYERS = [
         "stats",
     ],
     ["batch_cache", "batch_costs"],
-    ["resolve", "speculative"],
+    ["resolve", "round", "speculative"],
     ["batch"],
     [
         "generate",
