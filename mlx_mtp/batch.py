@@ -319,6 +319,8 @@ class Batch:
         others); returns them. With ``keep_sessions``, each gets ``row.session``."""
         uids = set(uids)
         gone = [r for r in self.rows + self.joining if r.uid in uids]
+        for row in gone:
+            row.run.drafting.remember()
         if self.keep_sessions:
             for row in gone:
                 if row.failure is None:  # a failed row's state is not kept

@@ -29,11 +29,10 @@ from .draft_length import (
     AdaptiveLength,
     FixedLength,
     _cost_key,
-    _write_atomically,
     median_time,
 )
 from .errors import MTPError
-from .files import read_json
+from .files import read_json, write_atomically
 from .paths import home
 
 VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
@@ -236,7 +235,7 @@ def model_batch_costs(model, max_batch: int, filled, on_measure=None) -> BatchCo
             }
             try:
                 _costs_file().parent.mkdir(parents=True, exist_ok=True)
-                _write_atomically(_costs_file(), json.dumps(table))
+                write_atomically(_costs_file(), json.dumps(table))
             except OSError:
                 pass
     model.batch_costs = stored

@@ -19,11 +19,10 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -37,7 +36,8 @@ from .defaults import (
 from .distributed import Sync
 from .draft_vocab import auto_sizes
 from .errors import MTPError
-from .files import read_json
+from .files import model_stamps, read_json, write_atomically
+from .history import DEFAULT_PRIOR, Counts
 from .paths import home
 
 # The most a stored cost may be, in plain decode steps: more is no measurement.
@@ -193,25 +193,9 @@ def _cost_key(model) -> Optional[str]:
     """Model folder (and a separate assistant's) and their files' sizes and times,
     device, MLX version, and preloaded libraries (a BLAS swapped in changes the
     costs)."""
-    if model.source is None:
+    stamps = model_stamps(model)
+    if stamps is None:
         return None
-    folders = [model.source]
-    if model.assistant is not None and model.assistant_source not in (
-        None,
-        model.source,
-    ):
-        folders.append(model.assistant_source)
-    stamps = []
-    for folder in folders:
-        files = sorted(Path(folder).glob("*.safetensors")) + [
-            Path(folder, "config.json")
-        ]
-        stamp = [
-            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
-            for f in files
-            if f.exists()
-        ]
-        stamps += [str(folder), stamp]
     ranks = model.group.size() if model.group is not None else 1
     machine = [
         str(mx.default_device()),
@@ -272,24 +256,9 @@ def _store_costs(key: str, costs: RoundCosts) -> None:
     path = _costs_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, json.dumps(table))
+        write_atomically(path, json.dumps(table))
     except OSError:
         pass
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` by a file holding ``text``, written and synced under a
-    temporary name unique to this writer first."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class DraftPolicy:
@@ -374,7 +343,9 @@ class AdaptiveLength(DraftPolicy):
             vocabulary size).
         allowed: Draft lengths to choose from (include 0 to allow plain rounds).
         memory: Rounds over which acceptance is averaged (exponential forgetting).
-        prior: Acceptance assumed before any draft at a position is seen.
+        prior: Acceptance assumed before any draft at a position is seen: one
+            value (for the first position; the others lean on the one before), or
+            one per position (the model's history, `mlx_mtp.history`).
         probe_every: With k = 0 chosen, draft the smallest allowed k > 0 this often at
             first; the interval doubles after each probe after which drafting still
             does not pay (up to `MAX_PROBE_INTERVAL` rounds), and is ``probe_every``
@@ -389,7 +360,7 @@ class AdaptiveLength(DraftPolicy):
         costs: RoundCosts,
         allowed: Sequence[int],
         memory: float = 16.0,
-        prior: float = 0.6,
+        prior: Union[float, Sequence[float]] = DEFAULT_PRIOR,
         probe_every: int = 16,
         vocabs: Sequence[Optional[int]] = (None,),
         coverage: Optional[Coverage] = None,
@@ -398,23 +369,25 @@ class AdaptiveLength(DraftPolicy):
         self.allowed = sorted(set(allowed))
         self.max_k = self.allowed[-1]
         self.decay = 1.0 - 1.0 / memory
-        self.prior = prior
+        self.priors = [prior] if isinstance(prior, (int, float)) else list(prior)
         self.probe_every = probe_every
         self.vocabs = list(vocabs)
         self.coverage = coverage if len(self.vocabs) > 1 else None
         self.vocab = self.vocabs[0]  # the next round's draft vocabulary
         self.reached = [0.0] * self.max_k  # drafts at position j that were judged
         self.hits = [0.0] * self.max_k  # ... and accepted
+        self.seen = Counts.empty(self.max_k)  # the same, never forgotten
         self.idle = 0  # rounds since the last draft
         self.interval = probe_every  # rounds between probes now
 
     def alphas(self) -> List[float]:
         """Acceptance at each position given the previous one was accepted (with the
         target's token among the rows drafted from); positions with little evidence
-        lean on the one before (the prior for the first)."""
-        out, prev = [], self.prior
-        for hits, reached in zip(self.hits, self.reached):
-            prev = (hits + 2.0 * prev) / (reached + 2.0)
+        lean on their prior, or where there is none on the position before."""
+        out, prev = [], self.priors[0]
+        for j, (hits, reached) in enumerate(zip(self.hits, self.reached)):
+            start = self.priors[j] if j < len(self.priors) else prev
+            prev = (hits + 2.0 * start) / (reached + 2.0)
             out.append(prev)
         return out
 
@@ -456,6 +429,8 @@ class AdaptiveLength(DraftPolicy):
         for j in range(min(k, accepted + int(not missed))):
             self.reached[j] += 1.0
             self.hits[j] += float(j < accepted)
+            self.seen.reached[j] += 1.0
+            self.seen.hits[j] += float(j < accepted)
 
 
 class SourceChoice:
@@ -471,6 +446,9 @@ class SourceChoice:
         costs: Round costs covering the longest draft of either source.
         max_heads: The heads' longest draft.
         max_lookup: The longest lookup draft.
+        priors: Each source's acceptance per position to start from ("heads",
+            "lookup"; the model's history); a source not in it starts from the
+            constant prior.
     """
 
     def __init__(
@@ -480,12 +458,20 @@ class SourceChoice:
         max_lookup: int,
         vocabs: Sequence[Optional[int]] = (None,),
         coverage: Optional[Coverage] = None,
+        priors: Optional[Dict[str, Sequence[float]]] = None,
     ):
         self.costs = costs
+        priors = priors or {}
         self.heads = AdaptiveLength(
-            costs, range(max_heads + 1), vocabs=vocabs, coverage=coverage
+            costs,
+            range(max_heads + 1),
+            prior=priors.get("heads", DEFAULT_PRIOR),
+            vocabs=vocabs,
+            coverage=coverage,
         )
-        self.lookup = AdaptiveLength(costs, range(max_lookup + 1))
+        self.lookup = AdaptiveLength(
+            costs, range(max_lookup + 1), prior=priors.get("lookup", DEFAULT_PRIOR)
+        )
 
     def rate(self, source: str, k: int) -> float:
         """Expected tokens per unit of cost of a round drafting k from ``source``."""

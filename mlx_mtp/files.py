@@ -2,10 +2,12 @@
 JSON files and the headers of safetensors files."""
 
 import json
+import os
 import re
 import struct
+import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from .errors import MTPError, one_line
 
@@ -147,3 +149,43 @@ def _check_entry(path: Path, name: str, info, data: int) -> None:
 
 def _whole(x) -> bool:
     return type(x) is int and x >= 0
+
+
+def model_stamps(model) -> Optional[list]:
+    """The model's folder (and a separate assistant's), each with its files' names,
+    sizes and times; None for a model built in memory."""
+    if model.source is None:
+        return None
+    folders = [model.source]
+    if model.assistant is not None and model.assistant_source not in (
+        None,
+        model.source,
+    ):
+        folders.append(model.assistant_source)
+    stamps = []
+    for folder in folders:
+        files = sorted(Path(folder).glob("*.safetensors")) + [
+            Path(folder, "config.json")
+        ]
+        stamp = [
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in files
+            if f.exists()
+        ]
+        stamps += [str(folder), stamp]
+    return stamps
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``, written and synced under a
+    temporary name unique to this writer first."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

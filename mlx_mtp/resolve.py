@@ -16,6 +16,7 @@ from .draft_length import (
     model_costs,
 )
 from .errors import MTPError, RollbackError
+from .history import DEFAULT_PRIOR, learn, learns, model_key, priors
 from .options import DecodeOptions, check_draft_count
 
 
@@ -26,17 +27,31 @@ class Drafting:
     ``policy`` sizes the heads' drafts (and picks their draft vocabulary);
     ``lookup_tokens`` is the longest prompt-lookup draft (0: heads only); ``sources``
     picks heads or lookup round by round (``draft_source`` "auto"); ``coverage``
-    weighs several draft vocabularies (``draft_vocab`` "auto").
+    weighs several draft vocabularies (``draft_vocab`` "auto"). ``history``: the
+    key of the model's acceptance history (`mlx_mtp.history`) the policies started
+    from and `remember` adds to (None: they use the constant prior).
     """
 
     policy: DraftPolicy
     lookup_tokens: int = 0
     sources: Optional[SourceChoice] = None
     coverage: Optional[Coverage] = None
+    history: Optional[str] = None
 
     def depth(self, model) -> int:
         """MTP layers in use: as many as the longest heads draft needs."""
         return min(self.policy.max_k, model.num_mtp_layers)
+
+    def remember(self) -> None:
+        """Add what this generation's adaptive policies saw to the model's history
+        (once the generation ends)."""
+        lookup = self.sources.lookup if self.sources is not None else None
+        seen = {
+            source: p.seen
+            for source, p in (("heads", self.policy), ("lookup", lookup))
+            if isinstance(p, AdaptiveLength)
+        }
+        learn(self.history, seen)
 
 
 def drafting(
@@ -50,6 +65,7 @@ def drafting(
     if source != "heads":
         source = lookup_source(model, source)
     vocabs, coverage = draft_vocabs(model, options.draft_vocab)
+    history = model_key(model) if learns(model, options) else None
     if policy is None:
         policy = draft_policy(
             model,
@@ -57,6 +73,7 @@ def drafting(
             options.max_draft_tokens,
             vocabs,
             coverage,
+            history,
         )
     elif not isinstance(policy, DraftPolicy):
         raise TypeError(f"policy must be a DraftPolicy, got {type(policy).__name__}")
@@ -68,8 +85,17 @@ def drafting(
     if source == "auto":
         sizes = [n for n in vocabs if n is not None]
         costs = model_costs(model, max(policy.max_k, lookup), sizes)
-        sources = SourceChoice(costs, policy.max_k, lookup, vocabs, coverage)
-    return Drafting(policy, lookup, sources, coverage)
+        sources = SourceChoice(
+            costs, policy.max_k, lookup, vocabs, coverage, _priors(history)
+        )
+    return Drafting(policy, lookup, sources, coverage, history)
+
+
+def _priors(history: Optional[str]) -> dict:
+    """The acceptance per position each draft source starts from: the model's
+    history where it has one (else the policies' constant prior)."""
+    found = {s: priors(history, s) for s in ("heads", "lookup")}
+    return {s: p for s, p in found.items() if p}
 
 
 def lookup_source(model, source: str) -> str:
@@ -152,9 +178,12 @@ def draft_policy(
     max_k: int,
     vocabs=(None,),
     coverage: Optional[Coverage] = None,
+    history: Optional[str] = None,
 ) -> DraftPolicy:
     """The draft-length policy for ``num_draft_tokens`` (see `mtp_generate_step`),
-    which also picks the draft vocabulary among ``vocabs`` (`draft_vocabs`).
+    which also picks the draft vocabulary among ``vocabs`` (`draft_vocabs`); an
+    adaptive one starts from the acceptance in the model's ``history`` (a
+    `mlx_mtp.history` key; None: the constant prior).
 
     "auto" chooses among 0 and depth..max_k, depth being the model's MTP layers in use:
     a round drafting fewer tokens than that would leave deeper layers' caches behind.
@@ -169,7 +198,10 @@ def draft_policy(
         depth = min(max_k, layers)
         allowed = [0, *range(depth, max_k + 1)]
         costs = model_costs(model, max_k, sizes)
-        return AdaptiveLength(costs, allowed, vocabs=vocabs, coverage=coverage)
+        prior = _priors(history).get("heads", DEFAULT_PRIOR)
+        return AdaptiveLength(
+            costs, allowed, prior=prior, vocabs=vocabs, coverage=coverage
+        )
     k = num_draft_tokens if layers else 0
     if k and len(vocabs) > 1:  # k fixed, the vocabulary chosen round by round
         costs = model_costs(model, k, sizes)

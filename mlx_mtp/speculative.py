@@ -461,3 +461,4 @@ def _generate(run: Run, prompt: List[int], on_prefill=None):
                 mx.clear_cache()
     finally:
         _settle(run.caches, run.state, run.queued, run.seen)
+        run.drafting.remember()

@@ -75,5 +75,15 @@ def _home(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _history(tmp_path_factory, monkeypatch):
+    """Each test starts with no acceptance history (`mlx_mtp.history`): what one
+    test's drafts did must not size another's (the round costs stay shared)."""
+    from mlx_mtp import history
+
+    path = tmp_path_factory.mktemp("history") / "acceptance.json"
+    monkeypatch.setattr(history, "_file", lambda: path)
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     mx.random.seed(0)

@@ -23,7 +23,7 @@ LAYERS = [
         "paths",
     ],  # the root imports its names lazily
     ["models"],
-    ["draft_vocab"],
+    ["draft_vocab", "history"],
     ["heads", "assistant", "loading"],
     [
         "sampling",

@@ -1,0 +1,158 @@
+"""Each model's acceptance, remembered across generations: where ``-k auto`` starts.
+
+A reply's first rounds are sized before it has drafted anything, so they are priced
+with a prior. A constant one (0.6 per position) keeps a model whose drafts are rarely
+accepted drafting through most of a short reply. Instead, each generation adds what
+its drafts did (per draft source and position: drafts judged, drafts accepted) to the
+model's history, and the next generation starts from it. The history is kept beside
+the measured round costs, in ``$MLX_MTP_HOME/acceptance.json``, keyed by the model's
+files (and a separate assistant's); it weighs about the last `MEMORY` drafts judged
+at the first position.
+
+A seeded sampled generation keeps the constant prior (its draws, and so its text,
+must not depend on what ran before it); so does a trunk sharded over several ranks
+(the ranks must pick the same draft lengths). Nothing here changes the output.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .errors import MTPError
+from .files import model_stamps, read_json, write_atomically
+from .paths import home
+
+DEFAULT_PRIOR = 0.6  # acceptance assumed at a position nothing is known about
+MEMORY = 256.0  # first-position drafts the stored history weighs, at most
+MAX_POSITIONS = 16
+MAX_ENTRIES = 64  # models the file remembers (the oldest written is dropped)
+SOURCES = ("heads", "lookup")
+
+
+@dataclass
+class Counts:
+    """Drafts judged (``reached[j]``) and accepted (``hits[j]``) at each position j
+    (judged: a draft whose position a round's acceptance got to)."""
+
+    hits: List[float]
+    reached: List[float]
+
+    @classmethod
+    def empty(cls, positions: int) -> "Counts":
+        return cls([0.0] * positions, [0.0] * positions)
+
+    def add(self, other: "Counts") -> "Counts":
+        return Counts(_sum(self.hits, other.hits), _sum(self.reached, other.reached))
+
+    def capped(self, memory: float = MEMORY) -> "Counts":
+        """Scaled down so that the first position holds at most ``memory`` drafts
+        (older generations then weigh less, as exponential forgetting does)."""
+        first = self.reached[0] if self.reached else 0.0
+        if first <= memory:
+            return self
+        s = memory / first
+        return Counts([h * s for h in self.hits], [r * s for r in self.reached])
+
+    def priors(self, prior: float = DEFAULT_PRIOR) -> List[float]:
+        """Acceptance per position, each leaning on the one before (``prior`` for
+        the first) where it has little evidence."""
+        out, prev = [], prior
+        for hits, reached in zip(self.hits, self.reached):
+            prev = (hits + 2.0 * prev) / (reached + 2.0)
+            out.append(prev)
+        return out
+
+
+def _sum(a: List[float], b: List[float]) -> List[float]:
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0.0] * (n - len(a)), b + [0.0] * (n - len(b)))]
+
+
+def parse(entry) -> Optional[Dict[str, Counts]]:
+    """A stored entry's counts by source, or None unless it is exactly what `learn`
+    writes: for known sources, two lists of equal length (at most `MAX_POSITIONS`)
+    of finite counts with ``0 <= hits[j] <= reached[j]``."""
+    if not (isinstance(entry, dict) and set(entry) <= set(SOURCES)):
+        return None
+    out = {}
+    for source, counts in entry.items():
+        if not (isinstance(counts, dict) and set(counts) == {"hits", "reached"}):
+            return None
+        hits, reached = counts["hits"], counts["reached"]
+        if not (
+            isinstance(hits, list)
+            and isinstance(reached, list)
+            and len(hits) == len(reached) <= MAX_POSITIONS
+            and all(_count(x) for x in hits + reached)
+            and all(h <= r for h, r in zip(hits, reached))
+        ):
+            return None
+        out[source] = Counts([float(h) for h in hits], [float(r) for r in reached])
+    return out
+
+
+def _count(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x) and 0 <= x <= 1e9
+
+
+def _file():
+    return home() / "acceptance.json"
+
+
+def _stored() -> dict:
+    path = _file()
+    try:
+        table = read_json(path) if path.is_file() else {}
+    except MTPError:
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def priors(key: Optional[str], source: str) -> Optional[List[float]]:
+    """The acceptance per position that generations of the model behind ``key``
+    (`model_key`) saw drafting from ``source``; None when none is known."""
+    if key is None:
+        return None
+    entry = parse(_stored().get(key))
+    counts = entry.get(source) if entry else None
+    if counts is None or not counts.reached or counts.reached[0] <= 0:
+        return None
+    return counts.priors()
+
+
+def learn(key: Optional[str], seen: Dict[str, Counts]) -> None:
+    """Add one generation's counts by source to the history of ``key``'s model and
+    write the file whole (to a temporary file renamed over it); a history that cannot
+    be written is skipped."""
+    seen = {s: c for s, c in seen.items() if c.reached and c.reached[0] > 0}
+    if key is None or not seen:
+        return
+    table = {k: v for k, v in _stored().items() if parse(v) is not None}
+    old = parse(table.pop(key, None)) or {}
+    for source, counts in seen.items():
+        total = old.get(source, Counts.empty(0)).add(counts).capped()
+        n = min(len(total.hits), MAX_POSITIONS)
+        old[source] = Counts(total.hits[:n], total.reached[:n])
+    table[key] = {s: {"hits": c.hits, "reached": c.reached} for s, c in old.items()}
+    table = dict(list(table.items())[-MAX_ENTRIES:])  # the newest kept
+    path = _file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(table))
+    except OSError:
+        pass
+
+
+def model_key(model) -> Optional[str]:
+    """The model's files (and a separate assistant's): what its acceptance depends
+    on (not the machine, unlike its costs); None for a model built in memory."""
+    stamps = model_stamps(model)
+    return None if stamps is None else json.dumps(stamps)
+
+
+def learns(model, options) -> bool:
+    """Whether a generation with ``options`` starts from (and adds to) the model's
+    history: not a seeded sampled one, not on a trunk sharded over ranks."""
+    seeded = options.seed is not None and not options.sampling.greedy
+    return not seeded and model.group is None
