@@ -9,9 +9,10 @@ the measured round costs, in ``$MLX_MTP_HOME/acceptance.json``, keyed by the mod
 files (and a separate assistant's); it weighs about the last `MEMORY` drafts judged
 at the first position.
 
-A seeded sampled generation keeps the constant prior (its draws, and so its text,
-must not depend on what ran before it); so does a trunk sharded over several ranks
-(the ranks must pick the same draft lengths). Nothing here changes the output.
+Only ``-k auto`` generations use and add to it. A seeded sampled one keeps the
+constant prior (its draws, and so its text, must not depend on what ran before it);
+so does a trunk sharded over several ranks (the ranks must pick the same draft
+lengths). Nothing here changes the output.
 """
 
 import json
@@ -153,6 +154,9 @@ def model_key(model) -> Optional[str]:
 
 def learns(model, options) -> bool:
     """Whether a generation with ``options`` starts from (and adds to) the model's
-    history: not a seeded sampled one, not on a trunk sharded over ranks."""
+    history: one with ``-k auto``, not seeded and sampled, not on a trunk sharded
+    over ranks (a fixed k drafts what it was told, and its lookups are sized as
+    before: its statistics do not depend on what ran earlier)."""
     seeded = options.seed is not None and not options.sampling.greedy
-    return not seeded and model.group is None
+    auto = options.num_draft_tokens == "auto"
+    return auto and not seeded and model.group is None

@@ -94,6 +94,7 @@ def test_seeded_sampling_keeps_the_constant_prior(loaded):
     seeded = dict(num_draft_tokens="auto", temp=1.0, seed=7)
     assert drafting(model, DecodeOptions(**seeded)).history is None
     assert drafting(model, DecodeOptions(temp=1.0)).history == key
+    assert drafting(model, DecodeOptions(num_draft_tokens=2)).history is None
     before = run(model, **seeded)
     assert priors(key, "heads") is None  # a seeded run teaches nothing either
     learn(key, {"heads": Counts([0.0] * 3, [500.0, 1.0, 1.0])})
