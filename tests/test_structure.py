@@ -31,6 +31,7 @@ LAYERS = [
         "grammar",
         "processors",
         "cache",
+        "kv_cache",
         "draft_length",
         "lookup",
         "options",
