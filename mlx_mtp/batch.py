@@ -40,7 +40,7 @@ import mlx.core as mx
 from . import batch_cache
 from .batch_cache import batch_support, to_batch
 from .batch_costs import BatchLength, model_batch_costs
-from .cache import Caches, check_rollback, make_caches
+from .cache import Caches, check_rollback, keep_below, make_caches
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError, one_line
 from .options import DecodeOptions
@@ -216,8 +216,8 @@ def prefill_together(admissions: Sequence[Admission]) -> None:
     todos = [a.todo[:-1] for a in admissions]  # the last token is left pending
     step = min(a.step for a in admissions)
     group = to_batch(admissions[0].session.caches)
-    for i, a in enumerate(admissions[1:], 1):
-        group = batch_cache.join(group, to_batch(a.session.caches), [i, 1])
+    for a in admissions[1:]:
+        group = batch_cache.join(group, to_batch(a.session.caches))
     longest = max(map(len, todos))
     padded = [[0] * (longest - len(t)) + t for t in todos]
     hidden: List[list] = [[] for _ in admissions]
@@ -235,7 +235,7 @@ def prefill_together(admissions: Sequence[Admission]) -> None:
         mx.clear_cache()
     for i, a in enumerate(admissions):
         session = a.run.session
-        session.caches = batch_cache.to_single(group, i, make_caches(model))
+        session.caches = batch_cache.to_single(group, i)
         session.state = DecodeState(list(a.todo), None, 0, depth)
         if depth:
             rows = hidden[i] or [mx.zeros((1, 0, model.hidden_width))]
@@ -340,13 +340,12 @@ class Batch:
     def session_of(self, row: Row) -> Session:
         """A `Session` holding ``row``'s committed caches and state (to go on from
         later), whatever rounds are launched."""
-        like = make_caches(self.model)
         if row in self.joining:
             return Session(row.run.caches, row.state)
         b = self.rows.index(row)
         bases = self.queued[0].marks if self.queued else None
         limits = (len(row.state.tokens) - 1, row.state.frontier)
-        caches = batch_cache.to_single(self.caches, b, like, limits, bases)
+        caches = batch_cache.to_single(self.caches, b, limits, bases)
         return Session(caches, row.state)
 
     def step(self) -> List[RowOutput]:
@@ -388,8 +387,7 @@ class Batch:
         rp.ks, rp.lookups = [1] * len(self.rows), [None] * len(self.rows)
         drafts, _ = draft_heads(self.model, self.caches, self.runs, rp, self.depth)
         mx.eval(drafts)
-        for c in self.caches.mtp:
-            c.keep_below([r.state.frontier for r in self.rows])
+        keep_below(self.caches.mtp, [r.state.frontier for r in self.rows])
 
     def _can_queue_behind(self, rnd: Round) -> bool:
         """Whether the round after ``rnd`` may be planned before ``rnd`` is
@@ -406,8 +404,7 @@ class Batch:
             if self.caches is None:
                 self.caches = caches
             else:
-                rows = [len(self.rows), 1]
-                self.caches = batch_cache.join(self.caches, caches, rows)
+                self.caches = batch_cache.join(self.caches, caches)
             self.rows.append(row)
         self.joining = []
 

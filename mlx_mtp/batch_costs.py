@@ -154,8 +154,7 @@ def _monotone(times: Dict[int, List[float]]) -> Dict[int, List[float]]:
 
 
 def _time_verify(batch, n: int, reps: int) -> float:
-    from .batch_cache import rewind_rows
-    from .cache import begin_verify
+    from .cache import begin_verify, rewind_rows
 
     model, caches = batch.model, batch.caches
     B = len(batch)

@@ -1,11 +1,42 @@
-"""Caches for speculative decoding, and the one helper that rolls them back.
+"""Caches for speculative decoding, and the protocol every cache type follows.
 
 The trunk's caches are mlx-lm's own (`make_prompt_cache`), except that sliding-window
 layers get a `WindowCache` and recurrent layers whose mixer can record per-position
 states a `RecurrentCache`; each MTP layer has a plain `KVCache` whose row i holds
-position i. Rollback goes through `begin_verify`
-(called before a verify pass writes k+1 positions) and `rewind` (called after, with the
-number of positions to drop). Each cache type has an adapter:
+position i.
+
+**The cache protocol.** Every operation that depends on a cache's type is a method of
+the cache's class, under mlx-lm's batch names where it has one (``BatchKVCache``:
+``merge``, ``extend``, ``filter``, ``extract``, ``prepare``, ``finalize``), so that the
+decode loop, the batch and the server never switch on a cache type:
+
+- rollback: ``can_roll_back()``; ``mark(record=True)`` before a verify pass writes k+1
+  positions (what a rollback needs; ``record`` False: a pass never rolled back, whose
+  mark only keeps the states before it); ``rewind(mark, n)`` drops the last n
+  positions of every row, ``rewind_rows(drop, mark)`` the last ``drop[b]`` of row b,
+  ``keep_below(limits)`` keeps row b's positions below ``limits[b]``;
+- rows: ``prepare(left_padding=...)`` / ``finalize()`` around a pass whose rows are
+  left-padded; ``merge(caches)`` (a classmethod, as in mlx-lm) makes one batch cache
+  whose rows are the given streams' caches; a batch cache ``extend(other)``s,
+  ``filter(rows)``s and ``extract(b, below, mark)``s row b as one stream's cache;
+  ``batch_refusal()`` names what cannot batch (None when all can);
+- memory and copies: ``nbytes``; ``cost()`` ``(per_token, windows, per_row)``, the
+  bytes of its batched form read off a cache that has seen a few positions (bytes
+  per position held, ``(bytes per position, positions kept)`` of each sliding
+  window, and bytes per row); ``snapshot()``, a copy whose arrays are new objects;
+- readers: ``read_kv(positions, window)``, ``((keys, values), mask)`` of what a reader
+  at row b's ``positions[b]`` sees (a Gemma 4 assistant).
+
+mlx-mtp's caches implement it (`WindowCache` and `RaggedKVCache` in
+`mlx_mtp.kv_cache`, `ListCache`, `RaggedList` and `RecurrentCache` here, a family's
+own in its module: DeepSeek-V4's in `mlx_mtp.models.deepseek_v4_cache`); mlx-lm's
+classes get an adapter here (`LM_ADAPTERS`: ``KVCache`` and ``QuantizedKVCache``
+roll back by a trim; any other, such as a ``RotatingKVCache`` not made by
+`make_caches` or an ``ArraysCache`` whose mixer cannot record states, has no exact
+rollback, which makes `check_rollback` fail before decoding starts). `ops` gives a
+cache's operations either way.
+
+How each type rolls back:
 
 - KV caches (`KVCache`, `QuantizedKVCache`) trim the rejected tail;
 - sliding-window layers (mlx-lm's ``RotatingKVCache``: a model's own, without sinks, as
@@ -17,15 +48,11 @@ number of positions to drop). Each cache type has an adapter:
   position of the pass (a `Capture`) and, on rewind, puts back the record at the
   accepted length: O(k) states per layer, no recomputation, and nothing at all to do
   when every draft is accepted.
-
-A cache with no adapter (a ``RotatingKVCache`` not made by `make_caches`, or an
-`ArraysCache` whose mixer cannot record states) makes `check_rollback` fail before
-decoding starts.
 """
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -34,11 +61,18 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    _BaseCache,
 )
 
 from .defaults import MIN_KV_SIZE, SINK_TOKENS
 from .errors import MTPError, RollbackError
+from .kv_cache import (
+    NO_COST,
+    RaggedKVCache,
+    WindowCache,
+    copy_arrays,
+    kv_cost,
+    one_row,
+)
 
 log = logging.getLogger("mlx_mtp")
 
@@ -98,33 +132,6 @@ def _mtp_cache(layer):
     return KVCache()
 
 
-class ListCache(CacheList):
-    """mlx-lm's `CacheList` (one layer's several caches, e.g. DeepSeek-V3.2's MLA latent
-    and indexer keys) with the offset and mask of its first cache and a plain list
-    of its caches' states, so it reads like any other cache to the decode loop."""
-
-    @property
-    def offset(self) -> int:
-        return self.caches[0].offset
-
-    def make_mask(self, *args, **kwargs):
-        return self.caches[0].make_mask(*args, **kwargs)
-
-    @property
-    def state(self):
-        return [c.state for c in self.caches]
-
-    @state.setter
-    def state(self, v):
-        for c, s in zip(self.caches, v):
-            c.state = s
-
-
-def with_list_caches(caches: List[Any]) -> List[Any]:
-    """Replace mlx-lm's `CacheList` entries by `ListCache`s of the same caches."""
-    return [ListCache(*c.caches) if type(c) is CacheList else c for c in caches]
-
-
 @dataclass(frozen=True)
 class KVQuantization:
     """mlx-lm's KV-cache quantization settings (``--kv-bits`` and friends)."""
@@ -171,229 +178,214 @@ def _group_size_advice(width: int, group_size: int) -> str:
     )
 
 
-class TrimRollback:
-    """KV caches: a verify pass appends entries; rewinding trims the rejected tail."""
+# -- mlx-lm's cache classes, adapted to the protocol ---------------------------------
 
-    @staticmethod
-    def begin(cache) -> None:
+
+class LMCache:
+    """An mlx-lm cache with no exact rollback (a ``RotatingKVCache`` that wrapped, an
+    ``ArraysCache`` that records no states, ...): plain decoding only, no batch."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def can_roll_back(self) -> bool:
+        return False
+
+    def mark(self, record: bool = True) -> None:
         return None
 
-    @staticmethod
-    def rewind(cache, mark, n: int) -> None:
+    def rewind(self, mark, n: int) -> None:
         if n > 0:
-            cache.trim(n)
+            raise RollbackError(f"{type(self.cache).__name__} cannot be rolled back")
+
+    def rewind_rows(self, drop: Sequence[int], mark=None) -> None:
+        self.rewind(mark, one_row(drop))
+
+    def keep_below(self, limits: Sequence[int]) -> None:
+        self.rewind(None, self.cache.offset - one_row(limits))
+
+    def prepare(self, left_padding: Optional[Sequence[int]] = None, **kwargs) -> None:
+        if left_padding is not None and any(left_padding):
+            raise ValueError("a single-stream cache takes no left padding")
+
+    def finalize(self) -> None:
+        return None
+
+    def batch_refusal(self) -> Optional[str]:
+        return type(self.cache).__name__
+
+    def merge(self, caches):
+        raise MTPError(f"no batched cache for {type(self.cache).__name__}")
+
+    def cost(self):
+        return NO_COST
+
+    def snapshot(self):
+        return copy_arrays(self.cache)
+
+    def read_kv(self, positions: Sequence[int], window: Optional[int] = None):
+        name = type(self.cache).__name__
+        raise MTPError(f"cannot read the keys and values of a {name}")
 
 
-class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its caches have
-    """A sliding-window attention layer's cache that a multi-token pass and a rollback
-    keep exact.
+class LMKVCache(LMCache):
+    """mlx-lm's ``KVCache`` and ``QuantizedKVCache``: a rollback trims the tail; a
+    ``KVCache``'s rows batch as `RaggedKVCache` rows."""
 
-    Each query at position q sees exactly what one-token decoding with mlx-lm's
-    ``RotatingKVCache(max_size=window, keep=keep)`` gives it: the ``keep`` first
-    positions (sink tokens; none for a model's own sliding-window layers) and the last
-    ``window - keep`` positions, q included, whatever the number of tokens in the pass.
-    The sinks are kept apart; the other keys are kept in temporal order in a buffer of
-    the last ``window - keep - 1 + slack`` positions (memory O(window + slack)), so a
-    pass can be rolled back by up to ``slack`` positions (the drafts of the rounds in
-    flight) and every later query still finds its whole window. Rolling back further
-    is a `RollbackError`, never a wrong answer.
-    """
-
-    step = 256
-
-    def __init__(self, window: int, keep: int = 0, slack: int = 64):
-        if not 0 <= keep < window:
-            raise ValueError(f"keep must be in [0, window), got {keep}")
-        self.window, self.keep, self.slack = window, keep, slack
-        self.sinks = None  # (keys, values) of positions < keep
-        self.keys = self.values = None  # the buffer of positions >= keep
-        self.offset = 0  # absolute position of the next token
-        self.start = keep  # absolute position of the oldest buffered entry
-        self._base = 0  # its index in the buffer
-
-    @property
-    def max_size(self) -> int:
-        return self.window
-
-    def _kept(self) -> int:
-        return max(0, self.offset - self.start)
-
-    def _reserve(self, keys: mx.array, values: mx.array) -> None:
-        """Room for ``keys`` after the kept entries: compact to the front and grow."""
-        n, kept = keys.shape[2], self._kept()
-        if self.keys is not None and self._base + kept + n <= self.keys.shape[2]:
-            return
-        size = self.step * ((kept + n + self.step - 1) // self.step)
-        B, H, _, dk = keys.shape
-        new_k = mx.zeros((B, H, size, dk), keys.dtype)
-        new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
-        if kept:
-            new_k[..., :kept, :] = self.keys[..., self._base : self._base + kept, :]
-            new_v[..., :kept, :] = self.values[..., self._base : self._base + kept, :]
-        self.keys, self.values, self._base = new_k, new_v, 0
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Append a pass's keys and values; return the sinks and every buffered entry,
-        oldest first (`make_mask` says which of them each query sees)."""
-        self._check_window()
-        n = keys.shape[2]
-        s = min(n, max(0, self.keep - self.offset))  # new sink positions
-        if s:
-            old = self._sinks()
-            new = (keys[:, :, :s], values[:, :, :s])
-            self.sinks = (
-                new
-                if old is None
-                else tuple(mx.concatenate([o, x], axis=2) for o, x in zip(old, new))
-            )
-            self.offset += s
-            keys, values = keys[:, :, s:], values[:, :, s:]
-        if keys.shape[2]:
-            self._reserve(keys, values)
-            end = self._base + self._kept()
-            self.keys[..., end : end + keys.shape[2], :] = keys
-            self.values[..., end : end + keys.shape[2], :] = values
-            self.offset += keys.shape[2]
-        out = self._fetch()
-        drop = max(0, self._kept() - (self.window - self.keep - 1 + self.slack))
-        self.start += drop  # no later query nor rollback within slack needs them
-        self._base += drop
-        return out
-
-    def _sinks(self):
-        """The sink entries still held (fewer than ``keep`` after an early trim)."""
-        held = min(self.keep, self.offset)
-        if self.sinks is None or not held:
-            return None
-        return tuple(a[:, :, :held] for a in self.sinks)
-
-    def _fetch(self):
-        parts = []
-        if self._kept():
-            end = self._base + self._kept()
-            buffered = (self.keys[..., self._base : end, :],)
-            parts.append(buffered + (self.values[..., self._base : end, :],))
-        sinks = self._sinks()
-        if sinks is not None:
-            parts.insert(0, sinks)
-        if len(parts) == 1:
-            return parts[0]
-        return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in (0, 1))
-
-    def _check_window(self) -> None:
-        needed = max(self.keep, self.offset - (self.window - self.keep) + 1)
-        if self.start > needed:
-            raise RollbackError(
-                f"a sliding-window cache was rolled back past the {self.slack} "
-                "positions it keeps for rollback"
-            )
-
-    def make_mask(
-        self, N: int, window_size: Optional[int] = None, return_array: bool = False
-    ):
-        """The mask of a pass of N queries over `update_and_fetch`'s entries: query
-        at position q sees the sinks and the positions q - (window - keep) + 1 .. q.
-        None when every query sees every entry."""
-        recent = (window_size or self.window) - self.keep
-        end = self.offset + N
-        if N == 1 and self._kept() + 1 <= recent and not return_array:
-            return None
-        sinks = mx.arange(min(self.keep, end))
-        k = mx.concatenate([sinks, mx.arange(self.start, max(self.start, end))])[None]
-        q = mx.arange(self.offset, end)[:, None]
-        return (k <= q) & ((k < self.keep) | (k > q - recent))
-
-    def is_trimmable(self) -> bool:
+    def can_roll_back(self) -> bool:
         return True
 
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        if self.offset < self.start and self.start > self.keep:
-            raise RollbackError(
-                "a sliding-window cache was rolled back past the oldest entry it keeps"
-            )
-        return n
+    def rewind(self, mark, n: int) -> None:
+        if n > 0:
+            self.cache.trim(n)
 
-    def size(self) -> int:
-        return min(self.offset, self.window)
+    def batch_refusal(self) -> Optional[str]:
+        return None if type(self.cache) is KVCache else type(self.cache).__name__
 
-    def empty(self) -> bool:
-        return self.offset == 0 and self.keys is None and self.sinks is None
+    def merge(self, caches) -> RaggedKVCache:
+        """The streams' ``KVCache``s as the rows of one `RaggedKVCache`."""
+        rows = [_kv_row(c) for c in caches]
+        for r in rows[1:]:
+            rows[0].extend(r)
+        return rows[0]
+
+    def cost(self):
+        return kv_cost(self.cache.keys, self.cache.values)
+
+    def read_kv(self, positions: Sequence[int], window: Optional[int] = None):
+        if type(self.cache) is not KVCache:
+            return super().read_kv(positions, window)
+        c = self.cache
+        start = 0 if window is None else max(0, c.offset - window)
+        kv = c.keys[..., start : c.offset, :], c.values[..., start : c.offset, :]
+        return kv, None
+
+
+def _kv_row(c: KVCache) -> RaggedKVCache:
+    if c.keys is None:
+        return RaggedKVCache(1)
+    n = c.offset
+    return RaggedKVCache.from_kv(c.keys[..., :n, :], c.values[..., :n, :], range(n))
+
+
+LM_ADAPTERS: Dict[type, type] = {KVCache: LMKVCache, QuantizedKVCache: LMKVCache}
+
+
+def ops(cache):
+    """``cache``'s protocol operations: the cache itself when its class implements
+    the protocol (it has ``rewind_rows``), else the adapter of its mlx-lm class
+    (`LM_ADAPTERS`; `LMCache`, no rollback, for any other)."""
+    if hasattr(cache, "rewind_rows"):
+        return cache
+    return LM_ADAPTERS.get(type(cache), LMCache)(cache)
+
+
+# -- a layer's several caches ---------------------------------------------------------
+
+
+class Marks(list):
+    """The marks of a layer's several caches (`ListCache.mark`), one per cache."""
+
+    def filter(self, idx: mx.array) -> "Marks":
+        return Marks(filter_mark(m, idx) for m in self)
+
+
+class ListCache(CacheList):
+    """mlx-lm's `CacheList` (one layer's several caches, e.g. DeepSeek-V3.2's MLA latent
+    and indexer keys) with the offset and mask of its first cache and a plain list
+    of its caches' states, so it reads like any other cache to the decode loop."""
+
+    @property
+    def offset(self) -> int:
+        return self.caches[0].offset
+
+    def make_mask(self, *args, **kwargs):
+        return self.caches[0].make_mask(*args, **kwargs)
 
     @property
     def state(self):
-        return [
-            a for a in (self.sinks or ()) + (self.keys, self.values) if a is not None
-        ]
+        return [c.state for c in self.caches]
+
+    @state.setter
+    def state(self, v):
+        for c, s in zip(self.caches, v):
+            c.state = s
+
+    def _parts(self):
+        return [ops(c) for c in self.caches]
+
+    def can_roll_back(self) -> bool:
+        return all(p.can_roll_back() for p in self._parts())
+
+    def mark(self, record: bool = True) -> Marks:
+        return Marks(p.mark(record) for p in self._parts())
+
+    def rewind(self, mark: Optional[Marks], n: int) -> None:
+        for p, m in zip(self._parts(), mark or [None] * len(self.caches)):
+            p.rewind(m, n)
+
+    def rewind_rows(self, drop: Sequence[int], mark: Optional[Marks] = None) -> None:
+        for p, m in zip(self._parts(), mark or [None] * len(self.caches)):
+            p.rewind_rows(drop, m)
+
+    def keep_below(self, limits: Sequence[int]) -> None:
+        for p in self._parts():
+            p.keep_below(limits)
+
+    def prepare(self, **kwargs) -> None:
+        for p in self._parts():
+            p.prepare(**kwargs)
+
+    def finalize(self) -> None:
+        for p in self._parts():
+            p.finalize()
+
+    def batch_refusal(self) -> Optional[str]:
+        return next(filter(None, (p.batch_refusal() for p in self._parts())), None)
+
+    @classmethod
+    def merge(cls, caches: Sequence["ListCache"]) -> "RaggedList":
+        """The streams' caches as one `RaggedList`, each part merged by its type."""
+        parts = zip(*(c.caches for c in caches))
+        return RaggedList(*(ops(p[0]).merge(list(p)) for p in parts))
+
+    def cost(self):
+        return add_costs(p.cost() for p in self._parts())
+
+    def snapshot(self) -> "ListCache":
+        return ListCache(*(p.snapshot() for p in self._parts()))
+
+    def read_kv(self, positions: Sequence[int], window: Optional[int] = None):
+        raise MTPError("cannot read the keys and values of a ListCache")
+
+
+def with_list_caches(caches: List[Any]) -> List[Any]:
+    """Replace mlx-lm's `CacheList` entries by `ListCache`s of the same caches."""
+    return [ListCache(*c.caches) if type(c) is CacheList else c for c in caches]
+
+
+class RaggedList(ListCache):
+    """One layer's several ragged caches (DeepSeek-V3.2's MLA latent and indexer
+    keys) of B streams, read like a `ListCache` (the first one's offset and mask),
+    every row operation applied to each."""
 
     @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
+    def held(self) -> List[int]:
+        return self.caches[0].held
+
+    def filter(self, rows: Sequence[int]) -> None:
+        for c in self.caches:
+            c.filter(rows)
+
+    def extend(self, other: "RaggedList") -> None:
+        for c, o in zip(self.caches, other.caches):
+            c.extend(o)
+
+    def extract(self, b: int, below: Optional[int] = None, mark=None) -> ListCache:
+        return ListCache(*(c.extract(b, below) for c in self.caches))
 
 
-def committed_kv(cache, last: Optional[int] = None):
-    """``(keys, values)`` of the positions a KV or window cache holds, or of its
-    ``last`` positions only: views of the cache's buffers, nothing copied. (A reader
-    of a trunk's caches between rounds, such as a Gemma 4 assistant.)
-
-    Raises:
-        RollbackError: a window cache no longer holds ``last`` positions.
-    """
-    if isinstance(cache, WindowCache):
-        if cache.keep:
-            raise MTPError("cannot read a window cache with sink tokens")
-        n = cache._kept() if last is None else min(last, cache.offset)
-        if n > cache._kept():
-            raise RollbackError(
-                f"a sliding-window cache holds {cache._kept()} positions; "
-                f"{n} were asked for"
-            )
-        end = cache._base + cache._kept()
-        return cache.keys[..., end - n : end, :], cache.values[..., end - n : end, :]
-    if type(cache) is KVCache:
-        start = 0 if last is None else max(0, cache.offset - last)
-        return (
-            cache.keys[..., start : cache.offset, :],
-            cache.values[..., start : cache.offset, :],
-        )
-    raise MTPError(f"cannot read the keys and values of a {type(cache).__name__}")
-
-
-def assistant_kv(model, trunk_caches) -> dict:
-    """Layer type -> the trunk's K/V an assistant reads, in place: every committed
-    position of its full-attention layer, the last W + 1 of its sliding one."""
-    window = model.assistant.window
-    return {
-        kind: committed_kv(
-            trunk_caches[i], window if kind == "sliding_attention" else None
-        )
-        for kind, i in model.reads.items()
-    }
-
-
-def with_window_caches(caches: List[Any], slack: int = 64) -> List[Any]:
-    """Replace fresh ``RotatingKVCache`` entries (a model's sliding-window layers, or
-    every layer under ``--max-kv-size``, with its sink tokens) by `WindowCache`s of
-    the same window and sinks."""
-    return [
-        (
-            WindowCache(c.max_size, c.keep, slack)
-            if type(c) is RotatingKVCache and c.empty()
-            else c
-        )
-        for c in caches
-    ]
-
-
-class RecurrentCache(ArraysCache):
-    """An `ArraysCache` whose layer records its contents after every position of a pass
-    when ``capture`` is set (see `mlx_mtp.models.capture`). The layer clears
-    ``capture`` when it has recorded."""
-
-    def __init__(self, size: int):
-        super().__init__(size)
-        self.capture: Optional["Capture"] = None
+# -- recurrent layers -----------------------------------------------------------------
 
 
 @dataclass
@@ -412,17 +404,43 @@ class Capture:
         self.steps = steps
         self.kept = len(steps)
 
+    def filter(self, idx: mx.array) -> "Capture":
+        """The mark of rows ``idx`` only."""
 
-class CaptureRollback:
-    """Recurrent caches: record states per position, restore the accepted one."""
+        def pick(s):
+            return None if s is None else s[idx]
 
-    @staticmethod
-    def begin(cache) -> Capture:
-        cache.capture = Capture(list(cache.cache))
-        return cache.capture
+        out = Capture([pick(s) for s in self.base])
+        if self.steps is not None:
+            out.record([[pick(s) for s in step] for step in self.steps])
+            out.kept = self.kept
+        return out
 
-    @staticmethod
-    def rewind(cache, mark: Optional[Capture], n: int) -> None:
+
+class RecurrentCache(ArraysCache):
+    """An `ArraysCache` whose layer records its contents after every position of a pass
+    when ``capture`` is set (see `mlx_mtp.models.capture`). The layer clears
+    ``capture`` when it has recorded. Its rows are streams decoded together (one
+    for a single stream)."""
+
+    def __init__(self, size: int, rows: int = 1):
+        super().__init__(size)
+        self.capture: Optional[Capture] = None
+        self.rows = rows
+
+    def can_roll_back(self) -> bool:
+        return True
+
+    def mark(self, record: bool = True) -> Capture:
+        """The contents before a pass; ``record``: the layer records each position's
+        too (`capture`)."""
+        mark = Capture(list(self.cache))
+        if record:
+            self.capture = mark
+        return mark
+
+    def rewind(self, mark: Optional[Capture], n: int) -> None:
+        """Put back the state ``n`` positions before the last recorded one."""
         if n <= 0:
             return
         if mark is None or mark.steps is None or n > mark.kept:
@@ -431,15 +449,111 @@ class CaptureRollback:
                 "no state recorded"
             )
         mark.kept -= n
-        cache.cache = list(mark.steps[mark.kept - 1] if mark.kept else mark.base)
+        self.cache = list(mark.steps[mark.kept - 1] if mark.kept else mark.base)
+
+    def rewind_rows(self, drop: Sequence[int], mark: Optional[Capture] = None) -> None:
+        """Put back row b's recorded state after its kept positions (``steps[t]``:
+        after position t of the pass, ``base``: before it)."""
+        if len(drop) == 1:
+            return self.rewind(mark, drop[0])
+        if not any(drop):
+            return
+        if mark is None or mark.steps is None:
+            raise RollbackError("no state was recorded for a recurrent cache")
+        S = len(mark.steps)
+        kept = mx.array([S - d for d in drop], dtype=mx.int32)  # 0: the base state
+        rows = mx.arange(len(drop))
+        slots = []
+        for i in range(len(self.cache)):
+            stack = mx.stack([mark.base[i]] + [s[i] for s in mark.steps])  # (S+1, B,..)
+            slots.append(stack[kept, rows])
+        self.cache = slots
+
+    def keep_below(self, limits: Sequence[int]) -> None:
+        raise RollbackError("a recurrent cache keeps no positions to drop")
+
+    def prepare(self, left_padding: Optional[Sequence[int]] = None, **kwargs) -> None:
+        """Mask row b's first ``left_padding[b]`` inputs of the next pass, as mlx-lm's
+        batched prefill does."""
+        if left_padding is not None and any(left_padding):
+            self.left_padding = mx.array(list(left_padding), dtype=mx.int32)
+        else:
+            self.finalize()
+
+    def finalize(self) -> None:
+        self.left_padding = self.lengths = None
+
+    def batch_refusal(self) -> Optional[str]:
+        return None
+
+    @classmethod
+    def merge(cls, caches: Sequence["RecurrentCache"]) -> "RecurrentCache":
+        """The streams' states stacked, one row each."""
+        rows = [cls(len(c.cache)) for c in caches]
+        for row, c in zip(rows, caches):
+            row.cache = list(c.cache)
+        for row in rows[1:]:
+            rows[0].extend(row)
+        return rows[0]
+
+    def extend(self, other: "RecurrentCache") -> None:
+        """Append ``other``'s rows. An empty slot (no token seen yet: a one-token
+        prompt) is the zero state mlx-lm's mixers start from."""
+        rows = (self.rows, other.rows)
+        self.cache = [_cat(p, q, rows) for p, q in zip(self.cache, other.cache)]
+        self.rows += other.rows
+
+    def filter(self, rows: Sequence[int]) -> None:
+        """Keep ``rows``, in that order."""
+        idx = mx.array(list(rows), dtype=mx.int32)
+        self.cache = [None if s is None else s[idx] for s in self.cache]
+        self.rows = len(rows)
+
+    def extract(self, b: int, below=None, mark: Optional[Capture] = None):
+        """Row b as one stream's cache; ``mark``: a launched round's, whose states
+        before it are given instead of the cache's own."""
+        out = RecurrentCache(len(self.cache))
+        slots = mark.base if mark is not None else self.cache
+        # the row gathered into a buffer of its own: a slice, or a copy of one
+        # (which may take over the slice's buffer), would hold every row's states
+        # (a kept session is counted at its arrays' sizes, `mlx_mtp.server.Sessions`)
+        row = mx.array([b])
+        out.cache = [None if s is None else mx.take(s, row, axis=0) for s in slots]
+        return out
+
+    def cost(self):
+        return 0.0, (), float(sum(a.nbytes for a in self.cache if a is not None))
+
+    def snapshot(self) -> "RecurrentCache":
+        return copy_arrays(self, skip=("capture",))
+
+    def read_kv(self, positions: Sequence[int], window: Optional[int] = None):
+        raise MTPError("cannot read the keys and values of a RecurrentCache")
 
 
-ADAPTERS: Dict[type, Any] = {
-    KVCache: TrimRollback,
-    QuantizedKVCache: TrimRollback,
-    WindowCache: TrimRollback,
-    RecurrentCache: CaptureRollback,
-}
+def _cat(p, q, rows: Sequence[int]):
+    """Two recurrent slots' rows stacked (``rows``: how many each has); an empty
+    slot is zeros."""
+    if p is None and q is None:
+        return None
+    like = p if p is not None else q
+    p = p if p is not None else mx.zeros((rows[0], *like.shape[1:]), like.dtype)
+    q = q if q is not None else mx.zeros((rows[1], *like.shape[1:]), like.dtype)
+    return mx.concatenate([p, q])
+
+
+def with_window_caches(caches: List[Any], slack: int = 64) -> List[Any]:
+    """Replace fresh ``RotatingKVCache`` entries (a model's sliding-window layers, or
+    every layer under ``--max-kv-size``, with its sink tokens) by `WindowCache`s of
+    the same window and sinks."""
+    return [
+        (
+            WindowCache(c.max_size, c.keep, slack)
+            if type(c) is RotatingKVCache and c.empty()
+            else c
+        )
+        for c in caches
+    ]
 
 
 def with_recurrent_caches(caches: List[Any]) -> List[Any]:
@@ -449,30 +563,12 @@ def with_recurrent_caches(caches: List[Any]) -> List[Any]:
     ]
 
 
-class ListRollback:
-    """A layer's several caches (`ListCache`): each rolls back with its own adapter."""
-
-    @staticmethod
-    def begin(cache) -> List[Any]:
-        return begin_verify(list(cache.caches))
-
-    @staticmethod
-    def rewind(cache, marks: Optional[List[Any]], n: int) -> None:
-        rewind(list(cache.caches), marks, n)
-
-
-def _adapter(cache):
-    if isinstance(cache, CacheList):
-        exact = all(_adapter(c) is not None for c in cache.caches)
-        return ListRollback if exact else None
-    if getattr(cache, "rolls_back_by_trim", False):  # a family's own cache type
-        return TrimRollback
-    return ADAPTERS.get(type(cache))
+# -- over a list of caches ------------------------------------------------------------
 
 
 def check_rollback(caches: List[Any]) -> None:
     """Raise `RollbackError` unless every cache can be rolled back exactly."""
-    bad = sorted({type(c).__name__ for c in caches if _adapter(c) is None})
+    bad = sorted({type(c).__name__ for c in caches if not ops(c).can_roll_back()})
     if "RotatingKVCache" in bad:
         raise RollbackError(
             "MTP drafting cannot roll back mlx-lm's sliding-window RotatingKVCache "
@@ -486,9 +582,11 @@ def check_rollback(caches: List[Any]) -> None:
         )
 
 
-def begin_verify(caches: List[Any]) -> List[Any]:
-    """Prepare every cache for a verify pass; returns the marks `rewind` needs."""
-    return [a.begin(c) if (a := _adapter(c)) else None for c in caches]
+def begin_verify(caches: List[Any], record: bool = True) -> List[Any]:
+    """Prepare every cache for a verify pass; returns the marks `rewind` needs
+    (``record`` False: a pass that will not be rolled back, whose marks only keep
+    the recurrent states before it)."""
+    return [ops(c).mark(record) for c in caches]
 
 
 def rewind(
@@ -502,15 +600,90 @@ def rewind(
     """
     marks = marks or [None] * len(caches)
     for c, m in zip(caches, marks):
-        adapter = _adapter(c)
-        if adapter is not None:
-            adapter.rewind(c, m, n)
-        elif n > 0 and strict:
-            raise RollbackError(f"{type(c).__name__} cannot be rolled back")
+        o = ops(c)
+        if o.can_roll_back() or strict:
+            o.rewind(m, n)
+
+
+def rewind_rows(caches: List[Any], marks: List[Any], drop: Sequence[int]) -> None:
+    """Drop the last ``drop[b]`` positions of row b from every cache (``marks`` from
+    `begin_verify` before the pass)."""
+    marks = marks or [None] * len(caches)
+    for c, m in zip(caches, marks):
+        ops(c).rewind_rows(drop, m)
+
+
+def keep_below(caches: List[Any], limits: Sequence[int]) -> None:
+    """Every cache keeps row b's positions below ``limits[b]``."""
+    for c in caches:
+        ops(c).keep_below(limits)
 
 
 def trim_to(cache, length: int) -> None:
-    """Trim a KV cache so that it holds exactly its first ``length`` positions (when
-    it holds more)."""
-    if cache.offset > length:
-        cache.trim(cache.offset - length)
+    """Trim a one-stream cache so that it holds at most its first ``length``
+    positions."""
+    ops(cache).keep_below([length])
+
+
+def prepare(caches: List[Any], left_padding: Optional[Sequence[int]]) -> None:
+    """Left-pad the next pass over ``caches`` (row b's first ``left_padding[b]``
+    inputs are filler); None: the padded pass is over (`finalize`)."""
+    for c in caches:
+        if left_padding is None:
+            ops(c).finalize()
+        else:
+            ops(c).prepare(left_padding=list(left_padding))
+
+
+def filter_mark(mark, idx: mx.array):
+    """A `begin_verify` mark of a batch cache, rows ``idx`` only."""
+    return None if mark is None else mark.filter(idx)
+
+
+def snapshot(cache):
+    """A copy of ``cache`` whose arrays are new objects, no rollback record kept."""
+    return ops(cache).snapshot()
+
+
+def add_costs(costs) -> tuple:
+    """``(per_token, windows, per_row)`` summed over caches' `cost`s."""
+    per_token, windows, per_row = 0.0, (), 0.0
+    for t, w, r in costs:
+        per_token, windows, per_row = per_token + t, windows + tuple(w), per_row + r
+    return per_token, windows, per_row
+
+
+def batch_cost(caches: List[Any]) -> tuple:
+    """The summed `cost` of ``caches`` (see the protocol)."""
+    return add_costs(ops(c).cost() for c in caches)
+
+
+def committed_kv(cache, last: Optional[int] = None):
+    """``(keys, values)`` of the positions a one-stream KV or window cache holds, or
+    of its ``last`` positions only: views of its buffers, nothing copied. (A reader
+    of a trunk's caches between rounds, such as a Gemma 4 assistant.)
+
+    Raises:
+        RollbackError: a window cache no longer holds ``last`` positions.
+    """
+    return ops(cache).read_kv([cache.offset], last)[0]
+
+
+def assistant_kv(model, trunk_caches) -> dict:
+    """Layer type -> the trunk's K/V an assistant reads, in place: every committed
+    position of its full-attention layer, the last W + 1 of its sliding one."""
+    return assistant_view(model, trunk_caches, [None])[0]
+
+
+def assistant_view(model, trunk_caches, positions: Sequence[Optional[int]]):
+    """What an assistant reads of the trunk's caches for rows at ``positions``:
+    ``(kv, masks, position)``; ``masks`` None when every row sees every entry
+    given (one stream), and ``position`` then ``positions[0]``, else ``(B,)``."""
+    window = model.assistant.window
+    kv, masks = {}, {}
+    for kind, i in model.reads.items():
+        last = window if kind == "sliding_attention" else None
+        kv[kind], masks[kind] = ops(trunk_caches[i]).read_kv(positions, last)
+    if all(m is None for m in masks.values()):
+        return kv, None, positions[0]
+    return kv, masks, mx.array(list(positions), dtype=mx.int32)

@@ -38,8 +38,14 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from . import batch_cache
-from .cache import Capture, RecurrentCache, assistant_kv, begin_verify, rewind, trim_to
+from .cache import (
+    assistant_view,
+    begin_verify,
+    filter_mark,
+    keep_below,
+    prepare,
+    rewind_rows,
+)
 from .distributed import Sync
 from .rejection import AcceptResult, accept_point_mass, accept_stochastic
 from .sampling import filtered_logprobs, log_softmax, sample
@@ -137,7 +143,7 @@ class Round:
             self.logprobs[idx],
             self.accepted[idx],
             self.next_tokens[idx],
-            [batch_cache.select_mark(m, idx) for m in self.marks],
+            [filter_mark(m, idx) for m in self.marks],
         )
 
 
@@ -289,7 +295,8 @@ def draft_heads(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
     for j in range(steps):
         if j < depth:
             layer, ids = j, _layer_ids(runs, tokens, j, width)
-            _pad_rows(mtp_caches[layer], pads)
+            if any(pads):
+                prepare([mtp_caches[layer]], pads)
         else:
             layer, h, ids = depth - 1, h[:, -1:], tokens[-1][:, None]
         h = model.mtp_forward(layer, h, ids, mtp_caches[layer])  # (B, width, H)
@@ -310,7 +317,7 @@ def draft_assisted(model, trunk_caches, runs: Sequence[Any], rp: RoundPlan):
     ks = rp.heads
     K = max(ks)
     n = [len(r.state.tokens) - 1 for r in runs]
-    kv, masks, position = _assistant_view(model, trunk_caches, n)
+    kv, masks, position = assistant_view(model, trunk_caches, n)
     keys = _step_keys(rp, ks, K)
     token = mx.array([r.state.tokens[-1] for r in runs], dtype=mx.int32)  # (B,)
     last = [r.state.hidden[:, -1:] for r in runs]  # h_{n-1}
@@ -336,7 +343,7 @@ def verify(model, trunk_caches, runs, pending: mx.array, drafts: mx.array, mark)
     rollback marks (``mark`` False: a plain round that will not be rolled back,
     whose marks only hold the recurrent states before it)."""
     ids = mx.concatenate([pending[:, None], drafts], axis=1)  # (B, K + 1)
-    marks = begin_verify(trunk_caches) if mark else _bases(trunk_caches)
+    marks = begin_verify(trunk_caches, record=mark)
     hidden = model.hidden(ids, trunk_caches)  # (B, K + 1, H)
     logits = model.logits(hidden)  # (B, K + 1, V)
     if any(r.ruled for r in runs):
@@ -393,7 +400,7 @@ def commit(caches, runs, rnd: Round, committed: List[List[int]], depth: int) -> 
     kept = [len(new) for new in committed]
     drop = [rnd.K + 1 - m for m in kept]
     if any(drop):
-        _rewind_rows(caches.trunk, rnd.marks, drop)
+        rewind_rows(caches.trunk, rnd.marks, drop)
     for b, r in enumerate(runs):
         s = r.state
         s.marks = rnd.marks
@@ -405,7 +412,7 @@ def commit(caches, runs, rnd: Round, committed: List[List[int]], depth: int) -> 
             s.frontier = frontier
         s.tokens.extend(committed[b])
     if rnd.heads:
-        _keep_below(caches.mtp, [r.state.frontier for r in runs])
+        keep_below(caches.mtp, [r.state.frontier for r in runs])
 
 
 def _padded_hidden(runs, pads: List[int]) -> mx.array:
@@ -520,60 +527,3 @@ def _pick(runs, logits: mx.array, keys: List[mx.array]):
         picked.append(sample(lp, keys[b])[0].astype(mx.int32))
         q.append(lp)
     return mx.stack(picked), q
-
-
-# -- cache operations at B rows: to become methods of the cache classes ----------
-
-
-def _batched(caches) -> bool:
-    return any(isinstance(c, batch_cache.RAGGED) for c in caches)
-
-
-def _pad_rows(cache, pads: List[int]) -> None:
-    """Left-pad the next write of an MTP cache (no-op without padding)."""
-    if any(pads):
-        cache.pad(pads)
-
-
-def _rewind_rows(caches, marks, drop: List[int]) -> None:
-    """Drop the last ``drop[b]`` positions of row b from every trunk cache."""
-    if _batched(caches) or len(drop) > 1:
-        batch_cache.rewind_rows(caches, marks, drop)
-    else:
-        rewind(caches, marks, drop[0])
-
-
-def _keep_below(caches, limits: List[int]) -> None:
-    """Every MTP cache keeps row b's positions below ``limits[b]``."""
-    for c in caches:
-        if isinstance(c, batch_cache.RAGGED):
-            c.keep_below(limits)
-        else:
-            trim_to(c, limits[0])
-
-
-def _bases(caches) -> list:
-    """Marks for a plain round, which never rolls back: the recurrent caches'
-    contents before it, and no per-position recording."""
-    return [
-        Capture(list(c.cache)) if isinstance(c, RecurrentCache) else None
-        for c in caches
-    ]
-
-
-def _assistant_view(model, trunk_caches, n: List[int]):
-    """What an assistant reads of the trunk's caches for rows at positions ``n``:
-    ``(kv, masks, position)``."""
-    if not _batched(trunk_caches):
-        return assistant_kv(model, trunk_caches), None, n[0]
-    n = mx.array(n, dtype=mx.int32)[:, None]
-    kv, masks = {}, {}
-    for kind, i in model.reads.items():
-        c = trunk_caches[i]
-        pos = c.pos[:, : c._idx]  # (B, T)
-        seen = (pos >= 0) & (pos < n)
-        if kind == "sliding_attention":
-            seen = seen & (pos >= n - model.assistant.window)
-        kv[kind] = (c.keys[..., : c._idx, :], c.values[..., : c._idx, :])
-        masks[kind] = seen[:, None, None, :]  # (B, 1, 1, T)
-    return kv, masks, n[:, 0]

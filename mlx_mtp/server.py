@@ -86,15 +86,14 @@ from .batch import (
     prefill_together,
     warm_batch_costs,
 )
-from .batch_cache import COMPACT_SLACK, batch_support
-from .cache import ListCache, RecurrentCache, WindowCache, make_caches
+from .batch_cache import batch_support
+from .cache import batch_cost, make_caches
 from .defaults import DEFAULT_MAX_BATCH, MAX_DRAFT_TOKENS, SERVER_MAX_TOKENS
 from .draft_length import model_costs
 from .errors import MTPError, one_line
 from .generate import fit_context, stream_generate
 from .grammar import GrammarError, check_grammar
 from .loading import load
-from .models.deepseek_v4_cache import V4Cache
 from .options import DecodeOptions
 from .replies import StopText, Unparsed, checked_parser, finite
 from .resolve import caches_without_rollback, draft_vocabs, drafting
@@ -674,30 +673,11 @@ class CacheCost:
 
 def cache_cost(model, depth: int) -> CacheCost:
     """The `CacheCost` of ``model``'s batches (``depth`` MTP layers in use), read off
-    its caches after a prefill of a few tokens (a `ListCache` by its parts): a KV
-    cache's buffer ``(1, heads, positions, dim)`` gives its bytes per position, and
-    a batched cache adds the int32 position of each entry
-    (`mlx_mtp.batch_cache.RaggedKVCache`)."""
+    its caches after a prefill of a few tokens (each cache's ``cost``, the cache
+    protocol of `mlx_mtp.cache`)."""
     caches = make_caches(model)
     prefill(model, caches, [0] * (depth + 2), depth, 256)
-    per_token, windows, per_row = 0.0, [], 0.0
-    every = caches.trunk + caches.mtp
-    for c in [p for c in every for p in (c.caches if type(c) is ListCache else [c])]:
-        if isinstance(c, RecurrentCache):
-            per_row += sum(a.nbytes for a in c.cache if a is not None)
-        elif isinstance(c, V4Cache):  # DeepSeek-V4: a window, entries per block
-            window, per_position, kept = c.footprint()
-            windows.append((window, c.window + COMPACT_SLACK))
-            per_token += per_position
-            per_row += kept
-        elif c.keys is not None:  # else an MTP layer not in use
-            per_position = (c.keys.nbytes + c.values.nbytes) / c.keys.shape[-2] + 4
-            if isinstance(c, WindowCache):
-                windows.append((per_position, c.window + COMPACT_SLACK))
-            else:
-                per_token += per_position
-                per_row += COMPACT_SLACK * per_position
-    return CacheCost(per_token, tuple(windows), per_row)
+    return CacheCost(*batch_cost(caches.trunk + caches.mtp))
 
 
 def device_memory() -> int:

@@ -11,14 +11,21 @@ What a generation drafts with is resolved once from its `DecodeOptions`
 (`mlx_mtp.resolve`); its statistics are `mlx_mtp.stats.MTPStats`.
 """
 
-import copy
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Generator, List, Optional
 
 import mlx.core as mx
 
-from .cache import Caches, KVQuantization, check_rollback, make_caches, rewind, trim_to
+from .cache import (
+    Caches,
+    KVQuantization,
+    check_rollback,
+    make_caches,
+    rewind,
+    snapshot,
+    trim_to,
+)
 from .defaults import MAX_DRAFT_TOKENS
 from .distributed import Sync
 from .draft_length import DraftPolicy
@@ -150,8 +157,8 @@ class Session:
         if state.hidden is not None:
             state.hidden = mx.array(state.hidden)
         caches = Caches(
-            [_copy_cache(c) for c in self.caches.trunk],
-            [_copy_cache(c) for c in self.caches.mtp],
+            [snapshot(c) for c in self.caches.trunk],
+            [snapshot(c) for c in self.caches.mtp],
         )
         return Session(caches, state)
 
@@ -172,8 +179,8 @@ class Session:
 
 def _collect(value, found: Dict[int, Any]) -> None:
     """``value``'s arrays, and the objects walked, into ``found`` (by id, each
-    once): in lists, tuples and the attributes of objects, as `_copy_cache` walks
-    them."""
+    once): in lists, tuples and the attributes of objects, as
+    `mlx_mtp.kv_cache.copy_arrays` walks them."""
     if id(value) in found:
         return
     if isinstance(value, mx.array):
@@ -185,26 +192,6 @@ def _collect(value, found: Dict[int, Any]) -> None:
         found[id(value)] = value
         for x in vars(value).values():
             _collect(x, found)
-
-
-def _copy_cache(cache):
-    """A cache object whose arrays are new array objects (their writes, in place on
-    the array objects, then stay apart), and so are its parts' (a layer's several
-    caches, DeepSeek-V4's compressor states); no rollback record is kept."""
-
-    def fresh(v):
-        if isinstance(v, mx.array):
-            return mx.array(v)
-        if isinstance(v, (list, tuple)):
-            return type(v)(fresh(x) for x in v)
-        if hasattr(v, "__dict__") and not isinstance(v, type):
-            return _copy_cache(v)
-        return v
-
-    out = copy.copy(cache)
-    for name, value in vars(cache).items():
-        setattr(out, name, None if name == "capture" else fresh(value))
-    return out
 
 
 def mtp_generate_step(

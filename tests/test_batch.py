@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlx_mtp.batch as batch_module
-import mlx_mtp.batch_cache as batch_cache
+import mlx_mtp.kv_cache as kv_cache
 from mlx_mtp import batch_generate, generate
 from mlx_mtp.batch import Batch, prefill_groups, prefill_together, run_batch
 from mlx_mtp.batch_cache import RaggedKVCache, batch_support
@@ -97,7 +97,7 @@ def test_a_removed_row_leaves_the_others_exact(loaded):
 def test_holes_are_compacted_exactly(loaded, monkeypatch):
     """With compaction forced after every round, rejected entries are packed away
     and the rows stay exact."""
-    monkeypatch.setattr(batch_cache, "COMPACT_SLACK", 0)
+    monkeypatch.setattr(kv_cache, "COMPACT_SLACK", 0)
     model, tokenizer = loaded("qwen3_5", predictable=True)
     opts = HEADS.replace(num_draft_tokens=3, max_tokens=24)
     ids = [tokenizer.encode(p) for p in PROMPTS[:3]]
@@ -374,7 +374,7 @@ def test_a_dense_ragged_cache_keeps_its_bookkeeping_on_the_host():
     c.keep_below([3])
     assert c.offset == 3 and c._pos is None and c.held == [3]
     assert c.make_mask(1) is None and c.make_mask(2) == "causal"
-    c.join(RaggedKVCache.from_kv(kv[..., :1, :], kv[..., :1, :], range(1)))
+    c.extend(RaggedKVCache.from_kv(kv[..., :1, :], kv[..., :1, :], range(1)))
     assert c._pos is not None and c.offset.tolist() == [3, 1]
     assert c.pos[:, : c._idx].tolist() == [[0, 1, 2], [-1, -1, 0]]
     c.update_and_fetch(mx.ones((2, 2, 2, 4)), mx.ones((2, 2, 2, 4)))

@@ -125,3 +125,25 @@ def test_drafting_across_block_boundaries_is_plain_decoding(v4, prompt_len):
         stats = outs[-1].stats
         if k != "auto":
             assert stats.drafted > stats.accepted > 0, (prompt_len, k)
+
+
+def test_a_changed_mlx_lm_helper_is_refused_at_import():
+    """The private ``deepseek_v41`` helpers V4 calls are checked, parameters and
+    all: one gone, or with other parameters, is one `MTPError` line."""
+    import types
+
+    from mlx_mtp.errors import MTPError
+    from mlx_mtp.models import deepseek_v4
+
+    deepseek_v4.check_mlx_lm()  # the installed mlx-lm's pass
+    helpers = {n: getattr(deepseek_v4.lm, n) for n, _ in deepseek_v4.MLX_LM_PRIVATE}
+    gone = types.SimpleNamespace(**{**helpers, "_collapse": None})
+    with pytest.raises(MTPError, match="_collapse is gone"):
+        deepseek_v4.check_mlx_lm(gone)
+
+    def _window_indices(previous, length, window):  # no longer keyword-only
+        return None
+
+    changed = types.SimpleNamespace(**{**helpers, "_window_indices": _window_indices})
+    with pytest.raises(MTPError, match=r"_window_indices has changed"):
+        deepseek_v4.check_mlx_lm(changed)

@@ -239,17 +239,12 @@ def test_rejection_residual_and_bonus():
         assert r.num_accepted.item() == 0 and r.next_token.item() in (0, 1)
 
 
-class _NoRecurrentRollback:
-    """Wrong rollback: recurrent states keep the rejected drafts."""
-
-    begin = staticmethod(lambda cache: None)
-    rewind = staticmethod(lambda cache, mark, n: None)
-
-
 def test_broken_recurrent_rollback_fails_the_test(small_hybrid, monkeypatch):
+    """Wrong rollback: recurrent states keep the rejected drafts."""
     from mlx_mtp import cache
 
-    monkeypatch.setitem(cache.ADAPTERS, cache.RecurrentCache, _NoRecurrentRollback)
+    monkeypatch.setattr(cache.RecurrentCache, "mark", lambda self, record=True: None)
+    monkeypatch.setattr(cache.RecurrentCache, "rewind", lambda self, mark, n: None)
     k, params = HYBRID_CASES[0]
     assert fails_exactness(small_hybrid, params, k)
 

@@ -31,6 +31,7 @@ LAYERS = [
         "grammar",
         "processors",
         "cache",
+        "kv_cache",
         "draft_length",
         "lookup",
         "options",
@@ -214,3 +215,17 @@ def test_lines_fit_88_columns():
         if len(line) > 88
     ]
     assert not long, "lines over 88 columns:\n" + "\n".join(long)
+
+
+def test_only_families_name_their_cache_types():
+    """A family's own cache module (``mlx_mtp.models.*_cache``) is imported by its
+    family's modules only: every other module reaches its caches through the cache
+    protocol (`mlx_mtp.cache`), so a new cache type touches its family alone."""
+    bad = [
+        f"{name} -> {t}"
+        for name, targets in graph().items()
+        if not name.startswith("mlx_mtp.models")
+        for t in targets
+        if t.startswith("mlx_mtp.models.") and t.endswith("_cache")
+    ]
+    assert not bad, "\n".join(sorted(bad))

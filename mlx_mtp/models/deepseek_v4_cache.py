@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..errors import RollbackError
+from ..errors import MTPError, RollbackError
 
 
 def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
@@ -126,10 +126,10 @@ class CompressorState:
 class V4Cache:
     """One V4 attention layer's cache: the sliding window's K = V rows, and on
     compressed layers the compressor's state (``compressed``) and, for r = 4, the
-    indexer's (``index``). Its ``trim`` is exact within ``slack`` positions, so the
-    decode loop rolls it back by trimming (``rolls_back_by_trim``)."""
-
-    rolls_back_by_trim = True
+    indexer's (``index``). Its ``trim`` is exact within ``slack`` positions, so it
+    rolls back by trimming. It implements the cache protocol (`mlx_mtp.cache`) for
+    one stream; its batched form is `V4Rows` (``merge``).
+    """
 
     def __init__(self, window: int, ratio: int = 0, slack: int = 64):
         self.window, self.ratio, self.slack = window, ratio, slack
@@ -184,18 +184,65 @@ class V4Cache:
         out.index = self.index and self.index.copy()
         return out
 
-    def footprint(self) -> Tuple[float, float, float]:
-        """For a memory budget, read off a cache that has seen a position: the
-        window's bytes per position it keeps (``window - 1 + slack`` at most), the
-        compressed entries' bytes per position seen, and the most bytes of the
-        projections its compressors keep (``slack + 2 r`` positions)."""
+    def cost(self) -> Tuple[float, tuple, float]:
+        """Its batched form's bytes (`mlx_mtp.cache`'s protocol), read off a cache
+        that has seen a position: the window (its bytes per position, and the
+        ``window + slack`` positions it keeps at most), the compressed entries'
+        bytes per position seen, and per row the most bytes of the projections its
+        compressors keep (``slack + 2 r`` positions)."""
         window = self.keys.nbytes / self.keys.shape[2]
         per_position = kept = 0.0
         for s in self._compressors():
             row = s.kv.nbytes / s.kv.shape[1]  # one position's kv (gate: the same)
             per_position += (row / 2 if s.overlap else row) / s.ratio
             kept += 2 * row * (s.slack + 2 * s.ratio)
-        return window, per_position, kept
+        return per_position, ((window, self.window + self.slack),), kept
+
+    # -- the rest of the cache protocol (`mlx_mtp.cache`): one stream, one row -----
+
+    def can_roll_back(self) -> bool:
+        return True
+
+    def mark(self, record: bool = True) -> None:
+        """Nothing to record: a rollback trims."""
+        return None
+
+    def rewind(self, mark, n: int) -> None:
+        """Forget the last ``n`` positions (within ``slack``)."""
+        if n > 0:
+            self.trim(n)
+
+    def rewind_rows(self, drop: Sequence[int], mark=None) -> None:
+        self.rewind(mark, _one_row(drop))
+
+    def keep_below(self, limits: Sequence[int]) -> None:
+        self.rewind(None, self.offset - _one_row(limits))
+
+    def prepare(self, left_padding: Optional[Sequence[int]] = None, **kwargs) -> None:
+        if left_padding is not None and any(left_padding):
+            raise ValueError("a single-stream cache takes no left padding")
+
+    def finalize(self) -> None:
+        return None
+
+    def batch_refusal(self) -> Optional[str]:
+        return None
+
+    @classmethod
+    def merge(cls, caches: Sequence["V4Cache"]) -> "V4Rows":
+        """The streams' caches as the rows of one `V4Rows` (copies)."""
+        return V4Rows([c.copy() for c in caches])
+
+    def snapshot(self) -> "V4Cache":
+        """A copy whose arrays are new array objects."""
+        out = self.copy()
+        out.keys = _fresh(self.keys)
+        for s in out._compressors():
+            s.entries, s.kv, s.gate = map(_fresh, (s.entries, s.kv, s.gate))
+        return out
+
+    def read_kv(self, positions: Sequence[int], window: Optional[int] = None):
+        raise MTPError("cannot read the keys and values of a V4Cache")
 
     def size(self) -> int:
         return self.offset
@@ -213,6 +260,16 @@ class V4Cache:
         return sum(a.nbytes for a in self.state)
 
 
+def _one_row(counts: Sequence[int]) -> int:
+    if len(counts) != 1:
+        raise ValueError(f"a single-stream cache has one row, not {len(counts)}")
+    return counts[0]
+
+
+def _fresh(a: Optional[mx.array]) -> Optional[mx.array]:
+    return None if a is None else mx.array(a)
+
+
 class V4Rows:
     """One V4 attention layer's caches of B streams decoded together: a `V4Cache`
     per row (``rows``), each at its row's own position and block phase.
@@ -221,7 +278,8 @@ class V4Rows:
     compressor, indexer, attention) row by row on that row's tokens past its
     left padding, so a row's cache holds exactly what the row's lone decoding
     would: padded positions never enter it, and a row rolls back by its own count
-    (`rewind_rows`: a trim of its cache).
+    (`rewind_rows`: a trim of its cache). It implements the batch half of the cache
+    protocol (`mlx_mtp.cache`).
 
     Attributes:
         padding: Per row, the filler inputs at the start of the next pass (None:
@@ -243,21 +301,45 @@ class V4Rows:
         padding, self.padding = self.padding, None
         return padding or [0] * len(self.rows)
 
-    def rewind_rows(self, drop: Sequence[int]) -> None:
+    def prepare(self, left_padding: Optional[Sequence[int]] = None, **kwargs) -> None:
+        """As mlx-lm's batch caches: ``left_padding`` for the next pass (`pad`)."""
+        if left_padding is not None:
+            self.pad(left_padding)
+
+    def finalize(self) -> None:
+        """Nothing: the pass that follows `prepare` takes its padding."""
+        return None
+
+    def can_roll_back(self) -> bool:
+        return True
+
+    def mark(self, record: bool = True) -> None:
+        return None
+
+    def rewind(self, mark, n: int) -> None:
+        self.rewind_rows([n] * len(self.rows))
+
+    def rewind_rows(self, drop: Sequence[int], mark=None) -> None:
         """Forget the last ``drop[b]`` positions of row b."""
         for c, n in zip(self.rows, drop):
             if n:
                 c.trim(n)
 
-    def select(self, rows: Sequence[int]) -> None:
+    def keep_below(self, limits: Sequence[int]) -> None:
+        """Keep row b's positions below ``limits[b]``."""
+        for c, limit in zip(self.rows, limits):
+            if c.offset > limit:
+                c.trim(c.offset - limit)
+
+    def filter(self, rows: Sequence[int]) -> None:
         """Keep ``rows``, in that order."""
         self.rows = [self.rows[r] for r in rows]
 
-    def join(self, other: "V4Rows") -> None:
+    def extend(self, other: "V4Rows") -> None:
         """Append ``other``'s rows."""
         self.rows += other.rows
 
-    def row(self, b: int, below: Optional[int] = None) -> V4Cache:
+    def extract(self, b: int, below: Optional[int] = None, mark=None) -> V4Cache:
         """Row b's cache on its own (a copy), its positions below ``below``."""
         out = self.rows[b].copy()
         if below is not None and out.offset > below:
