@@ -269,11 +269,18 @@ def expected_tokens(row, k: int) -> float:
 
 
 def _unseen(rows, asks: List[int], auto: List[bool]) -> bool:
-    """Whether an auto row asks for drafts and has never drafted: its first round
-    drafts, so that its own acceptance is measured (and its reply shows drafts)."""
+    """Whether an auto row asks for drafts, has never drafted and knows nothing of
+    its model's acceptance (no history, `mlx_mtp.history`): its first round drafts,
+    so that its acceptance is measured (and its reply shows drafts)."""
     return any(
-        free and a > 0 and r.stats.drafted == 0 for r, a, free in zip(rows, asks, auto)
+        free and a > 0 and r.stats.drafted == 0 and not _learned(r)
+        for r, a, free in zip(rows, asks, auto)
     )
+
+
+def _learned(row) -> bool:
+    policy = row.run.policy
+    return isinstance(policy, AdaptiveLength) and policy.learned
 
 
 @dataclass

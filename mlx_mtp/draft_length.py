@@ -301,17 +301,28 @@ class Coverage:
 
     Args:
         ranking: The model's `mlx_mtp.draft_vocab.Ranking`.
-        sizes: Draft vocabulary sizes.
-        prior: How many tokens the calibration's share counts for.
+        sizes: Draft vocabulary sizes, ascending.
+        prior: How many tokens the share to start from counts for.
         memory: Tokens over which the generated tokens' share is averaged.
+        start: The share to start from per size (the model's history), instead of
+            the calibration's.
     """
 
-    def __init__(self, ranking, sizes: Sequence[int], prior=64.0, memory=512.0):
+    def __init__(
+        self,
+        ranking,
+        sizes: Sequence[int],
+        prior=64.0,
+        memory=512.0,
+        start: Optional[Dict[int, float]] = None,
+    ):
         self.rank = ranking.rank
         self.sizes = list(sizes)
         self.decay = 1.0 - 1.0 / memory
         self.total = prior
-        self.inside = {n: prior * ranking.coverage(n) for n in self.sizes}
+        start = start or {n: ranking.coverage(n) for n in self.sizes}
+        self.inside = {n: prior * start[n] for n in self.sizes}
+        self.seen = Counts.empty(len(self.sizes))  # this generation's tokens, by size
 
     def contains(self, token: int, vocab: Optional[int]) -> bool:
         """Whether ``token`` is among the ``vocab`` most expected (None: all)."""
@@ -324,8 +335,10 @@ class Coverage:
         for t in tokens:
             self.total = self.total * self.decay + 1.0
             r = int(self.rank[t])
-            for n in self.sizes:
+            for i, n in enumerate(self.sizes):
                 self.inside[n] = self.inside[n] * self.decay + float(r < n)
+                self.seen.reached[i] += 1.0
+                self.seen.hits[i] += float(r < n)
 
 
 class AdaptiveLength(DraftPolicy):
@@ -369,7 +382,8 @@ class AdaptiveLength(DraftPolicy):
         self.allowed = sorted(set(allowed))
         self.max_k = self.allowed[-1]
         self.decay = 1.0 - 1.0 / memory
-        self.priors = [prior] if isinstance(prior, (int, float)) else list(prior)
+        self.learned = not isinstance(prior, (int, float))  # from the history
+        self.priors = list(prior) if self.learned else [prior]
         self.probe_every = probe_every
         self.vocabs = list(vocabs)
         self.coverage = coverage if len(self.vocabs) > 1 else None

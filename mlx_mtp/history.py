@@ -28,13 +28,15 @@ DEFAULT_PRIOR = 0.6  # acceptance assumed at a position nothing is known about
 MEMORY = 256.0  # first-position drafts the stored history weighs, at most
 MAX_POSITIONS = 16
 MAX_ENTRIES = 64  # models the file remembers (the oldest written is dropped)
-SOURCES = ("heads", "lookup")
+SOURCES = ("heads", "lookup", "vocab")  # "vocab": `shares` of the draft vocabularies
 
 
 @dataclass
 class Counts:
     """Drafts judged (``reached[j]``) and accepted (``hits[j]``) at each position j
-    (judged: a draft whose position a round's acceptance got to)."""
+    (judged: a draft whose position a round's acceptance got to); for the kind
+    "vocab", tokens generated (``reached[j]``) and those among the ``sizes[j]`` most
+    expected (``hits[j]``), one per draft vocabulary size."""
 
     hits: List[float]
     reached: List[float]
@@ -108,6 +110,17 @@ def _stored() -> dict:
     except MTPError:
         return {}
     return table if isinstance(table, dict) else {}
+
+
+def shares(key: Optional[str], sizes: List[int]) -> Optional[Dict[int, float]]:
+    """The share of the model's generated tokens inside each draft vocabulary of
+    ``sizes`` (sorted) tokens, as generations of the model behind ``key`` saw it;
+    None when none is known (or it was kept for other sizes)."""
+    entry = parse(_stored().get(key)) if key is not None else None
+    counts = entry.get("vocab") if entry else None
+    if counts is None or len(counts.reached) != len(sizes) or counts.reached[0] <= 0:
+        return None
+    return {n: h / r for n, h, r in zip(sizes, counts.hits, counts.reached)}
 
 
 def priors(key: Optional[str], source: str) -> Optional[List[float]]:

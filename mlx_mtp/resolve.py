@@ -16,7 +16,7 @@ from .draft_length import (
     model_costs,
 )
 from .errors import MTPError, RollbackError
-from .history import DEFAULT_PRIOR, learn, learns, model_key, priors
+from .history import DEFAULT_PRIOR, learn, learns, model_key, priors, shares
 from .options import DecodeOptions, check_draft_count
 
 
@@ -51,6 +51,8 @@ class Drafting:
             for source, p in (("heads", self.policy), ("lookup", lookup))
             if isinstance(p, AdaptiveLength)
         }
+        if self.coverage is not None:
+            seen["vocab"] = self.coverage.seen
         learn(self.history, seen)
 
 
@@ -64,8 +66,8 @@ def drafting(
         source = "heads"  # k = 0 is plain decoding unless lookup is asked for
     if source != "heads":
         source = lookup_source(model, source)
-    vocabs, coverage = draft_vocabs(model, options.draft_vocab)
     history = model_key(model) if learns(model, options) else None
+    vocabs, coverage = draft_vocabs(model, options.draft_vocab, history)
     if policy is None:
         policy = draft_policy(
             model,
@@ -132,9 +134,10 @@ def caches_without_rollback(model) -> List[str]:
     return sorted(bad)
 
 
-def draft_vocabs(model, value: Union[int, str]):
+def draft_vocabs(model, value: Union[int, str], history: Optional[str] = None):
     """The draft vocabularies ``draft_vocab`` lets the heads choose from (None: their
-    own rows), and the `Coverage` that weighs them when there are several."""
+    own rows), and the `Coverage` that weighs them when there are several (starting
+    from the shares in the model's ``history``, a `mlx_mtp.history` key, if any)."""
     from . import draft_vocab
 
     if value is None:
@@ -155,7 +158,7 @@ def draft_vocabs(model, value: Union[int, str]):
         if ranking is None:
             return [None], None
         sizes = draft_vocab.auto_sizes(V)
-        return [None, *sizes], Coverage(ranking, sizes)
+        return [None, *sizes], Coverage(ranking, sizes, start=shares(history, sizes))
     if trained:
         raise MTPError(
             f"these heads were trained to draft from their own "

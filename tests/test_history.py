@@ -4,10 +4,12 @@ text, and never a change to greedy output."""
 
 import json
 
+import numpy as np
 import pytest
 
 from mlx_mtp import history
-from mlx_mtp.draft_length import AdaptiveLength, RoundCosts
+from mlx_mtp.draft_length import AdaptiveLength, Coverage, RoundCosts
+from mlx_mtp.draft_vocab import Ranking
 from mlx_mtp.history import Counts, learn, model_key, parse, priors
 from mlx_mtp.options import DecodeOptions
 from mlx_mtp.resolve import drafting
@@ -100,3 +102,17 @@ def test_seeded_sampling_keeps_the_constant_prior(loaded):
     learn(key, {"heads": Counts([0.0] * 3, [500.0, 1.0, 1.0])})
     assert AdaptiveLength(CHEAP, [0, 1], prior=priors(key, "heads")).next() == 0
     assert run(model, **seeded) == before
+
+
+def test_coverage_starts_from_the_shares_learned():
+    """The share of generated tokens inside each draft vocabulary is learned too: a
+    model whose output the calibration misrepresents is priced by what it emitted."""
+    ranking = Ranking(np.arange(1000, dtype=np.int32), np.ones(1000) / 1000)
+    cover = Coverage(ranking, [100, 500])
+    cover.observe([5, 50, 150, 600])
+    assert cover.seen.hits == [2.0, 3.0] and cover.seen.reached == [4.0, 4.0]
+    learn("m", {"vocab": cover.seen})
+    assert history.shares("m", [100, 500]) == pytest.approx({100: 0.5, 500: 0.75})
+    assert history.shares("m", [100, 500, 900]) is None  # kept for other sizes
+    start = history.shares("m", [100, 500])
+    assert Coverage(ranking, [100, 500], start=start).share(100) == pytest.approx(0.5)
