@@ -279,7 +279,7 @@ class Batch:
         reason = batch_support(model)
         if reason is not None:
             raise MTPError(reason)
-        self.options = DecodeOptions.build(options).check()
+        self.options = DecodeOptions.build(options)
         self.depth = depth_for(model, self.options)
         self.model, self.eos = model, frozenset(eos)
         self.length, self.keep_sessions = length, keep_sessions
@@ -296,7 +296,7 @@ class Batch:
 
     def admit(self, uid, prompt, options=None, session=None, policy=None) -> Admission:
         """A new stream to prefill (`Admission.advance`) and then `join`."""
-        options = DecodeOptions.build(options).check()
+        options = DecodeOptions.build(options)
         if options.max_kv_size is not None or options.kv.bits is not None:
             raise MTPError("a batched stream cannot use max_kv_size or kv_bits")
         if options.grammar is not None and self.tokenizer is None:

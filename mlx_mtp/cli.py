@@ -413,7 +413,7 @@ class Penalty(click.ParamType):
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number", param, ctx)
         try:
-            DecodeOptions(**{self.option: number}).check()
+            DecodeOptions(**{self.option: number})
         except MTPError as e:
             self.fail(str(e).removeprefix(f"{self.option} "), param, ctx)
         return number
@@ -542,7 +542,7 @@ def _decode_options(options: dict, **fields) -> DecodeOptions:
         chosen["logit_bias"] = _logit_bias(options["logit_bias"])
     if "regex" in options:
         chosen["grammar"] = _grammar(options)
-    return DecodeOptions.build(**chosen, **fields).check()
+    return DecodeOptions.build(**chosen, **fields)
 
 
 def _logit_bias(pairs):

@@ -139,7 +139,7 @@ def stream_generate(
     """
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
-    options = DecodeOptions.build(options, **grammar_fields(fields)).check()
+    options = DecodeOptions.build(options, **grammar_fields(fields))
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     options = _checked(options, tokenizer)
@@ -386,5 +386,5 @@ def _per_prompt(options, n: int, fields: dict, max_tokens) -> List[DecodeOptions
     out = []
     for o, m in zip(options, max_tokens):
         changes = dict(fields) if m is None else {**fields, "max_tokens": m}
-        out.append(DecodeOptions.build(o, **changes).check())
+        out.append(DecodeOptions.build(o, **changes))
     return out

@@ -27,7 +27,10 @@ REPETITION_PENALTY = (0.01, 100.0)
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """Everything a generation is decoded with; `check` says whether it is valid.
+    """Everything a generation is decoded with. Every instance is checked when it is
+    made (`build`, `replace` and the constructor alike): a value out of its range, or
+    two that cannot go together, raise an `MTPError` naming the option there, so an
+    options object that exists is valid and nothing downstream checks it again.
 
     - ``num_draft_tokens``: drafts per round, k (0 runs plain decoding, the
       baseline); "auto" picks k in 0..``max_draft_tokens`` each round from
@@ -113,6 +116,7 @@ class DecodeOptions:
         procs = self.logits_processors
         if isinstance(procs, list) or procs is None:
             object.__setattr__(self, "logits_processors", tuple(procs or ()))
+        self._check()
 
     @classmethod
     def names(cls) -> tuple:
@@ -124,7 +128,7 @@ class DecodeOptions:
         cls, base: Optional["DecodeOptions"] = None, **changes
     ) -> "DecodeOptions":
         """``base`` (default: the defaults) with ``changes``; an unknown name is an
-        `MTPError` naming it. The result is not checked (see `check`)."""
+        `MTPError` naming it, as is any value `DecodeOptions` refuses."""
         unknown = sorted(set(changes) - set(cls.names()))
         if unknown:
             raise MTPError(f"unknown decode option(s): {', '.join(unknown)}")
@@ -153,10 +157,10 @@ class DecodeOptions:
 
         return KVQuantization(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
-    def check(self) -> "DecodeOptions":
+    def _check(self) -> None:
         """Refuse, with an `MTPError` naming the option, any value out of its range or
-        any two that cannot go together; returns ``self``. The model-dependent checks
-        (draft vocabularies, the context length) are the loop's."""
+        any two that cannot go together. The model-dependent checks (draft
+        vocabularies, the context length) are the loop's."""
         from .cache import check_max_kv_size
         from .sampling import check_seed
 
@@ -179,7 +183,6 @@ class DecodeOptions:
         check_max_kv_size(self.max_kv_size)
         self._check_kv()
         self._check_processors()
-        return self
 
     def _check_processors(self) -> None:
         repetition = self.repetition_penalty

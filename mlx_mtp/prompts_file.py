@@ -126,7 +126,7 @@ def decode_options(prompts: List[FilePrompt], base: DecodeOptions, path: str = "
         for key, value in options.items():
             _check_value(base, key, value, where)
         try:
-            out.append(base.replace(**options).check())
+            out.append(base.replace(**options))
         except MTPError as e:
             raise PromptsFileError(f"{where}: {one_line(e)}") from None
     return out
@@ -225,7 +225,7 @@ def _check_value(base: DecodeOptions, key: str, value, where: str) -> None:
         message = "draft_vocab must be 'auto', 'full' or a positive number of tokens"
     else:
         try:
-            base.replace(**{key: value}).check()
+            base.replace(**{key: value})
         except MTPError as e:
             message = one_line(e)
     if message is not None:

@@ -2122,7 +2122,6 @@ def server_args(**options) -> argparse.Namespace:
     args.api_key = api_keys(args.api_key)
     _check_batch_bounds(args.max_batch, args.batch_cache_bytes)
     args.decode = DecodeOptions(max_tokens=SERVER_MAX_TOKENS).replace(**decode)
-    args.decode.check()
     _for_mlx_lm(args)
     return args
 

@@ -275,7 +275,7 @@ def request_options(
         try:
             if name == "draft_vocab":
                 value = parse(value)
-            options = options.replace(**{name: value}).check()
+            options = options.replace(**{name: value})
         except MTPError as e:  # ``defaults`` are valid: this field is not
             raise option_error(e, name, field) from None
     return options

@@ -236,7 +236,7 @@ def mtp_generate_step(
         the tokens before the round it failed in are yielded first. The session
         is then not fit to go on from.
     """
-    options = DecodeOptions.build(options, **fields).check()
+    options = DecodeOptions.build(options, **fields)
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt:
         raise MTPError("the prompt is empty")

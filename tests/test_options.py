@@ -49,7 +49,7 @@ def test_options_are_frozen_and_unknown_names_refused():
 )
 def test_a_bad_value_is_refused_naming_its_option(change, name):
     with pytest.raises(MTPError, match=name):
-        DecodeOptions.build(**change).check()
+        DecodeOptions.build(**change)
 
 
 def test_the_api_spells_no_default_of_its_own():
