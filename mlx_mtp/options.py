@@ -160,10 +160,9 @@ class DecodeOptions:
     def _check(self) -> None:
         """Refuse, with an `MTPError` naming the option, any value out of its range or
         any two that cannot go together. The model-dependent checks (draft
-        vocabularies, the context length) are the loop's."""
-        from .cache import check_max_kv_size
-        from .sampling import check_seed
-
+        vocabularies, the context length) are the loop's. The checks that live beside
+        MLX code (sampling, draft vocabularies, the KV window) run only for values
+        other than the defaults, which are valid: the defaults load no MLX."""
         _check_max_tokens(self.max_tokens)
         check_draft_count("num_draft_tokens", self.num_draft_tokens, auto=True)
         check_draft_count("max_draft_tokens", self.max_draft_tokens)
@@ -173,14 +172,21 @@ class DecodeOptions:
                 f"{self.draft_source!r}"
             )
         check_draft_count("lookup_tokens", self.lookup_tokens, low=1)
-        if self.draft_vocab is not None:
+        if self.draft_vocab is not None and not self._default("draft_vocab"):
             from .draft_vocab import parse
 
             parse(self.draft_vocab)
-        self.sampling  # noqa: B018 -- SamplingParams checks its fields
-        check_seed(self.seed)
+        if not self._default("temp", "top_p", "top_k", "min_p", "min_tokens_to_keep"):
+            self.sampling  # noqa: B018 -- SamplingParams checks its fields
+        if self.seed is not None:
+            from .sampling import check_seed
+
+            check_seed(self.seed)
         _check_int("prefill_step_size", self.prefill_step_size, 1)
-        check_max_kv_size(self.max_kv_size)
+        if self.max_kv_size is not None:
+            from .cache import check_max_kv_size
+
+            check_max_kv_size(self.max_kv_size)
         self._check_kv()
         self._check_processors()
 
@@ -227,6 +233,16 @@ class DecodeOptions:
                 raise MTPError(
                     f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}"
                 )
+
+    def _default(self, *names: str) -> bool:
+        """Whether the options ``names`` hold their defaults (of the same type: a
+        ``False`` for ``0.0`` is checked)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return all(
+            type(getattr(self, n)) is type(defaults[n])
+            and getattr(self, n) == defaults[n]
+            for n in names
+        )
 
     def _check_kv(self) -> None:
         if self.kv_bits is not None:
