@@ -16,10 +16,10 @@ import pytest
 
 from mlx_mtp import anthropic_api
 from mlx_mtp import generate as mtp_generate
-from mlx_mtp import server as server_module
 from mlx_mtp.generate import stream_generate
 from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args
+from mlx_mtp.serving import scheduler
 from mlx_mtp.testing.fixtures import write_checkpoint
 
 from .test_server import scripted
@@ -320,7 +320,7 @@ def test_bad_requests_are_400s_in_anthropic_form(client, what, change, words):
 def test_a_failure_mid_reply_is_an_anthropic_error(client, monkeypatch):
     """A round that fails: a 500 ``api_error`` for a reply not streamed, an
     ``error`` event for a stream that started; the server goes on."""
-    step = server_module.Batch.step
+    step = scheduler.Batch.step
     rounds = []
 
     def failing(self):
@@ -329,7 +329,7 @@ def test_a_failure_mid_reply_is_an_anthropic_error(client, monkeypatch):
             raise RuntimeError("the round broke")
         return step(self)
 
-    monkeypatch.setattr(server_module.Batch, "step", failing)
+    monkeypatch.setattr(scheduler.Batch, "step", failing)
     body = {"model": MODEL, "max_tokens": 12, "messages": USER}
     extra = {"num_draft_tokens": 0}
     with pytest.raises(anthropic.InternalServerError) as caught:
@@ -344,7 +344,7 @@ def test_a_failure_mid_reply_is_an_anthropic_error(client, monkeypatch):
         for event in client.messages.create(**body, stream=True, extra_body=extra):
             seen.append(event.type)
     assert seen[0] == "message_start"
-    monkeypatch.setattr(server_module.Batch, "step", step)
+    monkeypatch.setattr(scheduler.Batch, "step", step)
     assert client.messages.create(**body).stop_reason == "max_tokens"
 
 

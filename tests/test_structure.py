@@ -46,6 +46,7 @@ LAYERS = [
         "server_checks",
         "anthropic_api",
         "server",
+        "serving",
         "prompts_file",
     ],
     ["convert", "demo", "testing"],
