@@ -6,7 +6,9 @@ off, streamed or not, in both APIs. One server for the module (a template that r
 tools, tool calls and tool results), a few tokens per request."""
 
 import http.client
+import io
 import json
+import re
 import shutil
 
 import anthropic
@@ -691,6 +693,29 @@ def test_reply_events_and_message():
     ]
     assert message["stop_reason"] == "tool_use" and message["mtp"] == {"drafted": 1}
     assert message["usage"]["output_tokens"] == 7
+
+
+def test_events_go_out_as_they_come_when_streamed_and_never_otherwise():
+    """`Events` writes a streamed reply's events as each chunk comes (server-sent
+    events, in order), and nothing of a reply not streamed: its message is whole."""
+    chunk = {"choices": [{"delta": {"content": "hi"}, "finish_reason": "stop"}]}
+    for stream in (True, False):
+        out = io.BytesIO()
+        events = anthropic_api.Events(out, stream)
+        events.open(anthropic_api.Reply("m", 3, 0, anthropic_api.stop_reason))
+        opened = out.getvalue()
+        events.add(chunk)
+        added = out.getvalue()[len(opened) :]
+        events.close()
+        if not stream:
+            assert out.getvalue() == b""
+            assert events.reply.message()["content"] == [{"type": "text", "text": "hi"}]
+            continue
+        assert opened.startswith(b"event: message_start\ndata: {")
+        assert added.startswith(b"event: content_block_start\n")
+        assert b'"text": "hi"' in added and added.endswith(b"\n\n")
+        names = re.findall(rb"^event: (\w+)$", out.getvalue(), re.M)
+        assert names[-2:] == [b"message_delta", b"message_stop"], names
 
 
 def test_stop_reason():

@@ -75,6 +75,7 @@ class MTPHandler(lm_server.APIHandler):
         self._served = None  # the model and tokenizer its checks use (`Served`)
         self._watched = 0.0  # when `_client_left` last looked
         self._anthropic = False  # a request of Anthropic's Messages API
+        self._messages = None  # its reply's `anthropic_api.Events`, while it is made
 
     def _received(self) -> None:
         """The request is read: from now on the timeout bounds each idle wait of the
@@ -258,7 +259,7 @@ class MTPHandler(lm_server.APIHandler):
             self._while_open(self._check_request, owner)
         except RequestError as e:
             return self._fail(e)
-        if self._anthropic:  # its chat reply streams, for `anthropic_api.Wire`
+        if self._anthropic:  # its chat reply streams: `anthropic_api.Reply` reads it
             self._job.stream, self.path = stream, "/v1/chat/completions"
         self.rfile = io.BytesIO(self._raw)  # the checked body, for mlx-lm's handler
         self.headers.replace_header("Content-Length", str(len(self._raw)))
@@ -565,59 +566,77 @@ class MTPHandler(lm_server.APIHandler):
         """mlx-lm's, serving the request as a `JobRequest`, which carries its `Job` to
         the generator. A failure after the reply started ends the reply (a stream
         with an error event) and the server goes on; the request is counted out
-        once its reply is over. A Messages request's reply goes through an
-        `anthropic_api.Wire` (`_wire`)."""
+        once its reply is over. A Messages request's reply is made of the chat
+        reply's chunks (`anthropic_api.Events`, fed by `generate_response` and
+        `completion_usage_response`), what mlx-lm writes of the chat reply going
+        nowhere (`end_headers`)."""
         job, self._calls = self._job, 0  # _calls: the reply's tool calls so far
-        wire = self._wire() if self._anthropic else None
+        out = self.wfile
+        if self._anthropic:
+            self._messages = anthropic_api.Events(out, job.stream)
+        messages = self._messages
         try:
             super().handle_completion(with_job(request, JobRequest, job), stop_words)
-            if wire is not None:
-                self._send_message(wire)
+            if messages is not None:
+                self._send_message(messages, out)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             log.info("client went away; its generation stopped")
         except Exception as e:  # after the reply started: end it, keep serving
             log.exception("request failed mid-reply")
-            self._end_failed(RequestError(500, one_line(e), "server_error"), wire)
+            error = RequestError(500, one_line(e), "server_error")
+            self._end_failed(error, messages, out)
         finally:
-            if wire is not None:
-                self.wfile = wire.out
+            self.wfile, self._messages = out, None
             self.response_generator.release(job.responses)
 
-    def _wire(self) -> anthropic_api.Wire:
-        """``self.wfile`` as an `anthropic_api.Wire` for a Messages request's reply,
-        its stop reason that of the chat reply's finish and the stop sequence that
-        ended it, if one did (`anthropic_api.stop_reason`)."""
+    def end_headers(self):
+        """http.server's; for a Messages request, the headers of mlx-lm's chat reply
+        start the Messages reply (`_open_message`)."""
+        messages = self._messages
+        if messages is None or messages.reply is not None:
+            return super().end_headers()
+        self._open_message(messages)
+
+    def _open_message(self, messages: anthropic_api.Events) -> None:
+        """The Messages reply starts, as mlx-lm's chat reply does (the request has
+        its context): a stream's headers (mlx-lm's, an event stream) go out, then
+        its first events; a reply not streamed sends nothing now (its message goes
+        whole, `_send_message`). From then on what mlx-lm writes of the chat reply
+        goes nowhere (`_Unsent`): its chunks reach the reply as the handler makes
+        them. Its stop reason is that of the chat reply's finish and the stop
+        sequence that ended it, if one did (`anthropic_api.stop_reason`)."""
         job = self._job
 
         def stop(finish):
             return anthropic_api.stop_reason(finish, job.stop_sequence)
 
-        def reply():  # at the reply's headers: the request has its context
-            ctx, model = job.responses.ctx, self.requested_model
-            prompt, cached = len(ctx.prompt), ctx.prompt_cache_count
-            return anthropic_api.Reply(model, prompt, cached, stop)
+        if not messages.stream:  # its headers too: the message is sent whole
+            self.wfile = _Unsent()
+        super().end_headers()
+        self.wfile = _Unsent()
+        ctx, model = job.responses.ctx, self.requested_model
+        prompt, cached = len(ctx.prompt), ctx.prompt_cache_count
+        messages.open(anthropic_api.Reply(model, prompt, cached, stop))
 
-        self.wfile = anthropic_api.Wire(self.wfile, reply, job.stream)
-        return self.wfile
+    def _send_message(self, messages: anthropic_api.Events, out) -> None:
+        """A Messages reply over: its last events, or the whole message unless it
+        streamed."""
+        self.wfile, self._messages = out, None
+        messages.close()
+        if not messages.stream:
+            self._send_json(messages.reply.message())
 
-    def _send_message(self, wire: anthropic_api.Wire) -> None:
-        """A Messages reply over: sent whole unless it streamed."""
-        self.wfile = wire.out
-        if not wire.stream:
-            self._send_json(wire.reply.message())
-
-    def _end_failed(self, error: RequestError, wire) -> None:
+    def _end_failed(self, error: RequestError, messages, out) -> None:
         """End a reply that failed after it started: a stream with an error event
         in its API's form (OpenAI's then ``[DONE]``); a reply not streamed, whose
         headers mlx-lm's handler keeps until its body is made (nothing sent yet),
         with its error reply."""
-        if wire is not None:
-            self.wfile = wire.out
-        if wire is None and self.stream:
+        self.wfile, self._messages = out, None
+        if messages is None and self.stream:
             self.wfile.write(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
-        elif wire is not None and wire.stream:
+        elif messages is not None and messages.stream:
             self.wfile.write(anthropic_api.error_event(error))
-        elif wire is not None or getattr(self, "_headers_buffer", None):
+        elif messages is not None or getattr(self, "_headers_buffer", None):
             self._headers_buffer = []  # the 200's, not sent
             self._fail(error)
 
@@ -637,7 +656,7 @@ class MTPHandler(lm_server.APIHandler):
         )
         if finish_reason is not None:
             self._add_mtp(response)
-        return finite(response)
+        return self._to_messages(finite(response))
 
     def _parsed_calls(self, text: str, calls, finish: Optional[str]):
         """``text`` with the tool text of ``calls`` that did not parse after it, and
@@ -666,7 +685,14 @@ class MTPHandler(lm_server.APIHandler):
         return finish
 
     def completion_usage_response(self, *args, **kwargs):
-        return self._add_mtp(super().completion_usage_response(*args, **kwargs))
+        response = super().completion_usage_response(*args, **kwargs)
+        return self._to_messages(self._add_mtp(response))
+
+    def _to_messages(self, chunk: dict) -> dict:
+        """``chunk``, also added to the Messages reply being made, if any."""
+        if self._messages is not None:
+            self._messages.add(chunk)
+        return chunk
 
     def _add_mtp(self, response: dict) -> dict:
         job = self._job
@@ -674,6 +700,17 @@ class MTPHandler(lm_server.APIHandler):
             return response
         response["mtp"] = mtp_block(job.mtp, job.batch_sizes)
         return response
+
+
+class _Unsent:
+    """Where mlx-lm's handler writes a Messages request's chat reply: nowhere (the
+    Messages reply is made of its chunks, `MTPHandler._to_messages`)."""
+
+    def write(self, data) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        pass
 
 
 def mtp_block(stats, batch_sizes: Optional[Dict[int, int]] = None) -> dict:
