@@ -3,10 +3,11 @@ translation to and from the OpenAI chat endpoint it already serves.
 
 A Messages request becomes the chat request that endpoint decodes (`chat_request`):
 the same checks, decode options, templates, tool parsing and prompt caches. Its reply
-is asked for as a stream, whose chunks (as mlx-lm's handler writes them) become
-Anthropic's events or, put together, its message (`Reply`, `Wire`). Errors are the
-server's `RequestError`s, in Anthropic's body (`error_body`, `error_event`). This
-module knows nothing of decoding.
+is asked for as a stream, whose chunks (the dicts the handler makes of the tokens,
+as for an OpenAI reply: never the bytes written of them) become Anthropic's events
+or, put together, its message (`Reply`, `Events`). Errors are the server's
+`RequestError`s, in Anthropic's body (`error_body`, `error_event`). This module
+knows nothing of decoding.
 """
 
 import json
@@ -609,40 +610,28 @@ def sse(event: Event) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, allow_nan=False)}\n\n".encode()
 
 
-class Wire:
-    """Stands in for a handler's ``wfile`` while mlx-lm's handler writes the chat
-    path's streamed reply (its status line and headers in one write, then
-    ``data: CHUNK`` events, then ``data: [DONE]``), making a `Reply` of it
-    (``reply_of``, called at the headers, once the request has started). When
-    ``stream``, the headers and Anthropic's events go on to ``out`` as they come;
-    else nothing does, and the handler sends the reply's message."""
+class Events:
+    """A Messages reply on its way out, made from the chat path's chunks as the
+    handler makes them (`Reply`): `open` once the reply starts (its headers sent),
+    `add` with each chunk, `close` at its end. When ``stream``, each step's events
+    go to ``out`` as they come; else nothing does, and the handler sends the
+    reply's message."""
 
-    def __init__(self, out, reply_of: Callable[[], Reply], stream: bool):
+    def __init__(self, out, stream: bool):
         self.out, self.stream = out, stream
-        self._reply_of = reply_of
         self.reply: Optional[Reply] = None
 
-    def write(self, data: bytes) -> int:
-        if self.reply is None:  # the status line and headers
-            self.reply = self._reply_of()
-            if self.stream:
-                self.out.write(data)
-            self._send(self.reply.start())
-            return len(data)
-        for line in bytes(data).split(b"\n"):
-            if not line.startswith(b"data: "):
-                continue  # the blank line after an event
-            payload = line[len(b"data: ") :]
-            if payload == b"[DONE]":
-                self._send(self.reply.end())
-            else:
-                self._send(self.reply.add(json.loads(payload)))
-        return len(data)
+    def open(self, reply: Reply) -> None:
+        self.reply = reply
+        self._send(reply.start())
 
-    def flush(self) -> None:
-        if self.stream:
-            self.out.flush()
+    def add(self, chunk: dict) -> None:
+        self._send(self.reply.add(chunk))
+
+    def close(self) -> None:
+        self._send(self.reply.end())
 
     def _send(self, events: List[Event]) -> None:
         if self.stream:
             self.out.write(b"".join(sse(e) for e in events))
+            self.out.flush()

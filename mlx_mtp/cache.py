@@ -516,7 +516,7 @@ class RecurrentCache(ArraysCache):
         slots = mark.base if mark is not None else self.cache
         # the row gathered into a buffer of its own: a slice, or a copy of one
         # (which may take over the slice's buffer), would hold every row's states
-        # (a kept session is counted at its arrays' sizes, `mlx_mtp.server.Sessions`)
+        # (a kept session is counted at its arrays' sizes, `mlx_mtp.serving.sessions.Sessions`)
         row = mx.array([b])
         out.cache = [None if s is None else mx.take(s, row, axis=0) for s in slots]
         return out

@@ -6,7 +6,9 @@ off, streamed or not, in both APIs. One server for the module (a template that r
 tools, tool calls and tool results), a few tokens per request."""
 
 import http.client
+import io
 import json
+import re
 import shutil
 
 import anthropic
@@ -16,10 +18,10 @@ import pytest
 
 from mlx_mtp import anthropic_api
 from mlx_mtp import generate as mtp_generate
-from mlx_mtp import server as server_module
 from mlx_mtp.generate import stream_generate
 from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args
+from mlx_mtp.serving import scheduler
 from mlx_mtp.testing.fixtures import write_checkpoint
 
 from .test_server import scripted
@@ -320,7 +322,7 @@ def test_bad_requests_are_400s_in_anthropic_form(client, what, change, words):
 def test_a_failure_mid_reply_is_an_anthropic_error(client, monkeypatch):
     """A round that fails: a 500 ``api_error`` for a reply not streamed, an
     ``error`` event for a stream that started; the server goes on."""
-    step = server_module.Batch.step
+    step = scheduler.Batch.step
     rounds = []
 
     def failing(self):
@@ -329,7 +331,7 @@ def test_a_failure_mid_reply_is_an_anthropic_error(client, monkeypatch):
             raise RuntimeError("the round broke")
         return step(self)
 
-    monkeypatch.setattr(server_module.Batch, "step", failing)
+    monkeypatch.setattr(scheduler.Batch, "step", failing)
     body = {"model": MODEL, "max_tokens": 12, "messages": USER}
     extra = {"num_draft_tokens": 0}
     with pytest.raises(anthropic.InternalServerError) as caught:
@@ -344,7 +346,7 @@ def test_a_failure_mid_reply_is_an_anthropic_error(client, monkeypatch):
         for event in client.messages.create(**body, stream=True, extra_body=extra):
             seen.append(event.type)
     assert seen[0] == "message_start"
-    monkeypatch.setattr(server_module.Batch, "step", step)
+    monkeypatch.setattr(scheduler.Batch, "step", step)
     assert client.messages.create(**body).stop_reason == "max_tokens"
 
 
@@ -691,6 +693,29 @@ def test_reply_events_and_message():
     ]
     assert message["stop_reason"] == "tool_use" and message["mtp"] == {"drafted": 1}
     assert message["usage"]["output_tokens"] == 7
+
+
+def test_events_go_out_as_they_come_when_streamed_and_never_otherwise():
+    """`Events` writes a streamed reply's events as each chunk comes (server-sent
+    events, in order), and nothing of a reply not streamed: its message is whole."""
+    chunk = {"choices": [{"delta": {"content": "hi"}, "finish_reason": "stop"}]}
+    for stream in (True, False):
+        out = io.BytesIO()
+        events = anthropic_api.Events(out, stream)
+        events.open(anthropic_api.Reply("m", 3, 0, anthropic_api.stop_reason))
+        opened = out.getvalue()
+        events.add(chunk)
+        added = out.getvalue()[len(opened) :]
+        events.close()
+        if not stream:
+            assert out.getvalue() == b""
+            assert events.reply.message()["content"] == [{"type": "text", "text": "hi"}]
+            continue
+        assert opened.startswith(b"event: message_start\ndata: {")
+        assert added.startswith(b"event: content_block_start\n")
+        assert b'"text": "hi"' in added and added.endswith(b"\n\n")
+        names = re.findall(rb"^event: (\w+)$", out.getvalue(), re.M)
+        assert names[-2:] == [b"message_delta", b"message_stop"], names
 
 
 def test_stop_reason():

@@ -8,7 +8,7 @@ import pytest
 from mlx_mtp.batch import Batch, prefill_together
 from mlx_mtp.batch_cache import batch_support
 from mlx_mtp.cache import make_caches
-from mlx_mtp.server import cache_cost
+from mlx_mtp.serving.budget import cache_cost
 from mlx_mtp.speculative import mtp_generate_step, prefill
 from mlx_mtp.testing import HEADS
 from tests.test_batch import plain

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from mlx_mtp import generate as mtp_generate
-from mlx_mtp import server as server_module
 from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args
+from mlx_mtp.serving import provider, scheduler
 from mlx_mtp.testing.fixtures import write_checkpoint
 
 KEY = "sekret"
@@ -154,7 +154,7 @@ def test_streaming_chat_and_text_completions(client, local):
     want = mtp_generate(model, tokenizer, "def forward(self, x):", max_tokens=6)
     assert r.choices[0].finish_reason == "length" and r.choices[0].text == want
     assert [m.id for m in client.models.list().data] == [
-        server_module.model_id(str(model.source))
+        provider.model_id(str(model.source))
     ]
 
 
@@ -231,7 +231,7 @@ def scripted(tokens, tokenizer, monkeypatch) -> list:
     as many a round as the real round gives (EOS made unreachable there); returns
     the prompts it is given, as text."""
     prompts, given = [], {}  # given: tokens replied so far, by row
-    admit, step = server_module.Batch.admit, server_module.Batch.step
+    admit, step = scheduler.Batch.admit, scheduler.Batch.step
 
     def scripted_admit(self, uid, prompt, *args, **kw):
         prompts.append(tokenizer.decode(prompt))
@@ -249,8 +249,8 @@ def scripted(tokens, tokenizer, monkeypatch) -> list:
         return outputs
 
     monkeypatch.setattr(tokenizer, "_eos_token_ids", {-1})
-    monkeypatch.setattr(server_module.Batch, "admit", scripted_admit)
-    monkeypatch.setattr(server_module.Batch, "step", scripted_step)
+    monkeypatch.setattr(scheduler.Batch, "admit", scripted_admit)
+    monkeypatch.setattr(scheduler.Batch, "step", scripted_step)
     return prompts
 
 

@@ -16,10 +16,12 @@ import openai
 import pytest
 
 from mlx_mtp import generate as mtp_generate
-from mlx_mtp import server as server_module
 from mlx_mtp.batch import prefill_together
 from mlx_mtp.errors import MTPError
 from mlx_mtp.server import Server, server_args
+from mlx_mtp.serving import budget
+from mlx_mtp.serving import generator as generator_module
+from mlx_mtp.serving import provider, scheduler
 
 PROMPTS = ["Write a function.", "say a b c", "hello world", "x = 1"]  # no EOS soon
 LENGTHS = [6, 9, 12, 15]  # rows leave the batch at different rounds
@@ -109,7 +111,7 @@ def test_four_requests_at_once_each_equal_its_lone_reply(served, local, monkeypa
         groups.append(len(admissions))
         return prefill_together(admissions)
 
-    monkeypatch.setattr(server_module, "prefill_together", spy)
+    monkeypatch.setattr(scheduler, "prefill_together", spy)
     gathered(served.generator, 4, monkeypatch)
     together = at_once(lambda i: ask(served, i), 4)
     assert groups and max(groups) >= 2, groups
@@ -252,12 +254,12 @@ def test_max_batch_and_the_cache_memory_bound_the_rows(model_path, local):
     that holds one request's positions, two requests run one after the other, and a
     request that cannot fit even alone is a 400 saying why."""
     model, tokenizer = local
-    cost = server_module.cache_cost(model, 1)
+    cost = budget.cache_cost(model, 1)
     positions = len(tokenizer.encode(PROMPTS[3])) + LENGTHS[3]
     for options in ({"max_batch": 1}, {"batch_cache_bytes": cost.bytes([positions])}):
         server = Server(server_args(model=model_path, port=0, **options)).start()
         kept = server.generator.sessions.max_bytes  # the kept conversations: bounded
-        assert kept == server_module.default_budget(model) // 2 > 0
+        assert kept == budget.default_budget(model) // 2 > 0
         try:
             replies = at_once(lambda i: ask(server, i), 4)
             if "batch_cache_bytes" in options:
@@ -284,7 +286,8 @@ def test_a_model_that_cannot_batch_serves_one_at_a_time(
     requests one at a time through the single-stream loop, each exactly."""
     model, tokenizer = local
     why = "mlx-mtp has no batched cache for this model's TestCache"
-    monkeypatch.setattr(server_module, "batch_support", lambda model: why)
+    for module in (provider, generator_module):  # its round costs, and its loop
+        monkeypatch.setattr(module, "batch_support", lambda model: why)
     with caplog.at_level(logging.WARNING, logger="mlx_mtp"):
         server = Server(server_args(model=model_path, port=0)).start()
         try:

@@ -8,8 +8,10 @@ compiling too; the private members of mlx-lm's server in use are all declared.""
 import ast
 import gc
 import http.client
+import importlib
 import inspect
 import json
+import pkgutil
 import socket
 import textwrap
 import threading
@@ -340,19 +342,30 @@ def private_names(source: str) -> set:
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
+def server_modules() -> list:
+    """mlx_mtp.server and the modules of mlx_mtp.serving: the server's code."""
+    from mlx_mtp import serving
+
+    found = pkgutil.iter_modules(serving.__path__, serving.__name__ + ".")
+    return [server_module] + [importlib.import_module(m.name) for m in found]
+
+
 def test_every_private_member_of_mlx_lms_server_in_use_is_declared():
     """Each private member of an mlx-lm server class the server subclasses that
-    mlx_mtp/server.py reads, sets or overrides (by name: a name shared by accident
-    would shadow mlx-lm's) is declared in `MLX_LM_PRIVATE`, which `check_mlx_lm`
-    checks at import."""
+    mlx_mtp/server.py or a module of mlx_mtp/serving reads, sets or overrides (by
+    name: a name shared by accident would shadow mlx-lm's) is declared in
+    `MLX_LM_PRIVATE`, which `check_mlx_lm` checks at import."""
+    modules = server_modules()
+    assert len(modules) > 8  # the server and its parts
     bases = {
         base
-        for cls in vars(server_module).values()
-        if inspect.isclass(cls) and cls.__module__ == server_module.__name__
+        for module in modules
+        for cls in vars(module).values()
+        if inspect.isclass(cls) and cls.__module__ == module.__name__
         for base in cls.__mro__
         if base.__module__ == lm_server.__name__
     }
-    used = private_names(inspect.getsource(server_module))
+    used = set().union(*(private_names(inspect.getsource(m)) for m in modules))
     declared = {name for name, _ in server_module.MLX_LM_PRIVATE}
     missing = sorted(
         f"{base.__name__}.{name}"
@@ -362,3 +375,23 @@ def test_every_private_member_of_mlx_lms_server_in_use_is_declared():
     )
     assert {b.__name__ for b in bases} >= {"ResponseGenerator", "APIHandler"}
     assert not missing, f"used, not in MLX_LM_PRIVATE: {missing}"
+
+
+def test_the_servers_parts_read_no_private_member_of_another_object():
+    """A private member is read only by its own class (``self._x``), or, for an
+    override of mlx-lm's, of the class it extends (``super()._x``, declared in
+    `MLX_LM_PRIVATE`): the scheduler drives the generator through its public
+    methods, and no part reaches into another's state. (A module's documented
+    function, as ``os._exit``, is no member of an object.)"""
+    reached = []
+    for module in server_modules():
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            owner = ast.unparse(node.value)
+            if node.attr.startswith("__") or owner in ("self", "super()"):
+                continue
+            if inspect.ismodule(getattr(module, owner, None)):
+                continue
+            reached.append(f"{module.__name__}: {ast.unparse(node)}")
+    assert not reached, reached

@@ -13,12 +13,12 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_mtp import generate as mtp_generate
-from mlx_mtp import server as server_module
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import stream_generate
 from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args
+from mlx_mtp.serving import generator, jobs, scheduler
 
 from .test_anthropic import tool_checkpoint
 from .test_server import scripted
@@ -312,12 +312,13 @@ def test_a_reply_that_would_not_be_json_is_a_whole_error(served, monkeypatch):
     """Should a NaN reach a reply (here a logprob, made so), the reply is refused
     as it would not be JSON: a whole 500 error reply (not an empty one, nor
     NaN in its body), and the server goes on."""
-    real = server_module._top_logprobs
+    real = jobs.top_logprobs
 
     def with_nan(logprobs, n, tokenizer):
         return tuple(dict(t, logprob=math.nan) for t in real(logprobs, n, tokenizer))
 
-    monkeypatch.setattr(server_module, "_top_logprobs", with_nan)
+    for module in (scheduler, generator):  # batched, and alone
+        monkeypatch.setattr(module, "top_logprobs", with_nan)
     ask = dict(max_tokens=3, logprobs=True, top_logprobs=2)
     status, r = chat(served, **ask)
     assert status == 500 and "JSON" in r["error"]["message"], r

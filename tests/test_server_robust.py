@@ -25,6 +25,8 @@ from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load
 from mlx_mtp.options import DecodeOptions
 from mlx_mtp.server import Server, server_args
+from mlx_mtp.serving import generator as generator_module
+from mlx_mtp.serving import http_guard, provider, scheduler
 
 MESSAGES = [{"role": "user", "content": "Write a function."}]
 KEYS = ("alice-key", "bob-key")
@@ -262,21 +264,21 @@ def recording(path, monkeypatch) -> list:
     admission, or the single-stream loop), in order."""
     seen = []
     if path == "single":
-        real = server_module.stream_generate
+        real = generator_module.stream_generate
 
         def record(model, tokenizer, prompt, **kw):
             seen.append(kw["options"])
             return real(model, tokenizer, prompt, **kw)
 
-        monkeypatch.setattr(server_module, "stream_generate", record)
+        monkeypatch.setattr(generator_module, "stream_generate", record)
         return seen
-    admit = server_module.Batch.admit
+    admit = scheduler.Batch.admit
 
     def record_admitted(self, uid, prompt, options=None, *args, **kw):
         seen.append(options)
         return admit(self, uid, prompt, options, *args, **kw)
 
-    monkeypatch.setattr(server_module.Batch, "admit", record_admitted)
+    monkeypatch.setattr(scheduler.Batch, "admit", record_admitted)
     return seen
 
 
@@ -332,7 +334,7 @@ def inject_fault(path, monkeypatch):
     single-stream loop after two tokens, in the batch on the way to their reply, at
     their second round."""
     if path == "single":
-        real = server_module.stream_generate
+        real = generator_module.stream_generate
 
         def failing(model, tokenizer, prompt, **kw):
             with closing(real(model, tokenizer, prompt, **kw)) as steps:
@@ -341,9 +343,9 @@ def inject_fault(path, monkeypatch):
                         raise RuntimeError(FAULT)
                     yield step
 
-        monkeypatch.setattr(server_module, "stream_generate", failing)
+        monkeypatch.setattr(generator_module, "stream_generate", failing)
         return
-    emit, rounds = server_module._Scheduler._emit, {}
+    emit, rounds = scheduler.Scheduler._emit, {}
 
     def failing_emit(self, s, out):
         rounds[s.uid] = rounds.get(s.uid, 0) + 1
@@ -351,7 +353,7 @@ def inject_fault(path, monkeypatch):
             raise RuntimeError(FAULT)
         return emit(self, s, out)
 
-    monkeypatch.setattr(server_module._Scheduler, "_emit", failing_emit)
+    monkeypatch.setattr(scheduler.Scheduler, "_emit", failing_emit)
 
 
 @pytest.mark.parametrize("path", ["single", "batched"])
@@ -378,7 +380,7 @@ def test_a_failing_request_costs_only_itself(path, served, local, endless, monke
 
 
 @pytest.mark.parametrize(
-    "where", [(server_module.Batch, "step"), (server_module._Scheduler, "round")]
+    "where", [(scheduler.Batch, "step"), (scheduler.Scheduler, "round")]
 )
 def test_the_generation_loop_goes_on_after_a_failure(where, served, monkeypatch):
     """A failure of a batched round (not one request's: every row was in it), or of
@@ -405,11 +407,11 @@ def test_the_generation_loop_goes_on_after_a_failure(where, served, monkeypatch)
 
 
 def test_several_api_keys_from_the_option_and_the_environment(monkeypatch):
-    monkeypatch.setenv(server_module.API_KEY_ENV, " alice-key, bob-key ,")
+    monkeypatch.setenv(http_guard.API_KEY_ENV, " alice-key, bob-key ,")
     assert server_args().api_key == KEYS
     assert server_args(api_key="carol").api_key == ("carol",)
     assert server_args(api_key=["a", "b"]).api_key == ("a", "b")
-    monkeypatch.setenv(server_module.API_KEY_ENV, "")
+    monkeypatch.setenv(http_guard.API_KEY_ENV, "")
     assert server_args().api_key == ()
     from click.testing import CliRunner
 
@@ -473,8 +475,8 @@ def test_round_costs_are_ready_before_serving(model_path, monkeypatch):
         sizes = batch_costs.grid(server.args.max_batch)
         assert set(sizes) <= set(model.batch_costs.sizes)
         unmeasured = DecodeOptions(draft_vocab=100)
-        assert server_module.times_costs(model, unmeasured)
-        assert not server_module.times_costs(model, unmeasured.replace(**FIXED_HEADS))
+        assert provider.times_costs(model, unmeasured)
+        assert not provider.times_costs(model, unmeasured.replace(**FIXED_HEADS))
         timed = []
 
         def no_timing(*a, **kw):
@@ -530,10 +532,10 @@ def test_a_start_that_times_the_rounds_says_so(tmp_path, monkeypatch, capsys):
         return draft_length.RoundCosts([1.0] + [1.1] * max_k, 0.1, drafts)
 
     monkeypatch.setattr(draft_length, "measure_costs", measure)
-    server_module.warm_costs(model, DecodeOptions())
+    provider.warm_costs(model, DecodeOptions())
     assert "timing the model's rounds" in capsys.readouterr().err
     model.round_costs = None  # a new server: the costs file has them
-    server_module.warm_costs(model, DecodeOptions())
+    provider.warm_costs(model, DecodeOptions())
     assert capsys.readouterr().err == ""
 
 

@@ -47,6 +47,7 @@ LAYERS = [
         "server_checks",
         "anthropic_api",
         "server",
+        "serving",
         "prompts_file",
     ],
     ["convert", "demo", "testing"],
