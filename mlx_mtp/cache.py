@@ -71,8 +71,8 @@ from .kv_cache import (
     WindowCache,
     copy_arrays,
     kv_cost,
-    one_row,
 )
+from .one_row import OneRow, TrimsTail
 
 log = logging.getLogger("mlx_mtp")
 
@@ -181,12 +181,16 @@ def _group_size_advice(width: int, group_size: int) -> str:
 # -- mlx-lm's cache classes, adapted to the protocol ---------------------------------
 
 
-class LMCache:
+class LMCache(OneRow):
     """An mlx-lm cache with no exact rollback (a ``RotatingKVCache`` that wrapped, an
     ``ArraysCache`` that records no states, ...): plain decoding only, no batch."""
 
     def __init__(self, cache):
         self.cache = cache
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
 
     def can_roll_back(self) -> bool:
         return False
@@ -197,19 +201,6 @@ class LMCache:
     def rewind(self, mark, n: int) -> None:
         if n > 0:
             raise RollbackError(f"{type(self.cache).__name__} cannot be rolled back")
-
-    def rewind_rows(self, drop: Sequence[int], mark=None) -> None:
-        self.rewind(mark, one_row(drop))
-
-    def keep_below(self, limits: Sequence[int]) -> None:
-        self.rewind(None, self.cache.offset - one_row(limits))
-
-    def prepare(self, left_padding: Optional[Sequence[int]] = None, **kwargs) -> None:
-        if left_padding is not None and any(left_padding):
-            raise ValueError("a single-stream cache takes no left padding")
-
-    def finalize(self) -> None:
-        return None
 
     def batch_refusal(self) -> Optional[str]:
         return type(self.cache).__name__
@@ -228,16 +219,12 @@ class LMCache:
         raise MTPError(f"cannot read the keys and values of a {name}")
 
 
-class LMKVCache(LMCache):
+class LMKVCache(TrimsTail, LMCache):
     """mlx-lm's ``KVCache`` and ``QuantizedKVCache``: a rollback trims the tail; a
     ``KVCache``'s rows batch as `RaggedKVCache` rows."""
 
-    def can_roll_back(self) -> bool:
-        return True
-
-    def rewind(self, mark, n: int) -> None:
-        if n > 0:
-            self.cache.trim(n)
+    def trim(self, n: int) -> None:
+        self.cache.trim(n)
 
     def batch_refusal(self) -> Optional[str]:
         return None if type(self.cache) is KVCache else type(self.cache).__name__
@@ -516,7 +503,8 @@ class RecurrentCache(ArraysCache):
         slots = mark.base if mark is not None else self.cache
         # the row gathered into a buffer of its own: a slice, or a copy of one
         # (which may take over the slice's buffer), would hold every row's states
-        # (a kept session is counted at its arrays' sizes, `mlx_mtp.serving.sessions.Sessions`)
+        # (a kept session is counted at its arrays' sizes:
+        # `mlx_mtp.serving.sessions.Sessions`)
         row = mx.array([b])
         out.cache = [None if s is None else mx.take(s, row, axis=0) for s in slots]
         return out

@@ -21,6 +21,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from .errors import MTPError, RollbackError
+from .one_row import TrimsTail
 
 COMPACT_SLACK = 64  # holes of the widest row tolerated before `compact`
 NO_COST = (0.0, (), 0.0)  # `cost` of a cache holding nothing
@@ -60,14 +61,7 @@ def kv_cost(keys: Optional[mx.array], values, window: Optional[int] = None):
     return per_position, (), COMPACT_SLACK * per_position
 
 
-def one_row(drop: Sequence[int]) -> int:
-    """A one-stream cache's count of ``drop`` (it has one row)."""
-    if len(drop) != 1:
-        raise ValueError(f"a single-stream cache has one row, not {len(drop)}")
-    return drop[0]
-
-
-class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its caches have
+class WindowCache(TrimsTail, _BaseCache):  # mlx-lm's base: its defaults, as its caches
     """A sliding-window attention layer's cache that a multi-token pass and a rollback
     keep exact.
 
@@ -214,33 +208,7 @@ class WindowCache(_BaseCache):  # mlx-lm's cache base: its defaults, as its cach
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
 
-    # -- the cache protocol (`mlx_mtp.cache`): one stream, one row --------------
-
-    def can_roll_back(self) -> bool:
-        return True
-
-    def mark(self, record: bool = True) -> None:
-        """Nothing to record: a rollback trims."""
-        return None
-
-    def rewind(self, mark, n: int) -> None:
-        """Drop the last ``n`` positions (within ``slack``)."""
-        if n > 0:
-            self.trim(n)
-
-    def rewind_rows(self, drop: Sequence[int], mark=None) -> None:
-        self.rewind(mark, one_row(drop))
-
-    def keep_below(self, limits: Sequence[int]) -> None:
-        """Keep the positions below ``limits[0]``."""
-        self.rewind(None, self.offset - one_row(limits))
-
-    def prepare(self, left_padding: Optional[Sequence[int]] = None, **kwargs) -> None:
-        if left_padding is not None and any(left_padding):
-            raise ValueError("a single-stream cache takes no left padding")
-
-    def finalize(self) -> None:
-        return None
+    # -- the cache protocol (`mlx_mtp.cache`): one stream, one row (`TrimsTail`) --
 
     def batch_refusal(self) -> Optional[str]:
         """None: rows of this cache batch as `RaggedKVCache` rows (without sinks)."""

@@ -28,18 +28,17 @@ and answer a request not started (its grammar still compiling included) with a 5
 
 import argparse
 import gc
-import inspect
 import os
 import signal
 import threading
 from typing import Optional
 
-import mlx_lm
 from mlx_lm import server as lm_server
 
 from .defaults import DEFAULT_MAX_BATCH, SERVER_MAX_TOKENS
 from .errors import MTPError
 from .options import DecodeOptions
+from .private import check_private
 from .server_checks import check_origins, prompt_bytes_per_token
 from .serving.budget import default_budget
 from .serving.generator import MTPResponseGenerator
@@ -71,39 +70,15 @@ MLX_LM_PRIVATE = (
 )
 
 
-def _parameters(fn) -> str:
-    """``fn``'s parameters as a def spells them, annotations left out."""
-    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
-    spelled = []
-    for p in inspect.signature(fn).parameters.values():
-        default = "" if p.default is p.empty else f"={p.default!r}"
-        spelled.append(f"{stars.get(p.kind, '')}{p.name}{default}")
-    return ", ".join(spelled)
-
-
 def check_mlx_lm(server=lm_server) -> None:
     """Refuse, in one `MTPError` line, an mlx-lm whose ``server`` module lacks one of
     `MLX_LM_PRIVATE` or has it with other parameters."""
-    version = getattr(mlx_lm, "__version__", "?")
-    for name, expected in MLX_LM_PRIVATE:
-        member = server
-        for part in name.split("."):
-            member = getattr(member, part, None)
-        try:
-            found = _parameters(member) if callable(member) else None
-        except (TypeError, ValueError):  # no signature to read
-            found = None
-        if found == expected:
-            continue
-        change = (
-            "is gone"
-            if found is None
-            else f"has changed (its parameters are ({found}), not ({expected}))"
-        )
-        raise MTPError(
-            f"mlx-mtp serve needs mlx-lm 0.32.x (0.32.2 or later): "
-            f"mlx_lm.server.{name} {change} in the installed mlx-lm {version}"
-        )
+    check_private(
+        server,
+        MLX_LM_PRIVATE,
+        "mlx_lm.server",
+        "mlx-mtp serve needs mlx-lm 0.32.x (0.32.2 or later)",
+    )
 
 
 check_mlx_lm()

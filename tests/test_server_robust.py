@@ -543,6 +543,7 @@ def test_an_mlx_lm_whose_server_changed_is_refused_at_start(monkeypatch):
     """The private members of mlx_lm.server the server overrides or calls are
     checked at import: one whose parameters changed, or that is gone, makes ``serve``
     fail at start in one line, never a request."""
+    import mlx_lm
     from click.testing import CliRunner
     from mlx_lm import server as lm_server
 
@@ -561,7 +562,7 @@ def test_an_mlx_lm_whose_server_changed_is_refused_at_start(monkeypatch):
             "mlx-mtp serve needs mlx-lm 0.32.x (0.32.2 or later): "
             "mlx_lm.server.ResponseGenerator._tokenize has changed (its parameters "
             "are (self, tokenizer, request), not (self, tokenizer, request, args)) "
-            f"in the installed mlx-lm {server_module.mlx_lm.__version__}"
+            f"in the installed mlx-lm {mlx_lm.__version__}"
         )
         m.delitem(sys.modules, "mlx_mtp.server")  # `serve` imports it again
         r = CliRunner().invoke(main, ["serve", "--model", "x"])

@@ -20,6 +20,8 @@ LAYERS = [
         "errors",
         "fast_blas",
         "files",
+        "private",
+        "one_row",
         "paths",
     ],  # the root imports its names lazily
     ["models"],

@@ -28,17 +28,16 @@ depth reads the block's output streams, so hidden states here are packed as
 ``(B, L, (hc_mult + 1) D)``: the streams, then the normed collapse the head reads.
 """
 
-import inspect
 import re
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm
 from mlx_lm.models import deepseek_v41 as lm
 
 from ..errors import MissingHeadsError, MTPError
+from ..private import check_private
 from .base import split_mtp
 from .deepseek_v4_cache import CompressorState, V4Cache, V4Rows
 from .deepseek_v4_quant import MXFP8, expand_release_scales
@@ -57,40 +56,15 @@ MLX_LM_PRIVATE = (
 )
 
 
-def _parameters(fn) -> str:
-    """``fn``'s parameters as a def spells them, annotations left out."""
-    spelled, starred = [], False
-    for p in inspect.signature(fn).parameters.values():
-        if p.kind is p.KEYWORD_ONLY and not starred:
-            spelled.append("*")
-        starred = starred or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
-        stars = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
-        default = "" if p.default is p.empty else f"={p.default!r}"
-        spelled.append(f"{stars}{p.name}{default}")
-    return ", ".join(spelled)
-
-
 def check_mlx_lm(module=lm) -> None:
     """Refuse, in one `MTPError` line, an mlx-lm whose ``deepseek_v41`` lacks one of
     `MLX_LM_PRIVATE` or has it with other parameters."""
-    for name, expected in MLX_LM_PRIVATE:
-        member = getattr(module, name, None)
-        try:
-            found = _parameters(member) if callable(member) else None
-        except (TypeError, ValueError):  # no signature to read
-            found = None
-        if found == expected:
-            continue
-        change = (
-            "is gone"
-            if found is None
-            else f"has changed (its parameters are ({found}), not ({expected}))"
-        )
-        version = getattr(mlx_lm, "__version__", "?")
-        raise MTPError(
-            f"DeepSeek-V4 needs mlx-lm 0.32.x: mlx_lm.models.deepseek_v41.{name} "
-            f"{change} in the installed mlx-lm {version}"
-        )
+    check_private(
+        module,
+        MLX_LM_PRIVATE,
+        "mlx_lm.models.deepseek_v41",
+        "DeepSeek-V4 needs mlx-lm 0.32.x",
+    )
 
 
 check_mlx_lm()

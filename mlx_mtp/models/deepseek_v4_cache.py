@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..errors import MTPError, RollbackError
+from ..one_row import TrimsTail
 
 
 def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
@@ -123,7 +124,7 @@ class CompressorState:
         return [a for a in (self.entries, self.kv, self.gate) if a is not None]
 
 
-class V4Cache:
+class V4Cache(TrimsTail):
     """One V4 attention layer's cache: the sliding window's K = V rows, and on
     compressed layers the compressor's state (``compressed``) and, for r = 4, the
     indexer's (``index``). Its ``trim`` is exact within ``slack`` positions, so it
@@ -198,32 +199,7 @@ class V4Cache:
             kept += 2 * row * (s.slack + 2 * s.ratio)
         return per_position, ((window, self.window + self.slack),), kept
 
-    # -- the rest of the cache protocol (`mlx_mtp.cache`): one stream, one row -----
-
-    def can_roll_back(self) -> bool:
-        return True
-
-    def mark(self, record: bool = True) -> None:
-        """Nothing to record: a rollback trims."""
-        return None
-
-    def rewind(self, mark, n: int) -> None:
-        """Forget the last ``n`` positions (within ``slack``)."""
-        if n > 0:
-            self.trim(n)
-
-    def rewind_rows(self, drop: Sequence[int], mark=None) -> None:
-        self.rewind(mark, _one_row(drop))
-
-    def keep_below(self, limits: Sequence[int]) -> None:
-        self.rewind(None, self.offset - _one_row(limits))
-
-    def prepare(self, left_padding: Optional[Sequence[int]] = None, **kwargs) -> None:
-        if left_padding is not None and any(left_padding):
-            raise ValueError("a single-stream cache takes no left padding")
-
-    def finalize(self) -> None:
-        return None
+    # -- the rest of the cache protocol (`mlx_mtp.cache`): one stream (`TrimsTail`) --
 
     def batch_refusal(self) -> Optional[str]:
         return None
@@ -258,12 +234,6 @@ class V4Cache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
-
-
-def _one_row(counts: Sequence[int]) -> int:
-    if len(counts) != 1:
-        raise ValueError(f"a single-stream cache has one row, not {len(counts)}")
-    return counts[0]
 
 
 def _fresh(a: Optional[mx.array]) -> Optional[mx.array]:
