@@ -303,14 +303,14 @@ class Batch:
             raise MTPError("a grammar (json_schema, regex) needs the model's tokenizer")
         return Admission(self, uid, prompt, options, session, policy)
 
-    def join(self, admission: Admission) -> Row:
+    def join(self, admission: Admission, eos: Optional[Iterable[int]] = None) -> Row:
         """Add an admitted stream to the batch (its prefill is finished first). It
-        is in the rounds launched from the next `step` on. Its rules (a grammar,
-        compiled if the cache lacks it) are made first: if that raises, the batch
-        is as it was."""
+        is in the rounds launched from the next `step` on; ``eos``: the tokens that
+        end it (default: the batch's). Its rules (a grammar, compiled if the cache
+        lacks it) are made first: if that raises, the batch is as it was."""
         while not admission.ready:
             admission.advance()
-        row = admission.row(self.eos)
+        row = admission.row(self.eos if eos is None else eos)
         self.joining.append(row)
         return row
 

@@ -32,7 +32,7 @@ from .draft_length import (
     median_time,
 )
 from .errors import MTPError
-from .files import read_json, write_atomically
+from .files import read_table, write_atomically
 from .paths import home
 
 VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
@@ -242,12 +242,7 @@ def model_batch_costs(model, max_batch: int, filled, on_measure=None) -> BatchCo
 
 
 def _stored() -> dict:
-    path = _costs_file()
-    try:
-        table = read_json(path) if path.is_file() else {}
-    except MTPError:
-        return {}
-    return table if isinstance(table, dict) else {}
+    return read_table(_costs_file())
 
 
 def expected_tokens(row, k: int) -> float:

@@ -35,8 +35,7 @@ from .defaults import (
 )
 from .distributed import Sync
 from .draft_vocab import auto_sizes
-from .errors import MTPError
-from .files import model_stamps, read_json, write_atomically
+from .files import model_stamps, read_table, write_atomically
 from .history import DEFAULT_PRIOR, Counts
 from .paths import home
 
@@ -236,14 +235,8 @@ def _is_cost(x) -> bool:
 
 
 def _stored_costs() -> dict:
-    """The costs file's table, ``{key: entry}``; {} for a file that is absent,
-    unreadable or not a JSON object (its entries are checked by `parse_costs`)."""
-    path = _costs_file()
-    try:
-        table = read_json(path) if path.is_file() else {}
-    except MTPError:
-        return {}
-    return table if isinstance(table, dict) else {}
+    """The costs file's table (its entries are checked by `parse_costs`)."""
+    return read_table(_costs_file())
 
 
 def _store_costs(key: str, costs: RoundCosts) -> None:

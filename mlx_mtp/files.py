@@ -189,3 +189,13 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_table(path: Path) -> dict:
+    """A cache file of mlx-mtp's, ``{key: entry}``: {} for a file that is absent,
+    unreadable or not a JSON object (its entries are for the caller to check)."""
+    try:
+        table = read_json(path) if path.is_file() else {}
+    except MTPError:
+        return {}
+    return table if isinstance(table, dict) else {}

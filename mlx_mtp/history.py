@@ -20,8 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .errors import MTPError
-from .files import model_stamps, read_json, write_atomically
+from .files import model_stamps, read_table, write_atomically
 from .paths import home
 
 DEFAULT_PRIOR = 0.6  # acceptance assumed at a position nothing is known about
@@ -104,12 +103,7 @@ def _file():
 
 
 def _stored() -> dict:
-    path = _file()
-    try:
-        table = read_json(path) if path.is_file() else {}
-    except MTPError:
-        return {}
-    return table if isinstance(table, dict) else {}
+    return read_table(_file())
 
 
 def shares(key: Optional[str], sizes: List[int]) -> Optional[Dict[int, float]]:

@@ -252,9 +252,8 @@ class Scheduler:
             self.gen.sessions.put(admission.session.snapshot(), s.job.owner)
         except Exception as e:  # this request's failure only
             return fail_request(s.responses, e)
-        self.batch.eos = frozenset(self.tokenizer.eos_token_ids)  # as of now
-        try:
-            s.row = self.batch.join(admission)
+        try:  # the end tokens as of now (a tokenizer's may be added to)
+            s.row = self.batch.join(admission, self.tokenizer.eos_token_ids)
         except Exception as e:  # its rules (a grammar): the batch is as it was
             return fail_request(s.responses, decoding_error(e))
         self.rows[s.uid] = s
