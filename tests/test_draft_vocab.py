@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_mtp.speculative as speculative
+import mlx_mtp.round as rounds
 from mlx_mtp import draft_vocab
 from mlx_mtp.draft_length import AdaptiveLength, Coverage, RoundCosts
 from mlx_mtp.errors import MTPError
@@ -259,15 +259,19 @@ def test_sampling_with_a_draft_vocabulary_is_exact(ranked, k, source):
 def test_sampling_test_catches_a_draft_reported_as_unrestricted(ranked, monkeypatch):
     """Negative control: drafts sampled from the rows but reported with the rows'
     restriction forgotten (the other tokens at logit 0) are accepted too often."""
-    real = speculative._pick
+    real = rounds._pick
 
-    def forgetful(logits, params, key):
-        token, lp = real(logits, params, key)
-        if lp is not None:
-            lp = filtered_logprobs(mx.where(mx.isinf(logits), 0.0, logits), params)
-        return token, lp
+    def forgetful(runs, logits, keys):
+        tokens, q = real(runs, logits, keys)
+        if q is None:
+            return tokens, q
+        whole = mx.where(mx.isinf(logits), 0.0, logits)  # (B, V)
+        return tokens, [
+            None if x is None else filtered_logprobs(whole[b : b + 1], r.params)
+            for b, (x, r) in enumerate(zip(q, runs))
+        ]
 
-    monkeypatch.setattr(speculative, "_pick", forgetful)
+    monkeypatch.setattr(rounds, "_pick", forgetful)
     assert sampling_after_prompt_fails(ranked, PROMPT, VOCAB, 2, draft_vocab=4)
 
 

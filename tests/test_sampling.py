@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_mtp.speculative as speculative
+import mlx_mtp.round as rounds
 from mlx_mtp.draft_length import DraftPolicy
 from mlx_mtp.loading import load_model
 from mlx_mtp.rejection import AcceptResult, accept_stochastic
@@ -185,7 +185,7 @@ def resample_from_target(draft_tokens, draft_logprobs, target_logprobs, key):
 
 @pytest.mark.parametrize("wrong_rule", [accept_always, resample_from_target])
 def test_wrong_rules_fail_the_test(small_model, monkeypatch, wrong_rule):
-    monkeypatch.setattr(speculative, "accept_stochastic", wrong_rule)
+    monkeypatch.setattr(rounds, "accept_stochastic", wrong_rule)
     assert fails_exactness(small_model, SamplingParams(temp=1.0), 2)
 
 
