@@ -16,7 +16,6 @@ costs measured. Rows that asked for a fixed k keep it. Nothing here changes the
 output: every round is verified exactly.
 """
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -32,7 +31,7 @@ from .draft_length import (
     median_time,
 )
 from .errors import MTPError
-from .files import read_table, write_atomically
+from .files import read_table, write_table
 from .paths import home
 
 VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
@@ -232,11 +231,7 @@ def model_batch_costs(model, max_batch: int, filled, on_measure=None) -> BatchCo
                 "verify": {str(b): v for b, v in stored.verify.items()},
                 "draft": {str(b): v for b, v in stored.draft.items()},
             }
-            try:
-                _costs_file().parent.mkdir(parents=True, exist_ok=True)
-                write_atomically(_costs_file(), json.dumps(table))
-            except OSError:
-                pass
+            write_table(_costs_file(), table)
     model.batch_costs = stored
     return stored
 

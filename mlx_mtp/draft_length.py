@@ -35,7 +35,7 @@ from .defaults import (
 )
 from .distributed import Sync
 from .draft_vocab import auto_sizes
-from .files import model_stamps, read_table, write_atomically
+from .files import model_stamps, read_table, write_table
 from .history import DEFAULT_PRIOR, Counts
 from .paths import home
 
@@ -246,12 +246,7 @@ def _store_costs(key: str, costs: RoundCosts) -> None:
     written is skipped."""
     table = {k: v for k, v in _stored_costs().items() if parse_costs(v) is not None}
     table[key] = asdict(costs)
-    path = _costs_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, json.dumps(table))
-    except OSError:
-        pass
+    write_table(_costs_file(), table)
 
 
 class DraftPolicy:

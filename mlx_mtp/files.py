@@ -199,3 +199,14 @@ def read_table(path: Path) -> dict:
     except MTPError:
         return {}
     return table if isinstance(table, dict) else {}
+
+
+def write_table(path: Path, table: dict) -> None:
+    """Write a cache table of mlx-mtp's whole, as JSON (`write_atomically`: the last
+    of concurrent writers wins, the file is always one complete table); a cache
+    that cannot be written is skipped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(table))
+    except OSError:
+        pass

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .files import model_stamps, read_table, write_atomically
+from .files import model_stamps, read_table, write_table
 from .paths import home
 
 DEFAULT_PRIOR = 0.6  # acceptance assumed at a position nothing is known about
@@ -102,8 +102,21 @@ def _file():
     return home() / "acceptance.json"
 
 
+_read: dict = {}  # the table last read, and its file's (path, inode, size, time)
+
+
 def _stored() -> dict:
-    return read_table(_file())
+    """The history's table (not to be changed in place), read again only when its
+    file changed: a generation's policies look it up several times."""
+    path = _file()
+    try:
+        st = path.stat()
+    except OSError:
+        return {}
+    stamp = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if _read.get("stamp") != stamp:
+        _read.update(stamp=stamp, table=read_table(path))
+    return _read["table"]
 
 
 def shares(key: Optional[str], sizes: List[int]) -> Optional[Dict[int, float]]:
@@ -143,13 +156,7 @@ def learn(key: Optional[str], seen: Dict[str, Counts]) -> None:
         n = min(len(total.hits), MAX_POSITIONS)
         old[source] = Counts(total.hits[:n], total.reached[:n])
     table[key] = {s: {"hits": c.hits, "reached": c.reached} for s, c in old.items()}
-    table = dict(list(table.items())[-MAX_ENTRIES:])  # the newest kept
-    path = _file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, json.dumps(table))
-    except OSError:
-        pass
+    write_table(_file(), dict(list(table.items())[-MAX_ENTRIES:]))  # the newest
 
 
 def model_key(model) -> Optional[str]:
