@@ -36,7 +36,7 @@ from .paths import home
 
 VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
 DRAFT_FLOOR = 0.02  # a draft costs at least this share of a plain round
-VERSION = "rounds-2"  # how the costs are measured (older entries are measured anew)
+VERSION = "rounds-3"  # how the costs are measured (older entries are measured anew)
 MAX_GRID = 16  # batch sizes one stored entry may hold
 
 
@@ -80,6 +80,13 @@ class BatchCosts:
         """A round over B rows drafting K tokens each."""
         return self.verify_cost(B, K + 1) + K * self._at(self.draft, B)
 
+    def pays(self, B: int, longest: int) -> bool:
+        """Whether drafting at most ``longest`` tokens could beat plain decoding at
+        batch B, every draft accepted: false past the crossover, where the pass turns
+        compute bound and no acceptance makes drafting pay."""
+        plain = self.round(B, 0)
+        return any((K + 1) * plain > self.round(B, K) for K in range(1, longest + 1))
+
 
 def _width(costs: List[float], n: int) -> float:
     if n <= len(costs):
@@ -109,21 +116,26 @@ def measure_batch_costs(
     as a round runs them (rollback marks, the pass, its rewind). ``draft[B]`` is
     all that the round drafting one token costs beyond its verify pass (the draft
     step, sampling, acceptance, rollback, the MTP caches' upkeep), counted for
-    every draft of a longer round, which errs towards drafting less."""
+    every draft of a longer round, which errs towards drafting less; and at least
+    the draft step timed alone (a difference of two medians can come out near 0)."""
     times, drafts = {}, {}
     for B in sizes:
         batch = filled(model, B, context)
         wide = [_time_verify(batch, n, reps) for n in range(2, VERIFY_WIDTHS + 1)]
+        step = _time_draft(batch, reps) if model.num_mtp_layers else 0.0
         plain = _time_rounds(batch, 0, reps)
         times[B] = [plain] + wide
         if model.num_mtp_layers:
             one = _time_rounds(batch, 1, reps)
-            drafts[B] = max(one - max(wide[0], plain), DRAFT_FLOOR * plain)
+            drafts[B] = max(one - max(wide[0], plain), step, DRAFT_FLOOR * plain)
         else:
             drafts[B] = 0.0
     if sizes[0] != 1:
         raise MTPError("batch costs are measured from a batch of one row")
-    return BatchCosts(_monotone(times), {B: d / times[1][0] for B, d in drafts.items()})
+    unit = times[1][0]
+    return BatchCosts(
+        _monotone(times), _rising({B: d / unit for B, d in drafts.items()})
+    )
 
 
 def _time_rounds(batch, k: int, reps: int) -> float:
@@ -149,6 +161,17 @@ def _monotone(times: Dict[int, List[float]]) -> Dict[int, List[float]]:
             row.append(best)
         out[B], below = row, row
     out[1][0] = 1.0
+    return out
+
+
+def _rising(drafts: Dict[int, float]) -> Dict[int, float]:
+    """Draft costs made non-decreasing in rows (a draft step over more rows never
+    costs less; a smaller measurement is noise that would make drafting look cheap
+    at one batch size)."""
+    out, best = {}, 0.0
+    for B in sorted(drafts):
+        best = max(best, drafts[B])
+        out[B] = best
     return out
 
 
@@ -282,7 +305,11 @@ class BatchLength:
     the first round of a row that has not drafted yet (its acceptance unknown). The
     interval doubles after each probe while drafting still does not pay (up to
     `MAX_PROBE_INTERVAL` rounds: a probe costs a drafting round where one does not
-    pay), and is ``probe_every`` again once it pays."""
+    pay), and is ``probe_every`` again once it pays: an acceptance that falls below
+    what pays switches drafting off for good but for those rare probes (the kill
+    switch). Past the crossover (`BatchCosts.pays`: no acceptance would pay at this
+    batch size) the auto rows never draft beyond the fixed rows, and nothing
+    probes."""
 
     costs: BatchCosts
     depth: int = 1
@@ -305,6 +332,8 @@ class BatchLength:
         longest = max((a for a, free in zip(asks, auto) if free), default=0)
         if longest <= fixed or len(rows) == 1:
             return None
+        if not self.costs.pays(len(rows), longest):
+            return fixed  # past the crossover: no probe, no first draft either
         options = [fixed] + [k for k in range(max(fixed + 1, self.depth), longest + 1)]
         best = max(options, key=lambda K: self.rate(rows, asks, auto, K))
         interval = self.interval or self.probe_every

@@ -227,23 +227,33 @@ def test_stored_batch_costs_are_checked():
 
 
 def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
-    """At a batch size where a wider pass costs its share, auto rows are capped at
-    0 (batched plain) once each has drafted (a row's first round drafts, to measure
-    its acceptance); where verification is nearly free they draft."""
+    """At a batch size where a wider pass costs nearly its share, auto rows are
+    capped at 0 (batched plain) once each has drafted (a row's first round drafts,
+    to measure its acceptance) and probe at doubling intervals; where verification
+    is nearly free they draft. Past the crossover (no acceptance would pay) they
+    never draft, not even a first round, and never probe."""
     model, tokenizer = loaded("qwen3_5", predictable=True)
     cheap = [1.0, 1.02, 1.04, 1.06, 1.08]
     costs = BatchCosts(
-        {1: cheap, 2: [1.1 * c for c in cheap], 8: [2.0, 4.0, 6.0, 8.0, 10.0]},
-        {1: 0.05, 2: 0.06, 8: 0.5},
+        {
+            1: cheap,
+            2: [1.1 * c for c in cheap],
+            8: [2.0, 3.0, 4.0, 5.0, 6.0],
+            16: [4.0, 8.0, 12.0, 16.0, 20.0],
+        },
+        {1: 0.05, 2: 0.06, 8: 0.5, 16: 1.0},
     )
-    length = BatchLength(costs, 1)
+    assert [costs.pays(B, 4) for B in (1, 2, 8, 16)] == [True, True, True, False]
     opts = DecodeOptions(num_draft_tokens="auto", max_tokens=4)
-    for B, expect_drafts in [(2, True), (8, False)]:
+
+    def rows_of(B):
         batch = Batch(model, opts, length=length)
-        rows = [
-            batch.join(batch.admit(i, tokenizer.encode("x y z"), opts))
-            for i in range(B)
-        ]
+        ids = tokenizer.encode("x y z")
+        return [batch.join(batch.admit(i, ids, opts)) for i in range(B)]
+
+    for B, expect_drafts in [(2, True), (8, False)]:
+        length = BatchLength(costs, 1)
+        rows = rows_of(B)
         assert length.cap(rows, [3] * B, [True] * B) in (None, 1), B  # unseen rows
         for r in rows:
             r.stats.record(1, 1)
@@ -251,6 +261,12 @@ def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
         assert (cap is None or cap > 0) == expect_drafts, (B, cap)
     probes = [i for i in range(200) if length.cap(rows, [3] * B, [True] * B)]
     assert probes == [14, 46, 110], probes  # every 16, 32, 64 rounds: none paid
+    length, rows = BatchLength(costs, 1), rows_of(16)
+    caps = [length.cap(rows, [3] * 16, [True] * 16) for _ in range(600)]
+    assert caps == [0] * 600  # unseen rows included
+    fixed = [3] + [2] * 15, [False] + [True] * 15
+    assert length.cap(rows, *fixed) is None  # none asks beyond the fixed row
+    assert length.cap(rows, [1] + [2] * 15, fixed[1]) == 1
 
 
 @pytest.mark.parametrize("k", [0, 2])
