@@ -210,8 +210,9 @@ class DraftVocab(click.ParamType):
             self.fail(f"{value!r} is not 'auto', 'full' or a number of tokens", param)
 
 
-def max_tokens_option(default: int, help: str):
-    """``--max-tokens/-m``: a positive count, or -1 for no limit."""
+def max_tokens_option(default: int, help: str, unlimited: bool = True):
+    """``--max-tokens/-m``: a positive count of tokens, and with ``unlimited`` -1 for
+    no limit; ``help`` says what the count bounds (one sentence, no full stop)."""
 
     def check(ctx, param, value):
         if value == -1 or value > 0:
@@ -223,11 +224,83 @@ def max_tokens_option(default: int, help: str):
     return click.option(
         "--max-tokens",
         "-m",
-        type=int,
+        type=int if unlimited else click.IntRange(min=1),
         default=default,
         show_default=True,
-        callback=check,
-        help=f"{help} (-1: no limit).",
+        callback=check if unlimited else None,
+        help=f"{help} (-1: no limit)." if unlimited else f"{help}.",
+    )
+
+
+# Options more than one command takes, each declared once here; a factory's
+# parameters are what differs between the commands (a default, a help line).
+MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo model]."
+
+
+def model_option(required: bool = False, help: str = MODEL_HELP):
+    return click.option("--model", required=required, default=None, help=help)
+
+
+MODEL = model_option()
+
+DRAFT_MODEL = click.option(
+    "--draft-model",
+    default=None,
+    help="A Gemma 4 assistant (folder or Hugging Face repo) to draft with.",
+)
+
+
+def trust_remote_code_option(
+    help: str = "Let the tokenizer run Python code from the model folder (off: "
+    "refused).",
+):
+    return click.option("--trust-remote-code", is_flag=True, help=help)
+
+
+TRUST_REMOTE_CODE = trust_remote_code_option()
+
+
+def seed_option(default=None, help="Seed for reproducible sampling."):
+    """``--seed``: one of MLX's seeds; its default shown when there is one."""
+    return click.option(
+        "--seed",
+        type=SEED,
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
+ALLOW_MISSING_HEADS = click.option(
+    "--allow-missing-heads",
+    is_flag=True,
+    help="Decode without MTP when the heads are missing.",
+)
+
+
+def max_batch_option(help: str):
+    return click.option(
+        "--max-batch",
+        type=click.IntRange(min=1),
+        default=DEFAULT_MAX_BATCH,
+        show_default=True,
+        help=help,
+    )
+
+
+def output_option(help: str):
+    """``--output/-o FILE``: where a command writes its results."""
+    return click.option("--output", "-o", default=None, metavar="FILE", help=help)
+
+
+def tokens_option(least: int, default, help: str):
+    """``--tokens``: a count of tokens, at least ``least``."""
+    return click.option(
+        "--tokens",
+        type=click.IntRange(min=least),
+        default=default,
+        show_default=default is not None,
+        help=help,
     )
 
 
@@ -312,30 +385,75 @@ def build_prompt(
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
 
 
-DRAFT_MODEL = click.option(
-    "--draft-model",
-    default=None,
-    help="A Gemma 4 assistant (folder or Hugging Face repo) to draft with.",
-)
-
-TRUST_REMOTE_CODE = click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Let the tokenizer run Python code from the model folder (off: refused).",
-)
+def _repeatable(help: str, multiple: bool) -> str:
+    """``help``, and for a repeatable option (bench's runs) that it repeats."""
+    return f"{help} Repeat the option for several runs." if multiple else help
 
 
-# Drafting and sampling options shared by ``generate``, ``chat`` and ``serve``.
-SAMPLING_OPTIONS = [
-    click.option(
+# Drafting and sampling options: one value for ``generate``, ``chat`` and ``serve``;
+# with ``multiple``, the values bench runs each workload with.
+def num_draft_tokens_option(multiple: bool = False):
+    return click.option(
         "--num-draft-tokens",
         "-k",
         type=DraftLength(),
-        default=DEFAULTS.num_draft_tokens,
+        multiple=multiple,
+        default=(0, 1, 2, 3, 4, "auto") if multiple else DEFAULTS.num_draft_tokens,
         show_default=True,
-        help="MTP drafts per round (0: plain decoding, or lookup drafts only with "
-        "--draft-source lookup; auto: the fastest k, each round).",
-    ),
+        help=_repeatable(
+            "MTP drafts per round (0: plain decoding, or lookup drafts only with "
+            "--draft-source lookup; auto: the fastest k, each round).",
+            multiple,
+        ),
+    )
+
+
+def temp_option(multiple: bool = False):
+    return click.option(
+        "--temp",
+        type=click.FloatRange(min=0),
+        multiple=multiple,
+        default=(0.0, 0.7) if multiple else DEFAULTS.temp,
+        show_default=True,
+    )
+
+
+def draft_source_option(multiple: bool = False):
+    return click.option(
+        "--draft-source",
+        type=click.Choice(DRAFT_SOURCES),
+        multiple=multiple,
+        default=("heads",) if multiple else DEFAULTS.draft_source,
+        show_default=True,
+        help=_repeatable(
+            "heads: the MTP heads; lookup: also continuations found in the prompt "
+            "and the text so far (prompt lookup), else the heads; auto: the source "
+            "measured to be faster, round by round.",
+            multiple,
+        ),
+    )
+
+
+def draft_vocab_option(multiple: bool = False):
+    """``--draft-vocab``; repeated (bench) it has no default: the heads' own rows."""
+    help = _repeatable(
+        "Rows of the head the MTP heads draft from: full, the N tokens the model "
+        "emits most, or auto (full or a smaller set, round by round, as measured "
+        "fastest). The output is the same.",
+        multiple,
+    )
+    return click.option(
+        "--draft-vocab",
+        type=DraftVocab(),
+        multiple=multiple,
+        default=None if multiple else DEFAULTS.draft_vocab,
+        show_default=not multiple,
+        help=f"{help} [default: the heads' own rows]" if multiple else help,
+    )
+
+
+SAMPLING_OPTIONS = [
+    num_draft_tokens_option(),
     click.option(
         "--max-draft-tokens",
         type=click.IntRange(0, MAX_DRAFT_TOKENS),
@@ -343,12 +461,7 @@ SAMPLING_OPTIONS = [
         show_default=True,
         help="The largest k that auto picks.",
     ),
-    click.option(
-        "--temp",
-        type=click.FloatRange(min=0),
-        default=DEFAULTS.temp,
-        show_default=True,
-    ),
+    temp_option(),
     click.option(
         "--top-p",
         type=click.FloatRange(0, 1, min_open=True),
@@ -364,20 +477,7 @@ SAMPLING_OPTIONS = [
         default=DEFAULTS.min_p,
         show_default=True,
     ),
-]
-
-
-# Where drafts come from: shared by ``generate``, ``chat`` and ``serve``.
-SAMPLING_OPTIONS += [
-    click.option(
-        "--draft-source",
-        type=click.Choice(DRAFT_SOURCES),
-        default=DEFAULTS.draft_source,
-        show_default=True,
-        help="heads: the MTP heads; lookup: also continuations found in the prompt "
-        "and the text so far (prompt lookup), else the heads; auto: the source "
-        "measured to be faster, round by round.",
-    ),
+    draft_source_option(),
     click.option(
         "--lookup-tokens",
         type=click.IntRange(1, MAX_DRAFT_TOKENS),
@@ -385,15 +485,7 @@ SAMPLING_OPTIONS += [
         show_default=True,
         help="The longest lookup draft.",
     ),
-    click.option(
-        "--draft-vocab",
-        type=DraftVocab(),
-        default=DEFAULTS.draft_vocab,
-        show_default=True,
-        help="Rows of the head the MTP heads draft from: full, the N tokens the "
-        "model emits most, or auto (full or a smaller set, round by round, as "
-        "measured fastest). The output is the same.",
-    ),
+    draft_vocab_option(),
 ]
 
 
@@ -488,9 +580,7 @@ def sampling_options(fn):
 def decode_options(fn):
     """Drafting, sampling and KV-cache options shared by ``generate`` and ``chat``."""
     options = SAMPLING_OPTIONS + [
-        click.option(
-            "--seed", type=SEED, default=None, help="Seed for reproducible sampling."
-        ),
+        seed_option(),
         click.option(
             "--kv-bits",
             type=click.Choice(["2", "3", "4", "6", "8"]),
@@ -512,11 +602,7 @@ def decode_options(fn):
         ),
         *PROCESSOR_OPTIONS,
         click.option("--system-prompt", default=None),
-        click.option(
-            "--allow-missing-heads",
-            is_flag=True,
-            help="Decode without MTP when the heads are missing.",
-        ),
+        ALLOW_MISSING_HEADS,
         DRAFT_MODEL,
         TRUST_REMOTE_CODE,
         click.option(
@@ -670,11 +756,8 @@ def _rank_vocabulary(model, tokenizer, options: dict, rank: int) -> None:
     draft_vocab.ranking_for(model, tokenizer)
 
 
-MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo model]."
-
-
 @main.command(short_help="Generate text from a prompt, drafting with MTP heads.")
-@click.option("--model", default=None, help=MODEL_HELP)
+@MODEL
 @click.option(
     "--prompt",
     "-p",
@@ -698,18 +781,9 @@ MODEL_HELP = "Model folder or Hugging Face repo [default: the built-in demo mode
     help="Generate for every prompt of this file ('-': stdin), decoded together "
     "(see above); one JSON result a line.",
 )
-@click.option(
-    "--max-batch",
-    type=click.IntRange(min=1),
-    default=DEFAULT_MAX_BATCH,
-    show_default=True,
-    help="With --prompts-file: prompts decoded together at most.",
-)
-@click.option(
-    "--output",
-    default=None,
-    metavar="FILE",
-    help="With --prompts-file: append each result to this file as soon as it is "
+@max_batch_option("With --prompts-file: prompts decoded together at most.")
+@output_option(
+    "With --prompts-file: append each result to this file as soon as it is "
     "done, and put the file in the prompts' order once all are. A rerun with the "
     "same FILE goes on from there: it checks that each line of FILE is the result "
     "of the prompt on its line (same line, id and prompt; the options are not "
@@ -968,7 +1042,7 @@ CHAT_COMMANDS = {
 
 
 @main.command(short_help="Chat in the terminal (caches kept between turns).")
-@click.option("--model", default=None, help=MODEL_HELP)
+@MODEL
 @max_tokens_option(1024, "Tokens per reply at most")
 @decode_options
 @friendly_errors
@@ -1090,12 +1164,35 @@ class IntChoice(click.Choice):
         return int(super().convert(str(value), param, ctx))
 
 
-OVERWRITE = click.option(
-    "--overwrite",
-    is_flag=True,
-    help="Replace an existing output that mlx-mtp or mlx-lm wrote (never a folder "
-    "holding other files).",
-)
+def overwrite_option(
+    help: str = "Replace an existing output that mlx-mtp or mlx-lm wrote (never a "
+    "folder holding other files).",
+):
+    return click.option("--overwrite", is_flag=True, help=help)
+
+
+OVERWRITE = overwrite_option()
+
+
+def hf_path_option(help: str):
+    return click.option("--hf-path", default=None, help=help)
+
+
+def mlx_path_option(help: str, required: bool = False):
+    return click.option("--mlx-path", required=required, default=None, help=help)
+
+
+def min_agreement_option(hidden: bool = False):
+    return click.option(
+        "--min-agreement",
+        type=click.FloatRange(0, 1),
+        default=0.9,
+        show_default=True,
+        hidden=hidden,
+        help="Least top-1 agreement of each head with the source's.",
+    )
+
+
 REVISION = click.option("--revision", default=None, help="Hub revision of the source.")
 
 
@@ -1130,6 +1227,36 @@ def renamed_option(old: str, new: str, **kwargs):
     )
 
 
+def deprecated_option(old: str, new: str, dest: str, **kwargs):
+    """A hidden option ``old`` that, for one release, does what this command's option
+    ``new`` (parameter ``dest``) does, after one warning line on stderr; giving both
+    is a usage error. Unlike `renamed_option`, the old spelling keeps its meaning.
+    Its value reaches the command as ``dest``'s: the command never sees ``old``."""
+    name = "deprecated_" + old.lstrip("-").replace("-", "_")
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **params):
+            value = params.pop(name)
+            if value is not None:
+                ctx = click.get_current_context()
+                given = ctx.get_parameter_source(dest)
+                if given is not click.core.ParameterSource.DEFAULT:
+                    raise click.UsageError(f"{old} and {new} cannot go together", ctx)
+                click.echo(
+                    f"mlx-mtp: warning: {old} is deprecated here: use {new} ({old} "
+                    "is removed in the next release)",
+                    err=True,
+                )
+                params[dest] = value
+            return fn(*args, **params)
+
+        option = click.option(old, name, default=None, hidden=True, **kwargs)
+        return option(wrapper)
+
+    return decorate
+
+
 RANK_VOCAB = click.option(
     "--rank-vocab/--no-rank-vocab",
     default=True,
@@ -1143,10 +1270,8 @@ OLD_RANK_VOCAB = renamed_option(
 
 
 @main.command(short_help="Convert a Hugging Face checkpoint, keeping its MTP heads.")
-@click.option(
-    "--hf-path", help="Hugging Face checkpoint (folder, hub repo or .gguf file)."
-)
-@click.option("--mlx-path", help="Output folder.")
+@hf_path_option("Hugging Face checkpoint (folder, hub repo or .gguf file).")
+@mlx_path_option("Output folder.")
 @click.option("-q", "--quantize", is_flag=True, help="Quantize the trunk.")
 @click.option(
     "--q-bits", type=IntChoice(2, 3, 4, 5, 6, 8), default=None, help="Trunk bits [4]."
@@ -1173,11 +1298,8 @@ OLD_RANK_VOCAB = renamed_option(
     is_flag=True,
     help="Refuse a checkpoint without MTP tensors instead of warning.",
 )
-@click.option(
-    "--trust-remote-code",
-    "copy_code",
-    is_flag=True,
-    help="Copy the source's *.py files (custom tokenizer code) into the output.",
+@trust_remote_code_option(
+    "Copy the source's *.py files (custom tokenizer code) into the output."
 )
 @click.option(
     "--draft-hf-path",
@@ -1188,7 +1310,7 @@ OLD_RANK_VOCAB = renamed_option(
 @OLD_RANK_VOCAB
 @click.option("--graft-heads-from", "graft_from", hidden=True)
 @click.option("--check", "check_path", hidden=True)
-@click.option("--min-agreement", type=click.FloatRange(0, 1), default=0.9, hidden=True)
+@min_agreement_option(hidden=True)
 @stops_on_signals
 @friendly_errors
 def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options):
@@ -1202,6 +1324,7 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
     `mlx-mtp check`; they still work, with a note, until the next release.)
     """
     _quiet_transformers()
+    options["copy_code"] = options.pop("trust_remote_code")
     if check_path or graft_from:
         if bool(check_path) == bool(graft_from):
             raise click.UsageError("give either --check or --graft-heads-from")
@@ -1229,12 +1352,10 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
     help="Hugging Face checkpoint whose MTP heads to add, or a Gemma 4 assistant "
     "(folder or hub repo; only the files they need are downloaded).",
 )
-@click.option(
-    "--mlx-path", required=True, help="The MLX conversion (without heads) to add to."
-)
+@mlx_path_option("The MLX conversion (without heads) to add to.", required=True)
 @head_bits_option("8")
 @REVISION
-@click.option("--overwrite", is_flag=True, help="Replace heads the folder already has.")
+@overwrite_option("Replace heads the folder already has.")
 @RANK_VOCAB
 @OLD_RANK_VOCAB
 @stops_on_signals
@@ -1272,18 +1393,8 @@ def _graft(source, mlx_path, options: dict) -> None:
 
 @main.command(short_help="What a conversion holds; its heads against the source.")
 @click.argument("path")
-@click.option(
-    "--hf-path",
-    default=None,
-    help="The source to compare with [the one the conversion records].",
-)
-@click.option(
-    "--min-agreement",
-    type=click.FloatRange(0, 1),
-    default=0.9,
-    show_default=True,
-    help="Least top-1 agreement of each head with the source's.",
-)
+@hf_path_option("The source to compare with [the one the conversion records].")
+@min_agreement_option()
 @TRUST_REMOTE_CODE
 @friendly_errors
 def check(path, hf_path, min_agreement, trust_remote_code):
@@ -1312,9 +1423,7 @@ def _check(path, source, min_agreement, trust_remote_code):
 
 
 @main.command("train-heads", short_help="Train MTP heads for a model that has none.")
-@click.option(
-    "--model", required=True, help="Model folder or repo (trunk to keep frozen)."
-)
+@model_option(required=True, help="Model folder or repo (trunk to keep frozen).")
 @click.option(
     "--data",
     multiple=True,
@@ -1341,7 +1450,7 @@ def _check(path, source, min_agreement, trust_remote_code):
     show_default=True,
     help="Weight of the trunk's distribution (KL) beside its greedy token.",
 )
-@click.option("--mlx-path", required=True, help="Output model folder (trunk + heads).")
+@mlx_path_option("Output model folder (trunk + heads).", required=True)
 @click.option(
     "--depth",
     type=click.IntRange(1, 8),
@@ -1350,12 +1459,11 @@ def _check(path, source, min_agreement, trust_remote_code):
     help="Draft depths trained (one chained layer).",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True)
-@click.option(
-    "--tokens",
-    type=click.IntRange(min=1),
+@tokens_option(
+    least=1,
     default=None,
-    help="Training tokens to compute features for, from the text and from the "
-    "replies (default: all of it).",
+    help="Training tokens to compute features for, from the text and from the replies "
+    "(default: all of it).",
 )
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
@@ -1377,7 +1485,7 @@ def _check(path, source, min_agreement, trust_remote_code):
 @click.option(
     "--save-every", type=click.IntRange(min=1), default=100, show_default=True
 )
-@click.option("--seed", type=SEED, default=0, show_default=True)
+@seed_option(default=0, help=None)
 @click.option(
     "--init-heads",
     default=None,
@@ -1422,7 +1530,7 @@ def train_heads(model, data, mlx_path, **options):
 
 
 @main.command(short_help="An OpenAI-compatible server, decoding with MTP.")
-@click.option("--model", default=None, help=MODEL_HELP)
+@MODEL
 @DRAFT_MODEL
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
@@ -1456,12 +1564,8 @@ def train_heads(model, data, mlx_path, **options):
     help="Connections open at once; one more gets a 503.",
 )
 @sampling_options
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(min=1),
-    default=SERVER_MAX_TOKENS,
-    show_default=True,
-    help="Tokens per reply when a request does not say.",
+@max_tokens_option(
+    SERVER_MAX_TOKENS, "Tokens per reply when a request does not say", unlimited=False
 )
 @click.option(
     "--max-tokens-limit",
@@ -1484,13 +1588,7 @@ def train_heads(model, data, mlx_path, **options):
     help="Bound the kept conversations' cache memory [a quarter of the memory the "
     "weights leave].",
 )
-@click.option(
-    "--max-batch",
-    type=click.IntRange(min=1),
-    default=DEFAULT_MAX_BATCH,
-    show_default=True,
-    help="Requests decoded together at most; others wait for a free row.",
-)
+@max_batch_option("Requests decoded together at most; others wait for a free row.")
 @click.option(
     "--batch-cache-bytes",
     type=click.IntRange(min=1),
@@ -1499,11 +1597,7 @@ def train_heads(model, data, mlx_path, **options):
     "longest prompt + max_tokens; a request that cannot fit alone is a 400) [half "
     "the memory the weights leave].",
 )
-@click.option(
-    "--allow-missing-heads",
-    is_flag=True,
-    help="Serve without MTP when the heads are missing.",
-)
+@ALLOW_MISSING_HEADS
 @click.option(
     "--chat-template-args",
     default="{}",
@@ -1563,36 +1657,13 @@ def _exit_now(code: int) -> None:
 
 
 @main.command(short_help="Speed against mlx-lm plain decoding.")
-@click.option(
-    "--model",
-    default=None,
-    help="Model folder or Hugging Face repo [the demo model].",
-)
-@click.option(
-    "--tokens",
-    type=click.IntRange(min=16),
-    default=128,
-    show_default=True,
-    help="Tokens per run (at least 16: fewer cannot be timed).",
+@MODEL
+@tokens_option(
+    least=16, default=128, help="Tokens per run (at least 16: fewer cannot be timed)."
 )
 @click.option("--reps", type=click.IntRange(min=1), default=5, show_default=True)
-@click.option(
-    "-k",
-    "--num-draft-tokens",
-    "ks",
-    type=DraftLength(),
-    multiple=True,
-    default=(0, 1, 2, 3, 4, "auto"),
-    show_default=True,
-)
-@click.option(
-    "--temp",
-    "temps",
-    type=click.FloatRange(min=0),
-    multiple=True,
-    default=(0.0, 0.7),
-    show_default=True,
-)
+@num_draft_tokens_option(multiple=True)
+@temp_option(multiple=True)
 @click.option(
     "--workload",
     "workloads",
@@ -1601,24 +1672,10 @@ def _exit_now(code: int) -> None:
         ["code", "chat", "prose", "code-edit", "summarise", "adversarial"]
     ),
 )
-@click.option(
-    "--draft-source",
-    "sources",
-    type=click.Choice(["heads", "lookup", "auto"]),
-    multiple=True,
-    default=("heads",),
-    show_default=True,
-    help="Draft sources to run each k with (repeat the option for several).",
-)
-@click.option(
-    "--draft-vocab",
-    "vocabs",
-    type=DraftVocab(),
-    multiple=True,
-    help="Draft vocabularies to run heads drafts with (repeat for several) "
-    "[the heads' own rows].",
-)
-@click.option("--json", "json_path", default=None, help="Also write the results here.")
+@draft_source_option(multiple=True)
+@draft_vocab_option(multiple=True)
+@output_option("Also write the results here (JSON).")
+@deprecated_option("--json", "--output", "output")
 @DRAFT_MODEL
 @TRUST_REMOTE_CODE
 @friendly_errors
@@ -1626,12 +1683,12 @@ def bench(
     model,
     tokens,
     reps,
-    ks,
-    temps,
+    num_draft_tokens,
+    temp,
     workloads,
-    sources,
-    vocabs,
-    json_path,
+    draft_source,
+    draft_vocab,
+    output,
     draft_model,
     trust_remote_code,
 ):
@@ -1645,8 +1702,8 @@ def bench(
     from .loading import load
 
     _quiet_transformers()
-    if json_path:
-        _check_writable(json_path)
+    if output:
+        _check_writable(output)
     if model is None:
         from .demo import demo_model
 
@@ -1661,17 +1718,17 @@ def bench(
     result = run(
         mdl,
         tokenizer,
-        ks=ks,
-        temps=temps,
+        ks=num_draft_tokens,
+        temps=temp,
         tokens=tokens,
         reps=reps,
         workloads=workloads or None,
-        sources=sources,
-        vocabs=vocabs or (None,),
+        sources=draft_source,
+        vocabs=draft_vocab or (None,),
         log=click.echo,
     )
-    if json_path:
-        with open(json_path, "w") as f:
+    if output:
+        with open(output, "w") as f:
             json.dump(result, f, indent=2)
 
 

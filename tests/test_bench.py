@@ -39,7 +39,7 @@ def test_bench_cli(checkpoint, tmp_path):
         "code",
         "--workload",
         "adversarial",
-        "--json",
+        "--output",
         str(out),
     ]
     result = CliRunner().invoke(main, args)
@@ -64,7 +64,7 @@ def test_bench_with_sources_and_draft_vocabularies(checkpoint, tmp_path):
     out = tmp_path / "bench.json"
     path = str(checkpoint("deepseek_v3", predictable=True))
     args = ["bench", "--model", path, "--tokens", "16", "--reps", "1", "-k", "2"]
-    args += ["--temp", "0", "--workload", "code-edit", "--json", str(out)]
+    args += ["--temp", "0", "--workload", "code-edit", "--output", str(out)]
     args += ["--draft-source", "heads", "--draft-source", "lookup"]
     args += ["--draft-vocab", "full", "--draft-vocab", "64"]
     result = CliRunner().invoke(main, args)

@@ -418,13 +418,13 @@ def test_messages_are_whole_on_one_line(checkpoint, tmp_path):
         assert_one_line_error(run_cli(*map(str, args)), "not a GGUF file")
 
 
-def test_bench_refuses_too_few_tokens_and_unwritable_json(checkpoint, tmp_path):
+def test_bench_refuses_too_few_tokens_and_unwritable_output(checkpoint, tmp_path):
     path = str(checkpoint("mimo"))
     few = run_cli("bench", "--model", path, "--tokens", "4")
     assert few.exit_code == 2 and "16" in few.output
     start = time.time()
     result = run_cli(
-        "bench", "--model", path, "--json", str(tmp_path / "no" / "such" / "r.json")
+        "bench", "--model", path, "--output", str(tmp_path / "no" / "such" / "r.json")
     )
     assert_one_line_error(result, "cannot write")
     assert time.time() - start < 5  # refused before the run
