@@ -120,7 +120,10 @@ def check_max_kv_size(max_kv_size) -> None:
 def mtp_caches(model) -> List[Any]:
     """One cache per MTP layer: a KV cache, a `WindowCache` for a block with a sliding
     window (``MTPLayer.window``), or a `ListCache` of KV caches for an attention that
-    keeps several (``MTPLayer.kv_caches``)."""
+    keeps several (``MTPLayer.kv_caches``); with a block drafter, one KV cache per
+    drafter layer, its context rows (row i: committed position i)."""
+    if model.drafter is not None:
+        return [KVCache() for _ in model.drafter.layers]
     return [_mtp_cache(layer) for layer in model.mtp.layers]
 
 

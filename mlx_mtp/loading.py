@@ -20,7 +20,7 @@ from . import distributed, draft_vocab
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import check_not_mid_update, read_json, safetensors_header
 from .heads import has_heads_file, load_heads, load_strict, quantize_like
-from .models import get_family
+from .models import dspark, get_family
 from .models.base import Model
 from .models.mtp import MTPStack
 
@@ -475,12 +475,14 @@ def attach_assistant(
     model_path: Path,
     draft_model: str,
 ) -> None:
-    """Load the assistant ``draft_model`` (a folder or hub repo: a Hugging Face
-    checkpoint or an MLX conversion of it), check that it fits the target, and draft
-    with it."""
+    """Load the assistant or DSpark drafter ``draft_model`` (a folder or hub repo: a
+    Hugging Face checkpoint or an MLX conversion of it), check that it fits the
+    target, and draft with it."""
     path = resolve(draft_model, None, ASSISTANT_PATTERNS)
     a_config = read_config(path)
     where = f"the draft model {path}"
+    if dspark.is_dspark(a_config):
+        return attach_dspark(model, config, path, a_config, where)
     if has_heads_file(a_config) or assistants.has_assistant_section(a_config):
         raise MTPError(
             f"{where} is a target's conversion, not an assistant; --draft-model takes "
@@ -493,6 +495,28 @@ def attach_assistant(
     assistant = assistants.build(a_config, weights, a_config.get("quantization"))
     reads = assistants.check_layers(assistant, model.trunk, where)
     model.attach(assistant, reads, path)
+
+
+def attach_dspark(model: Model, config: dict, path: Path, d_config: dict, where: str):
+    """Load the DSpark drafter in ``path`` (either spelling), check that it fits the
+    target (``config``), and draft with it: `mlx_mtp.models.dspark`."""
+    dspark.check_pair(d_config, assistants.target_text_config(config), where)
+    if model.group is not None:
+        raise MTPError(
+            f"{where}: a DSpark drafter needs the trunk whole on one process"
+        )
+    weights = dspark.sanitize(assistants.read_weights(path))
+    drafter = dspark.DSpark(
+        d_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights
+    )
+    quantize_like(drafter, weights, d_config.get("quantization"))
+    try:
+        load_strict(drafter, weights)
+    except MissingHeadsError as e:
+        raise MissingHeadsError(
+            f"{where}: " + str(e).replace("MTP ", "drafter ")
+        ) from None
+    model.attach_drafter(drafter, path)
 
 
 def load(
@@ -519,8 +543,9 @@ def load(
         trust_remote_code: Allow the tokenizer to run Python code from the model
             folder (``auto_map``). Off by default: such a folder is then an error,
             never a question on the terminal.
-        draft_model: A Gemma 4 assistant (folder or hub repo) to draft with instead
-            of MTP heads; a pair folder (`mlx_mtp.assistant`) brings its own.
+        draft_model: A Gemma 4 assistant or a DSpark drafter (folder or hub repo)
+            to draft with instead of MTP heads; a pair folder (`mlx_mtp.assistant`)
+            brings its own assistant.
         group: The ranks to shard the trunk over (`mlx_mtp.distributed`): "auto" is
             every rank of an ``mlx.launch`` with several (none otherwise); None loads
             the whole model on this process.

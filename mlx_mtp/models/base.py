@@ -12,7 +12,11 @@
   unchanged;
 - ``assist(tokens, hidden, kv, position)``: with a separate drafter (a Gemma 4
   assistant, `mlx_mtp.models.gemma4_assistant`) instead of MTP layers, one draft step
-  of it, reading the target's K/V ``kv``.
+  of it, reading the target's K/V ``kv``;
+- ``draft_context(h, caches)`` / ``draft_block(anchor, caches, position)``: with a
+  block drafter (DSpark, `mlx_mtp.models.dspark`), its context rows and its block
+  pass. ``hidden`` then packs the tapped layers before the post-norm state:
+  ``[taps (n * H) ; h (H)]``, and ``logits`` reads the last H.
 
 A family module supplies what differs: which tensors are MTP tensors, how their Hugging
 Face names map to `layers.{j}.*`, which decoder block the heads use, and whether the
@@ -26,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from .capture import install_taps
 from .mtp import MTPStack
 
 
@@ -102,6 +107,8 @@ class Model(nn.Module):
         source: The folder the weights were loaded from, if any.
         assistant: A separate drafter reading the trunk's caches, and ``reads``, layer
             type -> the trunk cache index whose K/V it reads (see `attach`).
+        drafter: A block drafter with its own context caches (see `attach_drafter`),
+            fed by ``taps`` of the trunk's layers.
     """
 
     def __init__(
@@ -117,6 +124,9 @@ class Model(nn.Module):
         self.assistant = None
         self.reads: Dict[str, int] = {}
         self.assistant_source: Optional[Path] = None
+        self.drafter = None
+        self.drafter_source: Optional[Path] = None
+        self.taps = None  # `mlx_mtp.models.capture.Taps` a drafter reads
         self.group = None  # the ranks the trunk is sharded over (mlx_mtp.distributed)
         self.sharding: Optional[str] = None  # "tensor" or "pipeline" when sharded
         self.vocab_ranking = None  # `mlx_mtp.draft_vocab.Ranking`, once known
@@ -128,11 +138,27 @@ class Model(nn.Module):
         self.mtp = MTPStack([])
         self.round_costs = None
 
+    def attach_drafter(self, drafter: nn.Module, source=None):
+        """Draft with the block drafter ``drafter`` (it replaces any MTP layers); the
+        trunk's layers it reads record their outputs from now on."""
+        self.drafter, self.drafter_source = drafter, source
+        self.taps = install_taps(self.trunk.layers, drafter.spec.target_layer_ids)
+        self.mtp = MTPStack([])
+        self.round_costs = None
+
     @property
     def num_mtp_layers(self) -> int:
         """Draft layers with a cache row each; an assistant counts as one (it chains
-        itself and keeps no rows)."""
-        return 1 if self.assistant is not None else len(self.mtp.layers)
+        itself and keeps no rows), and so does a block drafter (its context rows
+        move as one MTP layer's)."""
+        if self.assistant is not None or self.drafter is not None:
+            return 1
+        return len(self.mtp.layers)
+
+    @property
+    def max_draft(self) -> Optional[int]:
+        """The most drafts one round can make (a block drafter's gamma), or None."""
+        return None if self.drafter is None else self.drafter.block_size
 
     @property
     def args(self):
@@ -141,8 +167,10 @@ class Model(nn.Module):
 
     @property
     def hidden_width(self) -> int:
-        """The last axis of `hidden` (the family's ``hidden_width``)."""
-        return self.family.hidden_width(self.args)
+        """The last axis of `hidden` (the family's ``hidden_width``, and a block
+        drafter's taps before it)."""
+        taps = 0 if self.drafter is None else self.drafter.tap_width
+        return taps + self.family.hidden_width(self.args)
 
     @property
     def layers(self):
@@ -152,10 +180,31 @@ class Model(nn.Module):
         return self.trunk(inputs, cache=cache)
 
     def hidden(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        return self.family.hidden(self.trunk, inputs, cache)
+        h = self.family.hidden(self.trunk, inputs, cache)
+        if self.taps is None:
+            return h
+        return mx.concatenate([self.taps.collect(), h], axis=-1)  # (B, L, n H + H)
 
     def logits(self, h: mx.array) -> mx.array:
+        if self.taps is not None:
+            h = h[..., -self.family.hidden_width(self.args) :]
         return self.family.logits(self.trunk, h)
+
+    def draft_context(self, h: mx.array, caches: List[Any]) -> None:
+        """Append a block drafter's context rows for the packed hidden states ``h``
+        ``(B, m, hidden_width)`` of committed positions to its ``caches``."""
+        self.drafter.context(h[..., : self.drafter.tap_width], caches)
+
+    def draft_block(self, anchor: mx.array, caches: List[Any], position: int):
+        """A block drafter's pass after the anchors ``anchor`` ``(B,)`` at
+        ``position``: ``(B, gamma, V)`` logits before the Markov head, and the
+        ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`)."""
+        d = self.drafter
+        ids = d.block_ids(anchor)
+        x = d.embed_tokens(ids) if "embed_tokens" in d else self.embed(ids)
+        g = d.block(x, caches, position)
+        logits = d.lm_head(g) if "lm_head" in d else self.family.logits(self.trunk, g)
+        return logits, g
 
     def draft_logits(self, h: mx.array, vocab: Optional[int] = None) -> mx.array:
         """``(..., V)`` logits an MTP output drafts from (-inf outside the rows drafted

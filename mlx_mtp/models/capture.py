@@ -286,3 +286,64 @@ def install_capture(layers) -> None:
             mixer = getattr(layer, name, None)
             if type(mixer) in CAPTURING:
                 mixer.__class__ = CAPTURING[type(mixer)]
+
+
+# -- taps: trunk hidden states a block drafter reads ----------------------------------
+
+
+class Taps:
+    """The residual stream at some trunk layers, recorded during every trunk pass.
+
+    ``ids`` are layer indices in the drafter's order: id l >= 0 is the output of
+    decoder layer l (before the final norm; Hugging Face ``hidden_states[l + 1]``), and
+    -1 is the embedding output, the input of layer 0 (DeepSpec ``common.py``, see
+    ``/work/notes/dspark_spec.md`` §2.1). The tapped layers record as the pass runs, so
+    no second trunk pass is needed; `collect` reads the last pass's values.
+    """
+
+    def __init__(self, ids):
+        self.ids = tuple(ids)
+        self.values = {}
+
+    def record(self, index: int, x: mx.array, out: mx.array) -> None:
+        """Layer ``index`` saw input ``x`` and gave ``out`` (both (B, L, H))."""
+        if index == 0 and -1 in self.ids:
+            self.values[-1] = x
+        if index in self.ids:
+            self.values[index] = out
+
+    def collect(self) -> mx.array:
+        """``(B, L, n * H)``: the last pass's taps concatenated in ``ids`` order
+        (and forgotten, so they hold no memory past the pass)."""
+        values, self.values = self.values, {}
+        return mx.concatenate([values[i] for i in self.ids], axis=-1)
+
+
+class TappedLayer:
+    """Mixin over a trunk decoder layer class: records its input and output in
+    ``tap_sink`` (a `Taps`) under its index ``tap_index``."""
+
+    def __call__(self, x: mx.array, *args, **kwargs):
+        out = super().__call__(x, *args, **kwargs)
+        h = out if isinstance(out, mx.array) else out[0]
+        self.tap_sink.record(self.tap_index, x, h)
+        return out
+
+
+_TAPPED = {}
+
+
+def install_taps(layers, ids) -> Taps:
+    """Make the trunk ``layers`` that ``ids`` tap record into a new `Taps` (only
+    the class changes, as `install_capture` does; the layers compute as before)."""
+    taps = Taps(ids)
+    wanted = {0 if i == -1 else i for i in ids}
+    for index in sorted(wanted):
+        layer = layers[index]
+        cls = type(layer)
+        if not issubclass(cls, TappedLayer):
+            if cls not in _TAPPED:
+                _TAPPED[cls] = type(f"Tapped{cls.__name__}", (TappedLayer, cls), {})
+            layer.__class__ = _TAPPED[cls]
+        layer.tap_sink, layer.tap_index = taps, index
+    return taps

@@ -1,0 +1,297 @@
+"""DSpark block drafters for Qwen3-family targets (DeepSeek's DeepSpec release).
+
+A DSpark drafter proposes a whole block of gamma tokens in one pass
+(``/work/notes/dspark_spec.md``, cited below as "spec §n"):
+
+- context: per committed position t, the target's residual stream at the tapped
+  layers ``target_layer_ids`` is concatenated, ``c_t = hidden_norm(fc(feat_t))``, and
+  every drafter layer keeps ``K = RoPE(k_norm(k_proj(c_t)), t)``, ``V = v_proj(c_t)``
+  (no input norm on c) in its own KV cache: one row per committed position (§2.2);
+- block: ``[a, M, ..., M]`` (anchor a = the pending token at position p, M =
+  ``mask_token_id``) at positions p..p+gamma-1; its queries attend, with no mask,
+  to every context row (positions < p) and to every block row; a Qwen3 pre-norm
+  decoder layer otherwise (§2.3, §2.4); output slot k predicts position p+k+1;
+- Markov head: slot k's logits ``z_k + W2 W1[prev_k]``, prev_0 = a and prev_k the
+  token drawn at slot k-1, so q_k depends on the drawn prefix (§2.5, §3);
+- confidence head: ``proj([g_k ; W1[prev_k]])``, loaded and exposed (§2.6).
+
+The block's own keys and values are never cached, so a rejection needs no drafter
+rollback beyond keeping the context rows of committed positions (§4).
+
+Folders: the DeepSpec layout (config keys at the top level, tensors without prefix,
+``embed_tokens``/``lm_head`` copies of the target's) and the nested ``dflash_config``
+spelling (tensors under ``model.``, no embedding or head), both per spec §1a. A missing
+embedding or head is the target's (spec §2.7). The decoder layers are mlx-lm's own
+Qwen3 blocks (`mlx_lm.models.qwen3.TransformerBlock`), called part by part.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..errors import MTPError
+
+# DeepSpec's release; mlx-vlm's published nested configs (Qwen3.8, LFM2).
+ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Lfm2DSparkDraftModel")
+MARKOV_TYPES = ("vanilla",)  # "gated" and "rnn" (spec §2.5) are not built yet
+# Keys the nested spelling keeps in ``dflash_config`` (spec §1a, variant B).
+NESTED_KEYS = ("mask_token_id", "target_layer_ids", "num_target_layers")
+
+
+def is_dspark(config: dict) -> bool:
+    """Whether a ``config.json`` is a DSpark drafter's (either spelling)."""
+    if any(a in ARCHITECTURES for a in config.get("architectures") or ()):
+        return True
+    nested = config.get("dflash_config")
+    keys = nested if isinstance(nested, dict) else config
+    return "target_layer_ids" in keys and "mask_token_id" in keys
+
+
+@dataclass(frozen=True)
+class DSparkSpec:
+    """The drafter keys of a DSpark config (spec §1a): ``block_size`` is gamma, the
+    proposals per pass (the anchor row not counted)."""
+
+    block_size: int
+    target_layer_ids: Tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: Optional[int] = None
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    sample_from_anchor: bool = True
+
+    @classmethod
+    def from_config(cls, config: dict, where="the drafter") -> "DSparkSpec":
+        """Read either spelling: a key in ``dflash_config`` wins over the top level."""
+        nested = config.get("dflash_config") or {}
+        if not isinstance(nested, dict):
+            raise MTPError(f"{where}: dflash_config is not an object")
+
+        def get(key, default=None):
+            return nested[key] if key in nested else config.get(key, default)
+
+        ids = get("target_layer_ids")
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids) or not ids:
+            raise MTPError(f"{where}: target_layer_ids must be a list of layer indices")
+        for key in ("block_size", "mask_token_id"):
+            if type(get(key)) is not int or get(key) < (
+                1 if key == "block_size" else 0
+            ):
+                raise MTPError(
+                    f"{where}: {key} must be a whole number, not {get(key)!r}"
+                )
+        spec = cls(
+            block_size=get("block_size"),
+            target_layer_ids=tuple(ids),
+            mask_token_id=get("mask_token_id"),
+            num_target_layers=get("num_target_layers"),
+            markov_rank=get("markov_rank", 0) or 0,
+            markov_head_type=get("markov_head_type", "vanilla") or "vanilla",
+            enable_confidence_head=bool(get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(get("confidence_head_with_markov", True)),
+            sample_from_anchor=bool(get("sample_from_anchor", True)),
+        )
+        if spec.markov_rank and spec.markov_head_type not in MARKOV_TYPES:
+            raise MTPError(
+                f"{where} has a {spec.markov_head_type!r} Markov head; mlx-mtp runs "
+                f"{', '.join(MARKOV_TYPES)} ones only so far"
+            )
+        return spec
+
+
+def layer_args(config: dict) -> qwen3.ModelArgs:
+    """mlx-lm's Qwen3 args for the drafter's layers (the config is the target's,
+    copied, with the drafter's layer count: spec §1a)."""
+    H, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    defaults = {
+        "model_type": "qwen3",
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+    }
+    if isinstance(H, int) and isinstance(heads, int) and heads:
+        defaults["head_dim"] = H // heads
+    return qwen3.ModelArgs.from_dict({**defaults, **config})
+
+
+class MarkovHead(nn.Module):
+    """The vanilla Markov head (DeepSpec ``markov_head.py``; spec §2.5): a bias
+    ``W2 W1[prev]`` over the vocabulary, of rank r."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def __call__(self, prev: mx.array) -> mx.array:
+        """``(B,)`` previous tokens -> ``(B, V)`` logit biases."""
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class ConfidenceHead(nn.Module):
+    """``proj([g_k ; W1[prev_k]])``: a raw logit whose sigmoid estimates slot k's
+    acceptance given an accepted prefix (spec §2.6)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, 1, bias=True)
+
+
+class DSpark(nn.Module):
+    """A DSpark drafter. Parameter names are the DeepSpec ones (spec §1a).
+
+    Args:
+        config: The drafter's ``config.json`` (either spelling).
+        own_embed: The folder has ``embed_tokens`` (else the target's is used).
+        own_head: The folder has ``lm_head`` (else the target's is used).
+    """
+
+    def __init__(self, config: dict, own_embed: bool = True, own_head: bool = True):
+        super().__init__()
+        self.spec = DSparkSpec.from_config(config)
+        self.args = args = layer_args(config)
+        H, V, n = args.hidden_size, args.vocab_size, len(self.spec.target_layer_ids)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(V, H)
+        if own_head:
+            self.lm_head = nn.Linear(H, V, bias=False)
+        self.fc = nn.Linear(n * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.layers = [
+            qwen3.TransformerBlock(args) for _ in range(args.num_hidden_layers)
+        ]
+        if config.get("rope_is_neox_style") is False:  # the LFM2 drafters (spec §2.4)
+            for layer in self.layers:
+                layer.self_attn.rope = initialize_rope(
+                    args.head_dim,
+                    base=args.rope_theta,
+                    traditional=True,
+                    scaling_config=args.rope_scaling,
+                    max_position_embeddings=args.max_position_embeddings,
+                )
+        r = self.spec.markov_rank
+        if r:
+            self.markov_head = MarkovHead(V, r)
+        if self.spec.enable_confidence_head:
+            with_markov = r and self.spec.confidence_head_with_markov
+            self.confidence_head = ConfidenceHead(H + (r if with_markov else 0))
+
+    @property
+    def block_size(self) -> int:
+        """gamma: the proposals of one pass."""
+        return self.spec.block_size
+
+    @property
+    def tap_width(self) -> int:
+        """The width of the concatenated taps ``fc`` reads: n * H."""
+        return len(self.spec.target_layer_ids) * self.args.hidden_size
+
+    def context(self, taps: mx.array, caches) -> None:
+        """Append the context rows of committed positions to every layer's cache:
+        ``taps`` ``(B, m, n * H)`` at positions ``cache.offset ..`` (spec §2.2)."""
+        B, m, _ = taps.shape
+        c = self.hidden_norm(self.fc(taps))  # (B, m, H)
+        for layer, cache in zip(self.layers, caches):
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(c).reshape(B, m, attn.n_kv_heads, -1))
+            v = attn.v_proj(c).reshape(B, m, attn.n_kv_heads, -1)
+            k = attn.rope(k.transpose(0, 2, 1, 3), offset=cache.offset)
+            cache.update_and_fetch(k, v.transpose(0, 2, 1, 3))
+
+    def block_ids(self, anchor: mx.array) -> mx.array:
+        """``(B,)`` anchors -> ``(B, R)`` block inputs ``[a, M, ...]``: R = gamma rows
+        (sample from the anchor, DeepSpec's convention), or gamma + 1 rows whose first
+        output is dropped (``sample_from_anchor`` false; spec §2.3)."""
+        rows = self.block_size + (0 if self.spec.sample_from_anchor else 1)
+        masks = mx.full((anchor.shape[0], rows - 1), self.spec.mask_token_id, mx.int32)
+        return mx.concatenate([anchor[:, None].astype(mx.int32), masks], axis=1)
+
+    def block(self, x: mx.array, caches, position: int) -> mx.array:
+        """The block pass: ``x`` ``(B, R, H)`` embedded block rows at positions
+        ``position ..``, each layer attending to its cached context and to the
+        whole block (no mask: spec §2.4). Returns ``(B, gamma, H)`` normed outputs,
+        slot k predicting position ``position + k + 1``."""
+        for layer, cache in zip(self.layers, caches):
+            h = layer.input_layernorm(x)
+            x = x + self._attend(layer.self_attn, h, cache, position)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x[:, -self.block_size :])
+
+    def _attend(self, attn, h: mx.array, cache, position: int) -> mx.array:
+        """One layer's attention of the block rows ``h`` ``(B, R, H)`` over
+        [context rows ; block rows]; nothing is written to ``cache``."""
+        B, R, _ = h.shape
+        q = attn.q_norm(attn.q_proj(h).reshape(B, R, attn.n_heads, -1))
+        k = attn.k_norm(attn.k_proj(h).reshape(B, R, attn.n_kv_heads, -1))
+        v = attn.v_proj(h).reshape(B, R, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=position)
+        k = attn.rope(k.transpose(0, 2, 1, 3), offset=position)
+        if cache.offset:
+            ck, cv = cache.keys_and_values()  # (B, n_kv, T, D): positions < p
+            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale)
+        return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, R, -1))
+
+    def markov(self, prev: mx.array) -> Optional[mx.array]:
+        """``(B, V)`` Markov bias after the tokens ``prev`` ``(B,)``; None without a
+        Markov head (``markov_rank`` 0: slots are drawn independently)."""
+        return self.markov_head(prev) if "markov_head" in self else None
+
+    def confidence(self, g: mx.array, prev: mx.array) -> mx.array:
+        """``(B,)`` confidence logits of slot outputs ``g`` ``(B, H)`` after tokens
+        ``prev`` ``(B,)`` (spec §2.6; the cut that uses them is not built yet)."""
+        parts = [g]
+        if self.confidence_head.proj.weight.shape[-1] > g.shape[-1]:
+            parts.append(self.markov_head.markov_w1(prev))
+        return self.confidence_head.proj(mx.concatenate(parts, axis=-1))[:, 0]
+
+
+def sanitize(weights: dict) -> dict:
+    """Drafter tensors -> `DSpark`'s names: the nested spelling's ``model.`` prefix
+    dropped, RoPE buffers dropped."""
+    out = {}
+    for key, value in weights.items():
+        if "rotary_emb" in key:
+            continue
+        out[key[len("model.") :] if key.startswith("model.") else key] = value
+    return out
+
+
+def check_pair(config: dict, target: dict, where: str = "the drafter") -> DSparkSpec:
+    """Refuse, in one line, a drafter config that does not fit the target's text
+    config: vocabulary, hidden size, the tapped layers (-1 .. L-2: the last layer is
+    refused, as DeepSpec does, since Hugging Face stores it after the final norm;
+    spec §2.1). The drafter's ``model_type`` is its own backbone's ("qwen3" for
+    every published one, whatever the target), so it is not compared. Returns the
+    drafter's keys."""
+    spec = DSparkSpec.from_config(config, where)
+    for key, what in (("vocab_size", "a vocabulary"), ("hidden_size", "a hidden size")):
+        if config.get(key) != target.get(key):
+            raise MTPError(
+                f"{where} has {what} of {config.get(key)}; the target's is "
+                f"{target.get(key)}"
+            )
+    L = target.get("num_hidden_layers")
+    if spec.num_target_layers is not None and spec.num_target_layers != L:
+        raise MTPError(
+            f"{where} was trained on a target of {spec.num_target_layers} layers; "
+            f"this one has {L}"
+        )
+    bad = [i for i in spec.target_layer_ids if not -1 <= i < L - 1]
+    if bad:
+        raise MTPError(
+            f"{where} taps layer {bad[0]}, outside this target's layers -1..{L - 2}"
+        )
+    if spec.mask_token_id >= (target.get("vocab_size") or 0):
+        raise MTPError(
+            f"{where}'s mask token {spec.mask_token_id} is not in the vocabulary"
+        )
+    return spec
