@@ -1,0 +1,209 @@
+"""Tiny Qwen3 targets with DSpark drafter folders, in the released layouts
+(``/work/notes/dspark_spec.md`` §6A).
+
+- `write_qwen3_target`: a Hugging Face Qwen3 checkpoint (``Qwen3ForCausalLM``, tied
+  embeddings, 4 layers, hidden 32, 4/2 heads of 8, no MTP heads);
+- `write_dspark`: a drafter folder for it, ``layout="deepspec"`` as DeepSeek's
+  DeepSpec release writes it (the target's config plus the drafter keys at the top
+  level, tensors without prefix, ``embed_tokens``/``lm_head`` copies of the
+  target's unless ``embeddings=False``), or ``layout="nested"`` as mlx-vlm's
+  published configs spell it (``dflash_config`` holding the mask token and the
+  tapped layers, ``num_target_layers`` at the top level, tensors under ``model.``,
+  no embedding or head).
+
+``predictable=True`` makes a drafter that often agrees with its target: its Markov
+head carries the target's greedy bigram f (f(u): the target's argmax after the
+one-token prompt u) for a share ``agree`` of the tokens (a random token for the
+rest), strongly enough to outweigh the block's own logits, whose final norm is
+damped. A block then proposes f(a), f(f(a)), ..., which the target follows as far as
+its context lets it, so rounds of every kind (all, some, none accepted) occur.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Dict
+
+import mlx.core as mx
+import numpy as np
+
+Tensors = Dict[str, np.ndarray]
+
+VOCAB = 64
+HIDDEN = 32
+LAYERS = 4
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+INTERMEDIATE = 64
+BLOCK_SIZE = 4
+TARGET_LAYER_IDS = [0, 2]  # never the last layer (3): spec §2.1
+MARKOV_RANK = 8
+DRAFT_LAYERS = 2
+
+
+def target_config(vocab_size: int = VOCAB) -> dict:
+    """A tiny Qwen3 ``config.json`` (Hugging Face keys)."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+
+
+class _Init:
+    def __init__(self, seed: int, std: float):
+        self.rng, self.std = np.random.default_rng(seed), std
+
+    def normal(self, *shape, std=None) -> np.ndarray:
+        s = self.std if std is None else std
+        return (s * self.rng.standard_normal(shape)).astype(np.float32)
+
+    def norm(self, dim: int) -> np.ndarray:
+        return (1.0 + 0.05 * self.rng.standard_normal(dim)).astype(np.float32)
+
+
+def _layer(init: _Init, p: str, cfg: dict) -> Tensors:
+    """One Qwen3 decoder layer's tensors, Hugging Face names under ``p``."""
+    H, D, I = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
+    return {
+        f"{p}input_layernorm.weight": init.norm(H),
+        f"{p}post_attention_layernorm.weight": init.norm(H),
+        f"{p}self_attn.q_proj.weight": init.normal(q, H),
+        f"{p}self_attn.k_proj.weight": init.normal(kv, H),
+        f"{p}self_attn.v_proj.weight": init.normal(kv, H),
+        f"{p}self_attn.o_proj.weight": init.normal(H, q),
+        f"{p}self_attn.q_norm.weight": init.norm(D),
+        f"{p}self_attn.k_norm.weight": init.norm(D),
+        f"{p}mlp.gate_proj.weight": init.normal(I, H),
+        f"{p}mlp.up_proj.weight": init.normal(I, H),
+        f"{p}mlp.down_proj.weight": init.normal(H, I),
+    }
+
+
+def write_qwen3_target(
+    out_dir, *, seed: int = 0, vocab_size: int = VOCAB, weight_std: float = 0.2
+) -> pathlib.Path:
+    """A tiny random Qwen3 target (see the module docstring); no tokenizer."""
+    config = target_config(vocab_size)
+    init = _Init(seed, weight_std)
+    t = {"model.embed_tokens.weight": init.normal(vocab_size, HIDDEN, std=1.0)}
+    for i in range(LAYERS):
+        t.update(_layer(init, f"model.layers.{i}.", config))
+    t["model.norm.weight"] = init.norm(HIDDEN)
+    return _write(out_dir, config, t)
+
+
+def write_dspark(
+    out_dir,
+    target_dir,
+    *,
+    seed: int = 1,
+    layout: str = "deepspec",
+    embeddings: bool = True,
+    predictable: bool = False,
+    agree: float = 0.7,
+    block_size: int = BLOCK_SIZE,
+    weight_std: float = 0.2,
+) -> pathlib.Path:
+    """A tiny DSpark drafter for the target in ``target_dir`` (see the module
+    docstring)."""
+    if layout not in ("deepspec", "nested"):
+        raise ValueError(f"unknown layout {layout!r}")
+    target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
+    V, H = target["vocab_size"], target["hidden_size"]
+    config = _drafter_config(target, layout, block_size)
+    init = _Init(seed, weight_std)
+    t = {}
+    for i in range(DRAFT_LAYERS):
+        t.update(_layer(init, f"layers.{i}.", config))
+    n = len(TARGET_LAYER_IDS)
+    t["fc.weight"] = init.normal(H, n * H)
+    t["hidden_norm.weight"] = init.norm(H)
+    t["norm.weight"] = init.norm(H)
+    t["markov_head.markov_w1.weight"] = init.normal(V, MARKOV_RANK, std=0.5)
+    t["markov_head.markov_w2.weight"] = init.normal(V, MARKOV_RANK, std=0.5)
+    t["confidence_head.proj.weight"] = init.normal(1, H + MARKOV_RANK)
+    t["confidence_head.proj.bias"] = init.normal(1)
+    weights = mx.load(str(pathlib.Path(target_dir) / "model.safetensors"))
+    embed = np.array(weights["model.embed_tokens.weight"], np.float32)
+    if predictable:
+        _predictable(t, target_dir, init, agree)
+    if embeddings and layout == "deepspec":
+        t["embed_tokens.weight"] = embed
+        t["lm_head.weight"] = embed  # the target's tied head
+    if layout == "nested":
+        t = {f"model.{k}": v for k, v in t.items()}
+    return _write(out_dir, config, t)
+
+
+def _drafter_config(target: dict, layout: str, block_size: int) -> dict:
+    """The target's config with the drafter keys (spec §1a), in ``layout``."""
+    config = {**target, "num_hidden_layers": DRAFT_LAYERS, "block_size": block_size}
+    config.update(
+        layer_types=["full_attention"] * DRAFT_LAYERS,
+        tie_word_embeddings=False,
+        markov_rank=MARKOV_RANK,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+    )
+    taps = {
+        "mask_token_id": target["vocab_size"] - 1,
+        "target_layer_ids": list(TARGET_LAYER_IDS),
+    }
+    if layout == "deepspec":
+        config.update(
+            architectures=["Qwen3DSparkModel"],
+            num_target_layers=target["num_hidden_layers"],
+            num_anchors=8,
+            **taps,
+        )
+    else:  # mlx-vlm's published Qwen3.8 spelling
+        config.update(
+            architectures=["DSparkDraftModel"],
+            num_target_layers=target["num_hidden_layers"],
+            dflash_config={"projector_type": "dspark", **taps},
+        )
+    return config
+
+
+def _predictable(t: Tensors, target_dir, init: _Init, agree: float) -> None:
+    """Give the Markov head the target's greedy bigram for a share ``agree`` of
+    the previous tokens (random successors for the rest), and damp the block's
+    own logits (see the module docstring)."""
+    from mlx_mtp.loading import load_model
+
+    model = load_model(str(target_dir))[0]
+    V = model.args.vocab_size
+    f = np.array(mx.argmax(model(mx.arange(V)[:, None])[:, -1], axis=-1))
+    follow = np.where(init.rng.random(V) < agree, f, init.rng.integers(0, V, V))
+    w1 = init.normal(V, MARKOV_RANK, std=1.0)
+    w1 /= np.linalg.norm(w1, axis=1, keepdims=True)
+    w2 = np.zeros_like(w1)
+    np.add.at(w2, follow, w1)  # W2[v] . W1[u] is largest where v = follow(u)
+    t["markov_head.markov_w1.weight"] = 4.0 * w1
+    t["markov_head.markov_w2.weight"] = 4.0 * w2
+    t["norm.weight"] = t["norm.weight"] * np.float32(0.1)
+
+
+def _write(out_dir, config: dict, tensors: Tensors) -> pathlib.Path:
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {k: mx.array(v) for k, v in tensors.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), arrays, {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
