@@ -45,7 +45,7 @@ from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError, one_line
 from .options import DecodeOptions
 from .resolve import drafting
-from .round import DecodeState, Round, commit, draft_heads, launch, plan
+from .round import DecodeState, Round, commit, draft, launch, plan
 from .speculative import Run, Session, append, extend_mtp, prefill
 from .stats import MTPStats
 
@@ -385,7 +385,7 @@ class Batch:
         `mlx_mtp.batch_costs`); no round may be launched."""
         rp = plan(self.runs)
         rp.ks, rp.lookups = [1] * len(self.rows), [None] * len(self.rows)
-        drafts, _ = draft_heads(self.model, self.caches, self.runs, rp, self.depth)
+        drafts, _ = draft(self.model, self.caches, self.runs, rp, self.depth)
         mx.eval(drafts)
         keep_below(self.caches.mtp, [r.state.frontier for r in self.rows])
 

@@ -249,7 +249,8 @@ def _sizes(model, vocabs) -> List[int]:
             out.update(draft_vocab.auto_sizes(V))
         elif isinstance(v, int) and v < V:
             out.add(v)
-    return sorted(out) if model.num_mtp_layers and model.assistant is None else []
+    heads = model.assistant is None and model.drafter is None
+    return sorted(out) if model.num_mtp_layers and heads else []
 
 
 def ideal_speedup(stats, c: Dict[str, float]) -> float:

@@ -246,7 +246,8 @@ MODEL = model_option()
 DRAFT_MODEL = click.option(
     "--draft-model",
     default=None,
-    help="A Gemma 4 assistant (folder or Hugging Face repo) to draft with.",
+    help="A Gemma 4 assistant or a DSpark drafter (folder or Hugging Face repo) to "
+    "draft with.",
 )
 
 

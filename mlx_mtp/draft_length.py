@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .cache import assistant_kv, begin_verify, make_caches, rewind
+from .cache import assistant_kv, begin_verify, make_caches, mtp_caches, ops, rewind
 from .defaults import (
     DEFAULT_LOOKUP_TOKENS,
     DEFAULT_MAX_DRAFT_TOKENS,
@@ -94,7 +94,9 @@ def time_round(
 
     t = [median_time(lambda: verify(n), reps) for n in range(1, max_k + 2)]
     draft, drafts = 0.0, {}
-    if model.assistant is not None:
+    if model.drafter is not None:
+        draft = _block_step(model, ids, reps)
+    elif model.assistant is not None:
         h = model.hidden(ids[None, -1:])
         kv = assistant_kv(model, caches.trunk)
         mx.eval(h, kv)
@@ -115,6 +117,25 @@ def time_round(
         draft = median_time(step, reps)
         drafts = {n: median_time(lambda: step(n), reps) for n in vocabs}
     return t, draft, drafts
+
+
+def _block_step(model, ids: mx.array, reps: int) -> float:
+    """A block drafter's pass after the context ``ids``, per draft it proposes: the
+    cost model charges k steps for k drafts, and a block pass costs about the same
+    whatever k (the Markov steps are small), so this is exact at k = gamma and low
+    below it."""
+    drafter_caches = mtp_caches(model)
+    h = model.hidden(ids[None, :-1], make_caches(model).trunk)
+    model.draft_context(h, drafter_caches)
+    context = [ops(c).read_kv([len(ids) - 1]) for c in drafter_caches]
+    mx.eval([kv for kv, _ in context])
+    anchor = ids[-1:]
+
+    def step():
+        z, _ = model.draft_block(anchor, context, len(ids) - 1)
+        mx.eval(mx.argmax(z, axis=-1))
+
+    return median_time(step, reps) / model.drafter.block_size
 
 
 def median_time(fn, reps: int) -> float:

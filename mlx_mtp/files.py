@@ -152,8 +152,8 @@ def _whole(x) -> bool:
 
 
 def model_stamps(model) -> Optional[list]:
-    """The model's folder (and a separate assistant's), each with its files' names,
-    sizes and times; None for a model built in memory."""
+    """The model's folder (and a separate assistant's or block drafter's), each with
+    its files' names, sizes and times; None for a model built in memory."""
     if model.source is None:
         return None
     folders = [model.source]
@@ -162,6 +162,8 @@ def model_stamps(model) -> Optional[list]:
         model.source,
     ):
         folders.append(model.assistant_source)
+    if model.drafter is not None and model.drafter_source not in (None, model.source):
+        folders.append(model.drafter_source)
     stamps = []
     for folder in folders:
         files = sorted(Path(folder).glob("*.safetensors")) + [

@@ -505,7 +505,7 @@ def attach_dspark(model: Model, config: dict, path: Path, d_config: dict, where:
         raise MTPError(
             f"{where}: a DSpark drafter needs the trunk whole on one process"
         )
-    weights = dspark.sanitize(assistants.read_weights(path))
+    weights = _shared_copies(model, dspark.sanitize(assistants.read_weights(path)))
     drafter = dspark.DSpark(
         d_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights
     )
@@ -517,6 +517,31 @@ def attach_dspark(model: Model, config: dict, path: Path, d_config: dict, where:
             f"{where}: " + str(e).replace("MTP ", "drafter ")
         ) from None
     model.attach_drafter(drafter, path)
+
+
+def _shared_copies(model: Model, weights: dict) -> dict:
+    """The drafter's tensors without its ``embed_tokens``/``lm_head`` when they are
+    the target's (DeepSpec stores frozen copies: spec §2.7), compared on a strided
+    subset of rows; the target's are then used, and no second V x H copy is kept.
+    A copy that differs (or a quantized target head) stays the drafter's own."""
+    V = model.args.vocab_size
+    rows = mx.arange(0, V, max(1, V // 256))
+    head = model.family.output_head(model.trunk)
+    theirs = {
+        "embed_tokens.weight": lambda: model.embed(rows),
+        "lm_head.weight": lambda: None if "scales" in head else head.weight[rows],
+    }
+    out = dict(weights)
+    for name, target_rows in theirs.items():
+        mine = weights.get(name)
+        if mine is None or mine.shape != (V, model.args.hidden_size):
+            continue
+        if name == "lm_head.weight" and head is None:
+            continue
+        other = target_rows()
+        if other is not None and mx.array_equal(mine[rows], other).item():
+            del out[name]
+    return out
 
 
 def load(

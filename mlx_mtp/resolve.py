@@ -145,9 +145,10 @@ def draft_vocabs(model, value: Union[int, str], history: Optional[str] = None):
     value = draft_vocab.parse(value)
     V = model.args.vocab_size
     trained = "draft_vocab" in model.mtp
-    if model.assistant is not None or not model.num_mtp_layers:
-        if isinstance(value, int) and model.assistant is not None:
-            raise MTPError("draft_vocab: an assistant drafts from its own head")
+    own = model.assistant is not None or model.drafter is not None
+    if own or not model.num_mtp_layers:
+        if isinstance(value, int) and own:
+            raise MTPError("draft_vocab: a separate drafter drafts from its own head")
         return [None], None
     if value == "full" or (isinstance(value, int) and value >= V):
         return [V if trained else None], None
@@ -193,6 +194,14 @@ def draft_policy(
     """
     check_draft_count("max_draft_tokens", max_k)
     check_draft_count("num_draft_tokens", num_draft_tokens, auto=True)
+    limit = model.max_draft
+    if limit is not None:  # a block drafter: gamma proposals a pass
+        max_k = min(max_k, limit)
+        if num_draft_tokens != "auto" and num_draft_tokens > limit:
+            raise MTPError(
+                f"num_draft_tokens {num_draft_tokens}: this drafter proposes at most "
+                f"{limit} tokens a round (its block size)"
+            )
     layers = model.num_mtp_layers
     sizes = [n for n in vocabs if n is not None]
     if num_draft_tokens == "auto":

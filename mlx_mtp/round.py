@@ -43,6 +43,7 @@ from .cache import (
     begin_verify,
     filter_mark,
     keep_below,
+    ops,
     prepare,
     rewind_rows,
 )
@@ -164,6 +165,7 @@ def plan(
     for r in runs:
         s = r.state
         k = min(r.policy.next(), r.room(r.stats.emitted + ahead))
+        k = min(k, r.model.max_draft or k)  # a block drafter proposes gamma at most
         if s.depth == 0 or len(s.tokens) - 1 + ahead <= s.frontier:
             k = 0  # no heads, or no hidden state to draft from (a one-token prompt)
         found = None
@@ -260,7 +262,8 @@ def draft(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
     ``(K, V)`` draft log-probabilities (None for a greedy or lookup row; None for
     all when no row has any)."""
     B, K = len(runs), rp.K
-    tokens, q = draft_heads(model, caches, runs, rp, depth)
+    source = draft_heads if model.drafter is None else draft_block
+    tokens, q = source(model, caches, runs, rp, depth)
     if tokens.shape[1] < K:
         fill = mx.zeros((B, K - tokens.shape[1]), dtype=mx.int32)
         tokens = mx.concatenate([tokens, fill], axis=1)
@@ -334,6 +337,52 @@ def draft_assisted(model, trunk_caches, runs: Sequence[Any], rp: RoundPlan):
         tokens.append(token)
         logprobs.append(lp)
     return mx.stack(tokens, axis=1), _stack_q(logprobs)
+
+
+def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
+    """Up to K <= gamma drafts per row from a block drafter (DSpark): every row's
+    pending taps (positions frontier..n-1, left-padded to the longest) join its
+    context caches, one block pass after each row's anchor t_n at position n gives
+    every slot's logits z_k, and slot k is drawn from ``z_k + markov(prev_k)``,
+    prev_0 = t_n and prev_k the token drawn at slot k-1, so q_k is the distribution
+    of the token actually drawn (``/work/notes/dspark_spec.md`` §3). The context
+    caches then hold positions 0..n-1 of each row, as `commit` expects of a round
+    with heads (frontier n)."""
+    ks = rp.heads
+    K = max(ks, default=0)
+    if K == 0 or depth == 0:
+        return mx.zeros((len(runs), 0), dtype=mx.int32), None
+    _write_context(model, caches.mtp, runs)
+    n = [len(r.state.tokens) - 1 for r in runs]
+    context = [ops(c).read_kv(n) for c in caches.mtp]
+    position = n[0] if len(runs) == 1 else mx.array(n, dtype=mx.int32)
+    anchor = mx.array([r.state.tokens[-1] for r in runs], dtype=mx.int32)  # (B,)
+    z, _ = model.draft_block(anchor, context, position)  # (B, gamma, V)
+    keys = _step_keys(rp, ks, K)
+    tokens, logprobs, prev = [], [], anchor
+    for j in range(K):
+        bias = model.drafter.markov(prev)
+        logits = z[:, j] if bias is None else z[:, j] + bias  # (B, V)
+        logits = _ruled_logits(model, runs, logits, None, tokens, ks)
+        prev, lp = _pick(runs, logits, keys[j])
+        _push(runs, prev, ks, j)
+        tokens.append(prev)
+        logprobs.append(lp)
+    return mx.stack(tokens, axis=1), _stack_q(logprobs)
+
+
+def _write_context(model, drafter_caches, runs) -> None:
+    """Append every row's drafter context rows of positions frontier..n-1 (their
+    packed hidden states ``state.hidden``, left-padded to the longest) to the
+    drafter's caches, which hold each row's 0..frontier-1."""
+    counts = [len(r.state.tokens) - 1 - r.state.frontier for r in runs]
+    width = max(counts)
+    if width == 0:
+        return
+    pads = [width - c for c in counts]
+    if any(pads):
+        prepare(drafter_caches, pads)
+    model.draft_context(_padded_hidden(runs, pads), drafter_caches)
 
 
 def verify(model, trunk_caches, runs, pending: mx.array, drafts: mx.array, mark):

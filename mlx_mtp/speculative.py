@@ -50,14 +50,21 @@ def extend_mtp(model, mtp_caches, state: DecodeState, step: int) -> None:
     """Write the MTP rows that need no draft token and whose hidden state is known.
 
     Row n-1 is always left to `draft`, whose first token comes from its output. An
-    assistant keeps no rows: only h_{n-1} is kept for it.
+    assistant keeps no rows: only h_{n-1} is kept for it. A block drafter's rows are
+    its context rows (the taps of position i; no token needed).
     """
     end = min(
         state.frontier + state.hidden.shape[1],  # rows with a trunk hidden state
         len(state.tokens) - state.depth,  # rows whose tokens are all committed
         len(state.tokens) - 2,  # row n - 1
     )
-    if model.assistant is None:
+    if model.drafter is not None:
+        for start in range(state.frontier, end, step):
+            stop = min(start + step, end)
+            h = state.hidden[:, start - state.frontier : stop - state.frontier]
+            model.draft_context(h, mtp_caches)
+            mx.eval([c.keys for c in mtp_caches])
+    elif model.assistant is None:
         for start in range(state.frontier, end, step):
             stop = min(start + step, end)
             h = state.hidden[:, start - state.frontier : stop - state.frontier]

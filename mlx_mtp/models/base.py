@@ -195,14 +195,15 @@ class Model(nn.Module):
         ``(B, m, hidden_width)`` of committed positions to its ``caches``."""
         self.drafter.context(h[..., : self.drafter.tap_width], caches)
 
-    def draft_block(self, anchor: mx.array, caches: List[Any], position: int):
+    def draft_block(self, anchor: mx.array, context: List[Any], position):
         """A block drafter's pass after the anchors ``anchor`` ``(B,)`` at
-        ``position``: ``(B, gamma, V)`` logits before the Markov head, and the
-        ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`)."""
+        ``position`` (int, or ``(B,)``), reading ``context`` (per drafter layer,
+        its cache's ``read_kv``): ``(B, gamma, V)`` logits before the Markov head,
+        and the ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`)."""
         d = self.drafter
         ids = d.block_ids(anchor)
         x = d.embed_tokens(ids) if "embed_tokens" in d else self.embed(ids)
-        g = d.block(x, caches, position)
+        g = d.block(x, context, position)
         logits = d.lm_head(g) if "lm_head" in d else self.family.logits(self.trunk, g)
         return logits, g
 

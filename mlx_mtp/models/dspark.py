@@ -33,7 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..errors import MTPError
+from ..errors import MTPError, one_line
 
 # DeepSpec's release; mlx-vlm's published nested configs (Qwen3.8, LFM2).
 ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Lfm2DSparkDraftModel")
@@ -79,13 +79,9 @@ class DSparkSpec:
         ids = get("target_layer_ids")
         if not isinstance(ids, list) or not all(type(i) is int for i in ids) or not ids:
             raise MTPError(f"{where}: target_layer_ids must be a list of layer indices")
-        for key in ("block_size", "mask_token_id"):
-            if type(get(key)) is not int or get(key) < (
-                1 if key == "block_size" else 0
-            ):
-                raise MTPError(
-                    f"{where}: {key} must be a whole number, not {get(key)!r}"
-                )
+        for key, least in (("block_size", 1), ("mask_token_id", 0)):
+            if type(get(key)) is not int or get(key) < least:
+                raise MTPError(f"{where}: {key} must be a whole number >= {least}")
         spec = cls(
             block_size=get("block_size"),
             target_layer_ids=tuple(ids),
@@ -105,7 +101,7 @@ class DSparkSpec:
         return spec
 
 
-def layer_args(config: dict) -> qwen3.ModelArgs:
+def layer_args(config: dict, where="the drafter") -> qwen3.ModelArgs:
     """mlx-lm's Qwen3 args for the drafter's layers (the config is the target's,
     copied, with the drafter's layer count: spec §1a)."""
     H, heads = config.get("hidden_size"), config.get("num_attention_heads")
@@ -114,11 +110,15 @@ def layer_args(config: dict) -> qwen3.ModelArgs:
         "max_position_embeddings": 32768,
         "tie_word_embeddings": False,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
     }
     if isinstance(H, int) and isinstance(heads, int) and heads:
         defaults["head_dim"] = H // heads
-    return qwen3.ModelArgs.from_dict({**defaults, **config})
+    try:
+        return qwen3.ModelArgs.from_dict({**defaults, **config})
+    except (TypeError, ValueError) as e:
+        raise MTPError(
+            f"{where}: cannot build its layers from the config: {one_line(e)}"
+        ) from None
 
 
 class MarkovHead(nn.Module):
@@ -214,30 +214,36 @@ class DSpark(nn.Module):
         masks = mx.full((anchor.shape[0], rows - 1), self.spec.mask_token_id, mx.int32)
         return mx.concatenate([anchor[:, None].astype(mx.int32), masks], axis=1)
 
-    def block(self, x: mx.array, caches, position: int) -> mx.array:
-        """The block pass: ``x`` ``(B, R, H)`` embedded block rows at positions
-        ``position ..``, each layer attending to its cached context and to the
-        whole block (no mask: spec §2.4). Returns ``(B, gamma, H)`` normed outputs,
-        slot k predicting position ``position + k + 1``."""
-        for layer, cache in zip(self.layers, caches):
+    def block(self, x: mx.array, context, position) -> mx.array:
+        """The block pass: ``x`` ``(B, R, H)`` embedded block rows, row b's at
+        positions ``position[b] ..`` (an int when every row's is the same), each
+        layer attending to its context and to the whole block (no mask within
+        it: spec §2.4). ``context[i]``: layer i's ``((keys, values), mask)``,
+        keys and values ``(B, n_kv, T, D)`` of committed positions and mask None
+        or ``(B, 1, 1, T)`` the entries each row sees (a cache's ``read_kv``).
+        Returns ``(B, gamma, H)`` normed outputs, slot k predicting position
+        ``position + k + 1``. Nothing is written to any cache."""
+        for layer, seen in zip(self.layers, context):
             h = layer.input_layernorm(x)
-            x = x + self._attend(layer.self_attn, h, cache, position)
+            x = x + self._attend(layer.self_attn, h, seen, position)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x[:, -self.block_size :])
 
-    def _attend(self, attn, h: mx.array, cache, position: int) -> mx.array:
+    def _attend(self, attn, h: mx.array, seen, position) -> mx.array:
         """One layer's attention of the block rows ``h`` ``(B, R, H)`` over
-        [context rows ; block rows]; nothing is written to ``cache``."""
+        [context rows ; block rows]."""
         B, R, _ = h.shape
         q = attn.q_norm(attn.q_proj(h).reshape(B, R, attn.n_heads, -1))
         k = attn.k_norm(attn.k_proj(h).reshape(B, R, attn.n_kv_heads, -1))
         v = attn.v_proj(h).reshape(B, R, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=position)
         k = attn.rope(k.transpose(0, 2, 1, 3), offset=position)
-        if cache.offset:
-            ck, cv = cache.keys_and_values()  # (B, n_kv, T, D): positions < p
+        (ck, cv), mask = seen
+        if ck is not None:  # (B, n_kv, T, D): positions below each row's block
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale)
+        if mask is not None:
+            mask = mx.concatenate([mask, mx.ones((B, 1, 1, R), dtype=mx.bool_)], -1)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, R, -1))
 
     def markov(self, prev: mx.array) -> Optional[mx.array]:

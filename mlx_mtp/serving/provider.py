@@ -155,6 +155,7 @@ def times_costs(model, options: DecodeOptions) -> bool:
         and n < model.args.vocab_size
         and model.num_mtp_layers > 0
         and model.assistant is None
+        and model.drafter is None
         and "draft_vocab" not in model.mtp
         and (costs is None or n not in costs.drafts)
     )
