@@ -258,3 +258,25 @@ def test_rows_prefilled_together_decode_exactly(model):
     opts = HEADS.replace(num_draft_tokens=3, prefill_step_size=5)
     prompts = [list(range(10, 40)), [5, 17, 30], list(range(40, 51))]
     assert_together_exact(model, prompts, opts, [14, 9, 12])
+
+
+def test_cli_generate_with_the_drafter_prints_the_plain_text(tmp_path):
+    """``generate --model T --draft-model D`` (k = gamma and auto) prints what
+    plain decoding prints; a k above gamma is refused in one line."""
+    from click.testing import CliRunner
+
+    from mlx_mtp.cli import main
+
+    t = write_qwen3_target(tmp_path / "t", vocab_size=512)
+    d = write_dspark(tmp_path / "d", t, predictable=True)
+    base = ["generate", "--model", str(t), "-p", "def f(x):", "-m", "40", "--quiet"]
+    runs = [
+        CliRunner().invoke(main, base + ["--draft-model", str(d), "-k", "4"]),
+        CliRunner().invoke(main, base + ["--draft-model", str(d)]),
+        CliRunner().invoke(main, base + ["-k", "0"]),
+    ]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+    assert runs[0].output == runs[1].output == runs[2].output
+    assert len(runs[0].output) > 10
+    bad = CliRunner().invoke(main, base + ["--draft-model", str(d), "-k", "5"])
+    assert bad.exit_code == 1 and bad.output.count("\n") == 1, bad.output

@@ -28,7 +28,10 @@ from typing import Dict
 import mlx.core as mx
 import numpy as np
 
+from .fixtures import EOS_TOKEN, write_tokenizer
+
 Tensors = Dict[str, np.ndarray]
+TOKENIZER_VOCAB = 512
 
 VOCAB = 64
 HIDDEN = 32
@@ -97,14 +100,27 @@ def _layer(init: _Init, p: str, cfg: dict) -> Tensors:
 def write_qwen3_target(
     out_dir, *, seed: int = 0, vocab_size: int = VOCAB, weight_std: float = 0.2
 ) -> pathlib.Path:
-    """A tiny random Qwen3 target (see the module docstring); no tokenizer."""
+    """A tiny random Qwen3 target (see the module docstring), with the fixtures'
+    tokenizer when ``vocab_size`` is at least its `TOKENIZER_VOCAB` tokens (for the
+    CLI), else none."""
     config = target_config(vocab_size)
+    if vocab_size >= TOKENIZER_VOCAB:
+        config.update(_tokenizer(pathlib.Path(out_dir)))
     init = _Init(seed, weight_std)
     t = {"model.embed_tokens.weight": init.normal(vocab_size, HIDDEN, std=1.0)}
     for i in range(LAYERS):
         t.update(_layer(init, f"model.layers.{i}.", config))
     t["model.norm.weight"] = init.norm(HIDDEN)
     return _write(out_dir, config, t)
+
+
+def _tokenizer(out: pathlib.Path) -> dict:
+    """Write the fixtures' tokenizer into ``out``; its end-of-text id as config keys."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, TOKENIZER_VOCAB)
+    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    eos = next(t["id"] for t in added if t["content"] == EOS_TOKEN)
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
 
 
 def write_dspark(
