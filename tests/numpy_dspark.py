@@ -2,8 +2,8 @@
 
 A test oracle for `mlx_mtp.models.dspark`, written from the DSpark spec
 (``/work/notes/dspark_spec.md``: §2.1 taps, §2.2 context, §2.3 block, §2.4
-attention, §2.5 Markov head; DeepSpec ``deepspec/modeling/dspark/qwen3/modeling.py``), not from
-this project's MLX code; it must not import mlx or mlx_lm.
+attention, §2.5 Markov head; DeepSpec ``deepspec/modeling/dspark/qwen3/modeling.py``),
+not from this project's MLX code; it must not import mlx or mlx_lm.
 
     feat_t = concat_l h_t^(l)          h^(l): output of trunk layer l, before the norm
     c_t = hidden_norm(fc(feat_t))      per drafter layer: K = rope(k_norm(k(c_t)), t)
