@@ -63,7 +63,11 @@ class DSparkSpec:
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
+    # UNCONFIRMED defaults (the spec gives none): the head reads W1[prev] when
+    # there is a Markov head, as DeepSpec's released config sets it
     confidence_head_with_markov: bool = True
+    # DeepSpec's convention (no key in its configs; vLLM's default is true too);
+    # false: the speculators' [a, M x gamma] block, row 0 dropped (spec §2.3)
     sample_from_anchor: bool = True
 
     @classmethod
