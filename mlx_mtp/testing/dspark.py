@@ -2,7 +2,8 @@
 (``/work/notes/dspark_spec.md`` §6A).
 
 - `write_qwen3_target`: a Hugging Face Qwen3 checkpoint (``Qwen3ForCausalLM``, tied
-  embeddings, 4 layers, hidden 32, 4/2 heads of 8, no MTP heads);
+  embeddings, 4 layers, hidden 32, 4/2 heads of 8, no MTP heads; the predictable
+  one's head is untied);
 - `write_dspark`: a drafter folder for it, ``layout="deepspec"`` as DeepSeek's
   DeepSpec release writes it (the target's config plus the drafter keys at the top
   level, tensors without prefix, ``embed_tokens``/``lm_head`` copies of the
@@ -11,19 +12,22 @@
   tapped layers, ``num_target_layers`` at the top level, tensors under ``model.``,
   no embedding or head).
 
-``predictable=True`` makes a drafter that often agrees with its target: its Markov
-head carries the target's greedy bigram f (f(u): the target's argmax after the
-one-token prompt u) for a share ``agree`` of the tokens (a random token for the
-rest), strongly enough to outweigh the block's own logits, whose final norm is
-damped. A block then proposes f(a), f(f(a)), ..., which the target follows as far as
-its context lets it, so rounds of every kind (all, some, none accepted) occur.
+``predictable=True`` makes a pair whose drafter often agrees with its target. The
+target's current-token embedding dominates its residual stream and an untied head maps
+it to pi(u) for a random permutation pi, so its text mostly walks pi, breaking off
+where its layers win. The drafter's Markov head carries the target's greedy bigram f
+(f(u): its argmax after the one-token prompt u) for a share ``agree`` of the tokens (a
+random successor for the rest), strongly enough to outweigh the block's own logits,
+whose final norm is damped. A block then proposes f(a), f(f(a)), ..., which the
+target follows as far as its context lets it: rounds of every kind (all, some, none
+accepted) occur.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-from typing import Dict
+from typing import Dict, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -42,6 +46,10 @@ BLOCK_SIZE = 4
 TARGET_LAYER_IDS = [0, 2]  # never the last layer (3): spec §2.1
 MARKOV_RANK = 8
 DRAFT_LAYERS = 2
+# predictable=True: the Markov head's scale (its bias is about MARKOV_SCALE**2 for
+# the successor it carries) and the damping of the block's own logits
+MARKOV_SCALE = 6.0
+BLOCK_DAMPING = 0.02
 
 
 def target_config(vocab_size: int = VOCAB) -> dict:
@@ -98,19 +106,38 @@ def _layer(init: _Init, p: str, cfg: dict) -> Tensors:
 
 
 def write_qwen3_target(
-    out_dir, *, seed: int = 0, vocab_size: int = VOCAB, weight_std: float = 0.2
+    out_dir,
+    *,
+    seed: int = 0,
+    vocab_size: int = VOCAB,
+    predictable: bool = False,
+    weight_std: Optional[float] = None,
+    embed_std: Optional[float] = None,
 ) -> pathlib.Path:
     """A tiny random Qwen3 target (see the module docstring), with the fixtures'
-    tokenizer when ``vocab_size`` is at least its `TOKENIZER_VOCAB` tokens (for the
-    CLI), else none."""
+    tokenizer when ``vocab_size`` is at least `TOKENIZER_VOCAB` tokens (for the
+    CLI), else none. ``predictable``: its text mostly walks a random permutation
+    pi of the vocabulary (the current token's embedding dominates the residual
+    stream, and an untied head maps it to pi of it), breaking off where its
+    layers (``weight_std``) win."""
     config = target_config(vocab_size)
     if vocab_size >= TOKENIZER_VOCAB:
         config.update(_tokenizer(pathlib.Path(out_dir)))
+    if weight_std is None:
+        weight_std = 0.2 if predictable else 0.4
+    if embed_std is None:
+        embed_std = 4.0 if predictable else 0.3
     init = _Init(seed, weight_std)
-    t = {"model.embed_tokens.weight": init.normal(vocab_size, HIDDEN, std=1.0)}
+    embed = init.normal(vocab_size, HIDDEN, std=embed_std)
+    t = {"model.embed_tokens.weight": embed}
     for i in range(LAYERS):
         t.update(_layer(init, f"model.layers.{i}.", config))
     t["model.norm.weight"] = init.norm(HIDDEN)
+    if predictable:  # row pi(u) of the head is u's embedding
+        config["tie_word_embeddings"] = False
+        head = np.empty_like(embed)
+        head[init.rng.permutation(vocab_size)] = embed
+        t["lm_head.weight"] = head
     return _write(out_dir, config, t)
 
 
@@ -131,7 +158,7 @@ def write_dspark(
     layout: str = "deepspec",
     embeddings: bool = True,
     predictable: bool = False,
-    agree: float = 0.7,
+    agree: float = 0.9,
     block_size: int = BLOCK_SIZE,
     weight_std: float = 0.2,
 ) -> pathlib.Path:
@@ -156,11 +183,12 @@ def write_dspark(
     t["confidence_head.proj.bias"] = init.normal(1)
     weights = mx.load(str(pathlib.Path(target_dir) / "model.safetensors"))
     embed = np.array(weights["model.embed_tokens.weight"], np.float32)
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     if predictable:
         _predictable(t, target_dir, init, agree)
     if embeddings and layout == "deepspec":
         t["embed_tokens.weight"] = embed
-        t["lm_head.weight"] = embed  # the target's tied head
+        t["lm_head.weight"] = np.array(head, np.float32)  # the target's head
     if layout == "nested":
         t = {f"model.{k}": v for k, v in t.items()}
     return _write(out_dir, config, t)
@@ -211,9 +239,9 @@ def _predictable(t: Tensors, target_dir, init: _Init, agree: float) -> None:
     w1 /= np.linalg.norm(w1, axis=1, keepdims=True)
     w2 = np.zeros_like(w1)
     np.add.at(w2, follow, w1)  # W2[v] . W1[u] is largest where v = follow(u)
-    t["markov_head.markov_w1.weight"] = 4.0 * w1
-    t["markov_head.markov_w2.weight"] = 4.0 * w2
-    t["norm.weight"] = t["norm.weight"] * np.float32(0.1)
+    t["markov_head.markov_w1.weight"] = MARKOV_SCALE * w1
+    t["markov_head.markov_w2.weight"] = MARKOV_SCALE * w2
+    t["norm.weight"] = t["norm.weight"] * np.float32(BLOCK_DAMPING)
 
 
 def _write(out_dir, config: dict, tensors: Tensors) -> pathlib.Path:
