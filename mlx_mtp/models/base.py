@@ -13,7 +13,7 @@
 - ``assist(tokens, hidden, kv, position)``: with a separate drafter (a Gemma 4
   assistant, `mlx_mtp.models.gemma4_assistant`) instead of MTP layers, one draft step
   of it, reading the target's K/V ``kv``;
-- ``draft_context(h, caches)`` / ``draft_block(anchor, caches, position)``: with a
+- ``draft_context(h, caches)`` / ``draft_block(anchor, context, position)``: with a
   block drafter (DSpark, `mlx_mtp.models.dspark`), its context rows and its block
   pass. ``hidden`` then packs the tapped layers before the post-norm state:
   ``[taps (n * H) ; h (H)]``, and ``logits`` reads the last H.
