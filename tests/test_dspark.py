@@ -283,3 +283,41 @@ def test_cli_generate_with_the_drafter_prints_the_plain_text(tmp_path):
     assert len(runs[0].output) > 10
     bad = CliRunner().invoke(main, base + ["--draft-model", str(d), "-k", "5"])
     assert bad.exit_code == 1 and bad.output.count("\n") == 1, bad.output
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory):
+    """A predictable pair with the fixtures' tokenizer."""
+    from mlx_mtp.loading import load
+
+    root = tmp_path_factory.mktemp("dspark-tokenizer")
+    t = write_qwen3_target(root / "t", vocab_size=512, predictable=True)
+    d = write_dspark(root / "d", t, predictable=True)
+    return load(str(t), draft_model=str(d))
+
+
+def test_grammars_cut_blocks_and_keep_plain_constrained_output(tokenized):
+    """Under a JSON schema and a regex, drafting blocks (k = gamma and auto) gives
+    plain constrained decoding's text."""
+    import re
+
+    from .test_structured import SCHEMAS, decode
+
+    model, tokenizer = tokenized
+    pattern = r"(yes|no), [0-9]{2,4}(\.[0-9])?"
+    drafted = 0
+    for grammar in ({"json_schema": SCHEMAS[0]}, {"regex": pattern}):
+        plain_text, _ = decode(model, tokenizer, "A:", num_draft_tokens=0, **grammar)
+        for k in (BLOCK_SIZE, "auto"):
+            text, stats = decode(
+                model,
+                tokenizer,
+                "A:",
+                num_draft_tokens=k,
+                draft_source="heads",
+                **grammar,
+            )
+            assert text == plain_text, (grammar, k)
+            drafted += stats.accepted
+    assert re.fullmatch(pattern, plain_text)
+    assert drafted > 0
