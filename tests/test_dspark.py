@@ -321,3 +321,21 @@ def test_grammars_cut_blocks_and_keep_plain_constrained_output(tokenized):
             drafted += stats.accepted
     assert re.fullmatch(pattern, plain_text)
     assert drafted > 0
+
+
+def test_chunked_prefill_and_sessions(model):
+    """A prompt prefilled in chunks of 3 (context rows written chunk by chunk), a
+    generation stopped early and a session going on from it decode as plain
+    decoding of the conversation."""
+    first, second = list(range(10, 40)), [11, 12, 13]
+    session = Session()
+    steps = mtp_generate_step(
+        first, model, HEADS, num_draft_tokens=3, session=session, prefill_step_size=3
+    )
+    got = [next(steps).token for _ in range(37)]
+    steps.close()
+    assert got == plain(model, first, 37)
+    steps = mtp_generate_step(
+        second, model, HEADS, num_draft_tokens=4, max_tokens=60, session=session
+    )
+    assert [o.token for o in steps] == plain(model, first + got + second, 60)
