@@ -339,3 +339,33 @@ def test_chunked_prefill_and_sessions(model):
         second, model, HEADS, num_draft_tokens=4, max_tokens=60, session=session
     )
     assert [o.token for o in steps] == plain(model, first + got + second, 60)
+
+
+def test_serving_a_target_with_its_drafter(tmp_path):
+    """``serve --model TARGET --draft-model DSPARK``: a request drafts, and its
+    text is plain decoding's."""
+    import openai
+
+    from mlx_mtp import generate as mtp_generate
+    from mlx_mtp.loading import load
+    from mlx_mtp.server import Server, server_args
+
+    t = write_qwen3_target(tmp_path / "t", vocab_size=512, predictable=True)
+    d = write_dspark(tmp_path / "d", t, predictable=True)
+    server = Server(server_args(model=str(t), draft_model=str(d), port=0)).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        r = client.completions.create(
+            model="default_model",
+            prompt="def f(x):",
+            max_tokens=12,
+            extra_body={"num_draft_tokens": BLOCK_SIZE},
+        )
+    finally:
+        server.close()
+    model, tokenizer = load(str(t), draft_model=str(d))
+    want = mtp_generate(
+        model, tokenizer, "def f(x):", max_tokens=12, num_draft_tokens=0
+    )
+    assert r.choices[0].text == want
+    assert r.model_extra["mtp"]["drafted"] > 0
