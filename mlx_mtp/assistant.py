@@ -49,9 +49,10 @@ def check_config(config: dict, where) -> None:
     """Refuse an assistant config that cannot be built, in one line."""
     if not is_assistant(config):
         raise MTPError(
-            f"{where} is not a Gemma 4 assistant (model_type "
+            f"{where} is neither a Gemma 4 assistant (model_type "
             f"{config.get('model_type')!r}; expected one of "
-            f"{', '.join(ASSISTANT_TYPES)})"
+            f"{', '.join(ASSISTANT_TYPES)}) nor a DSpark drafter (config keys "
+            "target_layer_ids and mask_token_id, or architectures Qwen3DSparkModel)"
         )
     text = config.get("text_config")
     if not isinstance(text, dict) or not isinstance(

@@ -249,7 +249,7 @@ def test_refuses_a_unified_assistant_on_a_gemma4_target(copies):
 def test_refuses_what_is_not_an_assistant_and_an_assistant_as_model(copies, tmp_path):
     target, assistant = copies
     llama = write_llama(tmp_path / "llama", heads=True)
-    refused(target, llama, "is not a Gemma 4 assistant")
+    refused(target, llama, "is neither a Gemma 4 assistant")
     refused(llama, assistant, "drafts for gemma4 or gemma4_text targets")
     out = CliRunner().invoke(
         main, ["generate", "--model", str(assistant), "-p", "hi", "-m", "2"]
