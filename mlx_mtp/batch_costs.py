@@ -18,6 +18,7 @@ output: every round is verified exactly.
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -28,6 +29,7 @@ from .draft_length import (
     AdaptiveLength,
     FixedLength,
     _cost_key,
+    least_times,
     median_time,
 )
 from .errors import MTPError
@@ -36,7 +38,7 @@ from .paths import home
 
 VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
 DRAFT_FLOOR = 0.02  # a draft costs at least this share of a plain round
-VERSION = "rounds-3"  # how the costs are measured (older entries are measured anew)
+VERSION = "rounds-4"  # how the costs are measured (older entries are measured anew)
 MAX_GRID = 16  # batch sizes one stored entry may hold
 
 
@@ -76,16 +78,20 @@ class BatchCosts:
         last step's slope)."""
         return self._at({b: _width(v, n) for b, v in self.verify.items()}, B)
 
-    def round(self, B: int, K: int) -> float:
-        """A round over B rows drafting K tokens each."""
-        return self.verify_cost(B, K + 1) + K * self._at(self.draft, B)
+    def round(self, B: int, K: int, scale: float = 1.0) -> float:
+        """A round over B rows drafting K tokens each, a draft step costing
+        ``scale`` of one from the heads' own rows (`draft_scale`)."""
+        return self.verify_cost(B, K + 1) + K * scale * self._at(self.draft, B)
 
-    def pays(self, B: int, longest: int) -> bool:
-        """Whether drafting at most ``longest`` tokens could beat plain decoding at
-        batch B, every draft accepted: false past the crossover, where the pass turns
-        compute bound and no acceptance makes drafting pay."""
+    def pays(self, B: int, longest: int, scale: float = 1.0) -> bool:
+        """Whether drafting at most ``longest`` tokens (a draft step costing
+        ``scale``, as in `round`) could beat plain decoding at batch B, every draft
+        accepted: false past the crossover, where the pass turns compute bound and
+        no acceptance makes drafting pay."""
         plain = self.round(B, 0)
-        return any((K + 1) * plain > self.round(B, K) for K in range(1, longest + 1))
+        return any(
+            (K + 1) * plain > self.round(B, K, scale) for K in range(1, longest + 1)
+        )
 
 
 def _width(costs: List[float], n: int) -> float:
@@ -106,7 +112,7 @@ def grid(max_batch: int) -> List[int]:
 
 
 def measure_batch_costs(
-    model, sizes: Sequence[int], filled, reps: int = 5, context: int = 64
+    model, sizes: Sequence[int], filled, reps: int = 3, context: int = 64, passes=3
 ) -> BatchCosts:
     """`BatchCosts` for ``sizes``, timed on ``filled(model, B, context)``, a
     `mlx_mtp.batch.Batch` of B rows of ``context`` tokens drafting one token each,
@@ -117,24 +123,37 @@ def measure_batch_costs(
     all that the round drafting one token costs beyond its verify pass (the draft
     step, sampling, acceptance, rollback, the MTP caches' upkeep), counted for
     every draft of a longer round, which errs towards drafting less; and at least
-    the draft step timed alone (a difference of two medians can come out near 0)."""
-    times, drafts = {}, {}
-    for B in sizes:
-        batch = filled(model, B, context)
-        wide = [_time_verify(batch, n, reps) for n in range(2, VERIFY_WIDTHS + 1)]
-        step = _time_draft(batch, reps) if model.num_mtp_layers else 0.0
-        plain = _time_rounds(batch, 0, reps)
-        times[B] = [plain] + wide
-        if model.num_mtp_layers:
-            one = _time_rounds(batch, 1, reps)
-            drafts[B] = max(one - max(wide[0], plain), step, DRAFT_FLOOR * plain)
-        else:
-            drafts[B] = 0.0
+    the draft step timed alone (a difference of two medians can come out near 0).
+
+    Every time is the least of ``passes`` medians of ``reps`` (`least_times`), the
+    passes going over every batch size in turn, so that other work on the machine
+    skews no batch size's costs against another's."""
     if sizes[0] != 1:
         raise MTPError("batch costs are measured from a batch of one row")
-    unit = times[1][0]
+    heads = model.num_mtp_layers > 0
+    timers = []
+    for B in sizes:
+        still, stepped = filled(model, B, context), filled(model, B, context)
+        timers += [
+            partial(_time_verify, still, n, reps) for n in range(2, VERIFY_WIDTHS + 1)
+        ]
+        timers += [partial(_time_rounds, stepped, k, reps) for k in range(1 + heads)]
+        if heads:
+            timers.append(partial(_time_draft, still, reps))
+    per = VERIFY_WIDTHS + 2 * heads
+    times = least_times(timers, passes)
+    verify, drafts = {}, {}
+    for i, B in enumerate(sizes):
+        t = times[i * per : (i + 1) * per]
+        wide, plain = t[: VERIFY_WIDTHS - 1], t[VERIFY_WIDTHS - 1]
+        verify[B] = [plain] + wide
+        drafts[B] = 0.0
+        if heads:
+            one, step = t[VERIFY_WIDTHS:]
+            drafts[B] = max(one - max(wide[0], plain), step, DRAFT_FLOOR * plain)
+    unit = verify[1][0]
     return BatchCosts(
-        _monotone(times), _rising({B: d / unit for B, d in drafts.items()})
+        _monotone(verify), _rising({B: d / unit for B, d in drafts.items()})
     )
 
 
@@ -281,6 +300,22 @@ def expected_tokens(row, k: int) -> float:
     return total
 
 
+def draft_scale(rows) -> float:
+    """What a draft step over ``rows`` costs against one from the heads' own rows
+    (what ``BatchCosts.draft`` measured): each draft vocabulary in use runs its own
+    head over every row (`mlx_mtp.round`), so the single-stream costs of the
+    vocabularies in use, summed (the MTP layer counted with each, which errs
+    towards drafting less), at most 1."""
+    costs = rows[0].run.model.round_costs if rows else None
+    if costs is None or not costs.draft > 0:
+        return 1.0
+    vocabs = {r.vocab for r in rows}
+    if None in vocabs:
+        return 1.0
+    steps = [costs.drafts.get(v, costs.draft) for v in vocabs]
+    return min(1.0, sum(steps) / costs.draft)
+
+
 def _unseen(rows, asks: List[int], auto: List[bool]) -> bool:
     """Whether an auto row asks for drafts, has never drafted and knows nothing of
     its model's acceptance (no history, `mlx_mtp.history`): its first round drafts,
@@ -323,7 +358,7 @@ class BatchLength:
             expected_tokens(r, min(K, a) if free else a)
             for r, a, free in zip(rows, asks, auto)
         )
-        return tokens / self.costs.round(len(rows), K)
+        return tokens / self.costs.round(len(rows), K, draft_scale(rows))
 
     def cap(self, rows, asks: List[int], auto: List[bool]) -> Optional[int]:
         """The cap on the ``auto`` rows' drafts (None: none needed); ``asks``: each
@@ -332,7 +367,7 @@ class BatchLength:
         longest = max((a for a, free in zip(asks, auto) if free), default=0)
         if longest <= fixed or len(rows) == 1:
             return None
-        if not self.costs.pays(len(rows), longest):
+        if not self.costs.pays(len(rows), longest, draft_scale(rows)):
             return fixed  # past the crossover: no probe, no first draft either
         options = [fixed] + [k for k in range(max(fixed + 1, self.depth), longest + 1)]
         best = max(options, key=lambda K: self.rate(rows, asks, auto, K))

@@ -146,10 +146,9 @@ def run_mtp(
 
 
 def costs(model, prompt, max_k: int, reps: int, vocabs=()) -> Dict[str, float]:
-    """Medians of t_verify(n) for n = 1..max_k+1, of one draft step and of one draft
-    step from each draft vocabulary size in ``vocabs`` (``draft_N``), in seconds, after
-    ``prompt`` (`mlx_mtp.draft_length.time_round`, with more repetitions)."""
-    reps = max(7, 2 * reps)  # small, noisy timings: take more
+    """t_verify(n) for n = 1..max_k+1, one draft step and one draft step from each
+    draft vocabulary size in ``vocabs`` (``draft_N``), in seconds, after ``prompt``
+    (`mlx_mtp.draft_length.time_round`: the least of interleaved medians)."""
     ids = mx.array(prompt, dtype=mx.int32)
     t, draft, drafts = time_round(model, ids, max_k, reps, vocabs)
     out = {f"verify_{n}": x for n, x in enumerate(t, start=1)}

@@ -21,8 +21,9 @@ import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -42,6 +43,7 @@ from .paths import home
 # The most a stored cost may be, in plain decode steps: more is no measurement.
 MAX_COST = 1000.0
 MAX_DRAFT_VOCABS = 64  # draft vocabulary sizes one stored entry may describe
+MIN_EVIDENCE = 4.0  # judged drafts at a position before its estimate is trusted
 
 
 @dataclass
@@ -67,7 +69,7 @@ class RoundCosts:
 
 
 def measure_costs(
-    model, max_k: int, reps: int = 5, context: int = 64, vocabs: Sequence[int] = ()
+    model, max_k: int, reps: int = 3, context: int = 64, vocabs: Sequence[int] = ()
 ) -> RoundCosts:
     """Round costs relative to t(1), from `time_round` after ``context`` tokens."""
     ids = mx.arange(context, dtype=mx.int32) % model.args.vocab_size
@@ -78,9 +80,15 @@ def measure_costs(
 
 
 def time_round(
-    model, ids: mx.array, max_k: int, reps: int, vocabs: Sequence[int] = ()
+    model,
+    ids: mx.array,
+    max_k: int,
+    reps: int,
+    vocabs: Sequence[int] = (),
+    passes: int = 3,
 ) -> Tuple[List[float], float, Dict[int, float]]:
-    """Median seconds, after the tokens ``ids`` (1-D) are in the caches, of a verify
+    """Seconds (`least_times`: the least of ``passes`` interleaved medians of
+    ``reps`` calls), after the tokens ``ids`` (1-D) are in the caches, of a verify
     pass over n = 1..max_k+1 tokens (as a round verifies: rollback marks, pass,
     rewind), of one draft step (0.0 for a model without heads), and of one draft step
     from each draft vocabulary size in ``vocabs``."""
@@ -92,38 +100,52 @@ def time_round(
         mx.eval(model.logits(model.hidden(ids[None, :n], caches.trunk)))
         rewind(caches.trunk, marks, n)
 
-    t = [median_time(lambda: verify(n), reps) for n in range(1, max_k + 2)]
-    draft, drafts = 0.0, {}
+    timers = [
+        partial(median_time, partial(verify, n), reps) for n in range(1, max_k + 2)
+    ]
+    steps = _draft_steps(model, caches, ids, vocabs)
+    times = least_times(timers + [partial(median_time, s, reps) for s in steps], passes)
+    t, rest = times[: max_k + 1], times[max_k + 1 :]
     if model.drafter is not None:
-        draft = _block_step(model, ids, reps)
-    elif model.assistant is not None:
+        rest[0] /= model.drafter.block_size
+    draft = rest[0] if rest else 0.0
+    return t, draft, dict(zip(vocabs, rest[1:]))
+
+
+def _draft_steps(model, caches, ids: mx.array, vocabs: Sequence[int]) -> list:
+    """The draft steps to time after the context ``ids``: the drafter's one (a block
+    drafter's whole block, an assistant's step, or the first MTP layer's, from the
+    whole head), then the first MTP layer's from each draft vocabulary in ``vocabs``
+    (none for a model without heads)."""
+    if model.drafter is not None:
+        return [_block_step(model, ids)]
+    if model.assistant is not None:
         h = model.hidden(ids[None, -1:])
         kv = assistant_kv(model, caches.trunk)
         mx.eval(h, kv)
 
-        def step():
+        def assist():
             logits, _ = model.assist(ids[None, -1:], h, kv, len(ids))
             mx.eval(mx.argmax(logits, axis=-1))
 
-        draft = median_time(step, reps)
-    elif model.num_mtp_layers:
-        h = model.hidden(ids[None, -1:])
-        mx.eval(h)
+        return [assist]
+    if not model.num_mtp_layers:
+        return []
+    h = model.hidden(ids[None, -1:])
+    mx.eval(h)
 
-        def step(vocab=None):
-            z = model.mtp_forward(0, h, ids[None, -1:])
-            mx.eval(mx.argmax(model.draft_logits(z, vocab), axis=-1))
+    def step(vocab=None):
+        z = model.mtp_forward(0, h, ids[None, -1:])
+        mx.eval(mx.argmax(model.draft_logits(z, vocab), axis=-1))
 
-        draft = median_time(step, reps)
-        drafts = {n: median_time(lambda: step(n), reps) for n in vocabs}
-    return t, draft, drafts
+    return [step] + [partial(step, n) for n in vocabs]
 
 
-def _block_step(model, ids: mx.array, reps: int) -> float:
-    """A block drafter's pass after the context ``ids``, per draft it proposes: the
-    cost model charges k steps for k drafts, and a block pass costs about the same
-    whatever k (the Markov steps are small), so this is exact at k = gamma and low
-    below it."""
+def _block_step(model, ids: mx.array):
+    """A block drafter's pass after the context ``ids`` (`time_round` divides its
+    time by the block size: the cost model charges k steps for k drafts, and a block
+    pass costs about the same whatever k, the Markov steps being small, so this is
+    exact at k = gamma and low below it)."""
     drafter_caches = mtp_caches(model)
     h = model.hidden(ids[None, :-1], make_caches(model).trunk)
     model.draft_context(h, drafter_caches)
@@ -135,7 +157,7 @@ def _block_step(model, ids: mx.array, reps: int) -> float:
         z, _ = model.draft_block(anchor, context, len(ids) - 1)
         mx.eval(mx.argmax(z, axis=-1))
 
-    return median_time(step, reps) / model.drafter.block_size
+    return step
 
 
 def median_time(fn, reps: int) -> float:
@@ -146,6 +168,19 @@ def median_time(fn, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - tic)
     return statistics.median(times[1:])
+
+
+def least_times(timers: Sequence[Callable[[], float]], passes: int) -> List[float]:
+    """Each timer's least result over ``passes`` passes that call every timer in
+    turn. Interleaved, a burst of other work on the machine slows one pass of
+    several timers rather than every measurement of one, and the least drops the
+    passes it slowed: the costs are those of the machine when it is not shared,
+    and their ratios are not skewed by when each was measured."""
+    times = [[] for _ in timers]
+    for _ in range(passes):
+        for out, timer in zip(times, timers):
+            out.append(timer())
+    return [min(t) for t in times]
 
 
 def model_costs(
@@ -371,7 +406,10 @@ class AdaptiveLength(DraftPolicy):
         probe_every: With k = 0 chosen, draft the smallest allowed k > 0 this often at
             first; the interval doubles after each probe after which drafting still
             does not pay (up to `MAX_PROBE_INTERVAL` rounds), and is ``probe_every``
-            again once it pays.
+            again once it pays. With k > 0 chosen, draft one position deeper this
+            often while that position has fewer than `MIN_EVIDENCE` judged drafts,
+            so that a deeper draft that would pay is found (an estimate leaning on
+            the position before never learns otherwise).
         vocabs: Draft vocabularies to choose from: None (the heads' own rows) and/or
             numbers of tokens.
         coverage: Their `Coverage` (needed with more than one vocabulary).
@@ -402,6 +440,7 @@ class AdaptiveLength(DraftPolicy):
         self.seen = Counts.empty(self.max_k)  # the same, never forgotten
         self.idle = 0  # rounds since the last draft
         self.interval = probe_every  # rounds between probes now
+        self.shallow = 0  # drafting rounds since the last one drafted deeper
 
     def alphas(self) -> List[float]:
         """Acceptance at each position given the previous one was accepted (with the
@@ -436,6 +475,7 @@ class AdaptiveLength(DraftPolicy):
         k = self.best()
         if k:
             self.interval = self.probe_every  # drafting pays again
+            k = self._deeper(k)
         elif self.idle + 1 >= self.interval and self.max_k:
             k = self.allowed[1]  # a probe: drafting has not paid since the last one
             self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
@@ -443,14 +483,27 @@ class AdaptiveLength(DraftPolicy):
         self.vocab = self.best_vocab(k)
         return k
 
+    def _deeper(self, k: int) -> int:
+        """``k``, or the next allowed length when it is time to probe the position
+        after k: every ``probe_every`` drafting rounds while it has fewer than
+        `MIN_EVIDENCE` judged drafts."""
+        longer = [x for x in self.allowed if x > k]
+        self.shallow += 1
+        if not longer or self.reached[k] >= MIN_EVIDENCE:
+            return k
+        if self.shallow < self.probe_every:
+            return k
+        self.shallow = 0
+        return longer[0]
+
     def observe(self, k: int, accepted: int, missed: bool = False) -> None:
+        """Each position's acceptance is forgotten over its own judged drafts (a
+        position seldom drafted keeps what its rare drafts showed)."""
         if k == 0:
             return
-        for j in range(self.max_k):
-            self.reached[j] *= self.decay
-            self.hits[j] *= self.decay
         for j in range(min(k, accepted + int(not missed))):
-            self.reached[j] += 1.0
+            self.reached[j] = self.reached[j] * self.decay + 1.0
+            self.hits[j] *= self.decay
             self.hits[j] += float(j < accepted)
             self.seen.reached[j] += 1.0
             self.seen.hits[j] += float(j < accepted)

@@ -40,7 +40,7 @@ def main():
             del model.assistant["masked_embedding"]
         else:
             model.assistant.masked_embedding = centroid
-        t, draft = time_round(model, ids, args.max_k, args.reps)
+        t, draft, _ = time_round(model, ids, args.max_k, args.reps)
         results[head] = dict(t1_ms=1e3 * t[0], draft_ms=1e3 * draft, ratio=draft / t[0])
         verify = " ".join(f"{x / t[0]:.2f}" for x in t)
         print(

@@ -74,6 +74,54 @@ def test_probe_interval_is_reset_once_drafting_pays():
     assert [i for i, k in enumerate(ks) if k] == [7]
 
 
+# a small model's costs (the synthetic 300M model's, measured): a draft step costs a
+# fifth of a decode step, a verify pass little more per token
+SMALL = RoundCosts([1.0, 1.02, 1.08, 1.05, 1.12], 0.21)
+
+
+def simulate(policy, conditional, rounds: int, seed: int = 0):
+    """Drive ``policy`` for ``rounds`` rounds against drafts accepted at position j
+    with probability ``conditional[j]`` once the ones before were; its ks and its
+    tokens per unit of cost (`SMALL`) over the second half."""
+    rng, ks, tokens, cost = random.Random(seed), [], 0.0, 0.0
+    for i in range(rounds):
+        k = policy.next()
+        accepted = 0
+        while accepted < k and rng.random() < conditional[accepted]:
+            accepted += 1
+        policy.observe(k, accepted)
+        ks.append(k)
+        if i >= rounds // 2:
+            tokens, cost = tokens + 1 + accepted, cost + SMALL.round(k)
+    return ks, tokens / cost
+
+
+def test_a_deeper_draft_that_pays_is_found(monkeypatch):
+    """The second position is accepted far more often than the first (0.95 after
+    0.45): k = 2 pays (1.88 / 1.50 = 1.25 against 1.45 / 1.23 = 1.18), but a
+    policy that never drafts it leans on the first position's 0.45 and stays at
+    k = 1. Probing one position deeper finds it."""
+    conditional = [0.45, 0.95, 0.5, 0.5]
+    prior = [0.45] * 4  # a history that never drafted past 1
+    policy = AdaptiveLength(SMALL, range(5), prior=prior)
+    found, rate = simulate(policy, conditional, 1000)
+    assert sum(k >= 2 for k in found[500:]) > 150 and policy.alphas()[1] > 0.8
+    monkeypatch.setattr(draft_length, "MIN_EVIDENCE", 0.0)  # never probes deeper
+    stuck, stuck_rate = simulate(
+        AdaptiveLength(SMALL, range(5), prior=prior), conditional, 1000
+    )
+    assert max(stuck[500:]) == 1
+    assert rate > 1.03 * stuck_rate
+
+
+def test_deeper_probes_stop_once_the_position_is_known():
+    """A deeper position that does not pay is probed until it has enough judged
+    drafts, then never again: the probes cost a few draft steps in all."""
+    ks, _ = simulate(AdaptiveLength(SMALL, range(5), prior=0.6), [0.6, 0.1, 0.1], 600)
+    assert 1 <= sum(k >= 2 for k in ks) <= 20
+    assert set(ks[300:]) == {1}
+
+
 def test_policy_for_each_setting(loaded, monkeypatch):
     model, _ = loaded("mimo", predictable=True)  # two MTP layers
     auto = draft_policy(model, "auto", 4)
