@@ -533,7 +533,7 @@ def test_serving_a_target_with_its_drafter(tmp_path):
     text is plain decoding's."""
     import openai
 
-    from mlx_mtp import generate as mtp_generate
+    from mlx_mtp.generate import generate as mtp_generate
     from mlx_mtp.loading import load
     from mlx_mtp.server import Server, server_args
 
