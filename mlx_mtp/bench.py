@@ -10,8 +10,9 @@ allows given the measured costs:
 
     ideal(k) = tokens_per_round(k) / (t(k + 1) / t(1) + k * t_draft / t(1))
 
-with t(n) one trunk pass over n new tokens (logits included) and t_draft one MTP step,
-all timed here the same way (one call, evaluated); measured / ideal is the runtime's own
+with t(n) one trunk pass over n new tokens (logits included) and t_draft one MTP step
+(a block drafter's round pays its pass t_block once instead of k steps), all timed here
+the same way (one call, evaluated); measured / ideal is the runtime's own
 efficiency: its bookkeeping, host syncs and Python overhead. With ``k = "auto"`` the
 round cost is averaged over the k actually drafted in each round.
 """
@@ -146,14 +147,15 @@ def run_mtp(
 
 
 def costs(model, prompt, max_k: int, reps: int, vocabs=()) -> Dict[str, float]:
-    """t_verify(n) for n = 1..max_k+1, one draft step and one draft step from each
-    draft vocabulary size in ``vocabs`` (``draft_N``), in seconds, after ``prompt``
-    (`mlx_mtp.draft_length.time_round`: the least of interleaved medians)."""
+    """t_verify(n) for n = 1..max_k+1, one draft step (``block``: a block drafter's
+    pass) and one draft step from each draft vocabulary size in ``vocabs``
+    (``draft_N``), in seconds, after ``prompt`` (`mlx_mtp.draft_length.time_round`:
+    the least of interleaved medians)."""
     ids = mx.array(prompt, dtype=mx.int32)
     t, draft, drafts = time_round(model, ids, max_k, reps, vocabs)
     out = {f"verify_{n}": x for n, x in enumerate(t, start=1)}
     if model.num_mtp_layers:
-        out["draft"] = draft
+        out["block" if model.drafter is not None else "draft"] = draft
         out.update({f"draft_{n}": d for n, d in drafts.items()})
     return out
 
@@ -254,7 +256,8 @@ def _sizes(model, vocabs) -> List[int]:
 
 def ideal_speedup(stats, c: Dict[str, float]) -> float:
     """Tokens per round over the mean round cost, in plain decode steps (a draft step
-    costs the mean over the draft vocabularies the run drafted from)."""
+    costs the mean over the draft vocabularies the run drafted from; a block
+    drafter's round its one pass)."""
     by_vocab = stats.drafted_by_vocab
     drafted = sum(by_vocab.values())
     step = c.get("draft", 0.0)
@@ -266,8 +269,10 @@ def ideal_speedup(stats, c: Dict[str, float]) -> float:
             )
             / drafted
         )
+    block = c.get("block", 0.0)
     cost = sum(
-        n * (c[f"verify_{k + 1}"] + k * step) for k, n in enumerate(stats.rounds_by_k)
+        n * (c[f"verify_{k + 1}"] + (block * bool(k) if block else k * step))
+        for k, n in enumerate(stats.rounds_by_k)
     )
     return stats.emitted * c["verify_1"] / cost if cost else 1.0
 

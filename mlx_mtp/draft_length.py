@@ -2,7 +2,9 @@
 tokens per unit of time on the machine at hand.
 
 A round that drafts k tokens costs ``verify(k + 1) + k * draft`` (in units of one plain
-decode step, measured once per model and machine by `measure_costs`) and emits
+decode step, measured once per model and machine by `measure_costs`), or with a block
+drafter ``verify(k + 1) + block``: one block pass proposes every k up to gamma at
+about the same cost (its per-slot Markov steps, rank r, are small beside it), and emits
 ``1 + sum_{i<=k} prod_{j<=i} alpha_j`` tokens on average, with ``alpha_j`` the
 probability that draft j is accepted given that draft j-1 was. `AdaptiveLength`
 estimates the alphas from recent rounds (exponentially forgotten, so a change of
@@ -52,18 +54,22 @@ class RoundCosts:
 
     ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens; ``draft`` one MTP
     step; ``drafts[n]`` one MTP step drafting from a draft vocabulary of n tokens
-    (`mlx_mtp.draft_vocab`).
+    (`mlx_mtp.draft_vocab`); ``block`` a block drafter's pass (0: none), which
+    a round drafting any k > 0 pays once, whatever k.
     """
 
     verify: List[float]
     draft: float
     drafts: Dict[int, float] = field(default_factory=dict)
+    block: float = 0.0
 
     def __post_init__(self):
         self.drafts = {int(n): c for n, c in self.drafts.items()}  # JSON keys
 
     def round(self, k: int, vocab: Optional[int] = None) -> float:
         """A round drafting k tokens (from ``vocab`` tokens; None: the heads' own)."""
+        if self.block:
+            return self.verify[k] + (self.block if k else 0.0)
         step = self.draft if vocab is None else self.drafts.get(vocab, self.draft)
         return self.verify[k] + k * step
 
@@ -71,12 +77,14 @@ class RoundCosts:
 def measure_costs(
     model, max_k: int, reps: int = 3, context: int = 64, vocabs: Sequence[int] = ()
 ) -> RoundCosts:
-    """Round costs relative to t(1), from `time_round` after ``context`` tokens."""
+    """Round costs relative to t(1), from `time_round` after ``context`` tokens (a
+    block drafter's pass as ``block``)."""
     ids = mx.arange(context, dtype=mx.int32) % model.args.vocab_size
     t, draft, drafts = time_round(model, ids, max_k, reps, vocabs)
-    return RoundCosts(
-        [x / t[0] for x in t], draft / t[0], {n: d / t[0] for n, d in drafts.items()}
-    )
+    verify, drafts = [x / t[0] for x in t], {n: d / t[0] for n, d in drafts.items()}
+    if model.drafter is not None:
+        return RoundCosts(verify, 0.0, drafts, block=draft / t[0])
+    return RoundCosts(verify, draft / t[0], drafts)
 
 
 def time_round(
@@ -90,8 +98,9 @@ def time_round(
     """Seconds (`least_times`: the least of ``passes`` interleaved medians of
     ``reps`` calls), after the tokens ``ids`` (1-D) are in the caches, of a verify
     pass over n = 1..max_k+1 tokens (as a round verifies: rollback marks, pass,
-    rewind), of one draft step (0.0 for a model without heads), and of one draft step
-    from each draft vocabulary size in ``vocabs``."""
+    rewind), of one draft step (0.0 for a model without heads; a block drafter's
+    whole pass), and of one draft step from each draft vocabulary size in
+    ``vocabs``."""
     caches = make_caches(model)
     mx.eval(model.hidden(ids[None], caches.trunk))
 
@@ -106,8 +115,6 @@ def time_round(
     steps = _draft_steps(model, caches, ids, vocabs)
     times = least_times(timers + [partial(median_time, s, reps) for s in steps], passes)
     t, rest = times[: max_k + 1], times[max_k + 1 :]
-    if model.drafter is not None:
-        rest[0] /= model.drafter.block_size
     draft = rest[0] if rest else 0.0
     return t, draft, dict(zip(vocabs, rest[1:]))
 
@@ -142,10 +149,8 @@ def _draft_steps(model, caches, ids: mx.array, vocabs: Sequence[int]) -> list:
 
 
 def _block_step(model, ids: mx.array):
-    """A block drafter's pass after the context ``ids`` (`time_round` divides its
-    time by the block size: the cost model charges k steps for k drafts, and a block
-    pass costs about the same whatever k, the Markov steps being small, so this is
-    exact at k = gamma and low below it)."""
+    """A block drafter's pass after the context ``ids`` (its gamma slots' logits),
+    which a round pays once whatever its k (`RoundCosts.block`)."""
     drafter_caches = mtp_caches(model)
     h = model.hidden(ids[None, :-1], make_caches(model).trunk)
     model.draft_context(h, drafter_caches)
@@ -202,7 +207,7 @@ def model_costs(
     key = _cost_key(model)
     stored = previous = parse_costs(_stored_costs().get(key)) if key else None
     has_heads = model.assistant is not None or model.num_mtp_layers > 0
-    if not (stored and enough(stored)) or (has_heads and not stored.draft > 0):
+    if not (stored and enough(stored)) or (has_heads and not _drafts(model, stored)):
         stored = None
     if sync.share_int(int(stored is not None)):  # rank 0 decides: read or measure
         zeros = RoundCosts([0.0] * (max_k + 1), 0.0, dict.fromkeys(vocabs, 0.0))
@@ -217,11 +222,19 @@ def model_costs(
     if sync.group is not None:  # rank 0's costs, so that every rank picks the same k
         sizes, n = sorted(vocabs), max_k + 1  # the same shape on every rank
         shared = sync.share_values(
-            [*costs.verify[:n], costs.draft, *(costs.drafts[v] for v in sizes)]
+            [*costs.verify[:n], costs.draft, costs.block]
+            + [costs.drafts[v] for v in sizes]
         )
-        costs = RoundCosts(shared[:n], shared[n], dict(zip(sizes, shared[n + 1 :])))
+        drafts = dict(zip(sizes, shared[n + 2 :]))
+        costs = RoundCosts(shared[:n], shared[n], drafts, shared[n + 1])
     model.round_costs = costs
     return costs
+
+
+def _drafts(model, costs: RoundCosts) -> bool:
+    """Whether ``costs`` price the model's drafting: a block drafter's pass, or
+    another drafter's step (an entry from before block costs has no pass)."""
+    return (costs.block if model.drafter is not None else costs.draft) > 0
 
 
 def _to_measure(model, max_k: int, vocabs, previous: Optional[RoundCosts]):
@@ -263,14 +276,19 @@ def _cost_key(model) -> Optional[str]:
 
 def parse_costs(entry) -> Optional[RoundCosts]:
     """The `RoundCosts` of an entry of the costs file, or None unless it is exactly
-    what `measure_costs` gives: the fields ``verify``, ``draft`` and ``drafts`` only;
+    what `measure_costs` gives (as `_store_costs` writes it): the fields
+    ``verify``, ``draft`` and ``drafts``, and ``block`` for a block drafter only;
     1 to ``MAX_DRAFT_TOKENS + 1`` verify costs, the first 1; ``draft`` 0 (a model
-    without heads) or a cost; ``drafts`` at most `MAX_DRAFT_VOCABS` costs keyed by
-    positive whole numbers (JSON strings). A cost is a finite number in
-    (0, `MAX_COST`]."""
-    if not (isinstance(entry, dict) and set(entry) == {"verify", "draft", "drafts"}):
+    without heads, or a block drafter) or a cost; ``drafts`` at most
+    `MAX_DRAFT_VOCABS` costs keyed by positive whole numbers (JSON strings);
+    ``block`` a cost. A cost is a finite number in (0, `MAX_COST`]."""
+    fields = {"verify", "draft", "drafts"}
+    if not (isinstance(entry, dict) and set(entry) in (fields, fields | {"block"})):
         return None
     verify, draft, drafts = entry["verify"], entry["draft"], entry["drafts"]
+    block = entry.get("block")
+    if block is not None and not _is_cost(block):
+        return None
     if not (
         isinstance(verify, list)
         and 1 <= len(verify) <= MAX_DRAFT_TOKENS + 1
@@ -283,7 +301,9 @@ def parse_costs(entry) -> Optional[RoundCosts]:
         and all(_is_cost(c) for c in drafts.values())
     ):
         return None
-    return RoundCosts([float(c) for c in verify], float(draft), drafts)
+    return RoundCosts(
+        [float(c) for c in verify], float(draft), drafts, float(block or 0.0)
+    )
 
 
 def _is_cost(x) -> bool:
@@ -301,7 +321,10 @@ def _store_costs(key: str, costs: RoundCosts) -> None:
     one wins, and the file is always one complete table). A cache that cannot be
     written is skipped."""
     table = {k: v for k, v in _stored_costs().items() if parse_costs(v) is not None}
-    table[key] = asdict(costs)
+    entry = asdict(costs)
+    if not costs.block:
+        del entry["block"]
+    table[key] = entry
     write_table(_costs_file(), table)
 
 

@@ -231,6 +231,9 @@ def launch(
     for b, r in enumerate(runs):
         if r.ruled:
             r.rule("begin", None if pending is None else pending[b])
+    # whether the drafter runs (every row's frontier then moves), decided before a
+    # block drafter's confidence cut may leave no row any draft
+    heads = max(rp.heads, default=0) > 0 and depth > 0
     drafts, q = draft(model, caches, runs, rp, depth)
     for b, r in enumerate(runs):
         for token in rp.lookups[b] or ():
@@ -252,18 +255,18 @@ def launch(
     if sync.group is not None:
         accepted, next_tokens = sync.share(accepted), sync.share(next_tokens)
     mx.async_eval(accepted, next_tokens, drafts, hidden, logprobs)
-    heads = max(rp.heads, default=0) > 0 and depth > 0
     return Round(rp, heads, drafts, hidden, logprobs, accepted, next_tokens, marks)
 
 
 def draft(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
-    """``(B, K)`` drafts: the heads' (or an assistant's) for heads rows, each
-    lookup row's own tokens, zeros past a row's k_b. Returns them and per row its
-    ``(K, V)`` draft log-probabilities (None for a greedy or lookup row; None for
-    all when no row has any)."""
-    B, K = len(runs), rp.K
+    """``(B, K)`` drafts: the heads' (or an assistant's, or a block drafter's) for
+    heads rows, each lookup row's own tokens, zeros past a row's k_b. Returns them
+    and per row its ``(K, V)`` draft log-probabilities (None for a greedy or lookup
+    row; None for all when no row has any). A block drafter's confidence cut may
+    lower the heads rows' ``rp.ks`` (K is the longest after it)."""
     source = draft_heads if model.drafter is None else draft_block
     tokens, q = source(model, caches, runs, rp, depth)
+    B, K = len(runs), rp.K
     if tokens.shape[1] < K:
         fill = mx.zeros((B, K - tokens.shape[1]), dtype=mx.int32)
         tokens = mx.concatenate([tokens, fill], axis=1)
@@ -343,11 +346,12 @@ def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
     """Up to K <= gamma drafts per row from a block drafter (DSpark): every row's
     pending taps (positions frontier..n-1, left-padded to the longest) join its
     context caches, one block pass after each row's anchor t_n at position n gives
-    every slot's logits z_k, and slot k is drawn from ``z_k + markov(prev_k)``,
-    prev_0 = t_n and prev_k the token drawn at slot k-1, so q_k is the distribution
-    of the token actually drawn (``/work/notes/dspark_spec.md`` §3). The context
-    caches then hold positions 0..n-1 of each row, as `commit` expects of a round
-    with heads (frontier n)."""
+    every slot's logits z_k and normed outputs g_k, and slot k is drawn from
+    ``z_k + markov(prev_k, g_k, state)``, prev_0 = t_n and prev_k the token drawn at
+    slot k-1, so q_k is the distribution of the token actually drawn
+    (``/work/notes/dspark_spec.md`` §3); the confidence head cuts each row's
+    block (`_cut`). Afterwards the context caches hold positions 0..n-1 of each
+    row, as `commit` expects of a round with heads (frontier n)."""
     ks = rp.heads
     K = max(ks, default=0)
     if K == 0 or depth == 0:
@@ -357,18 +361,36 @@ def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
     context = [ops(c).read_kv(n) for c in caches.mtp]
     position = n[0] if len(runs) == 1 else mx.array(n, dtype=mx.int32)
     anchor = mx.array([r.state.tokens[-1] for r in runs], dtype=mx.int32)  # (B,)
-    z, _ = model.draft_block(anchor, context, position)  # (B, gamma, V)
+    z, g = model.draft_block(anchor, context, position)  # (B, gamma, V), (B, gamma, H)
+    d = model.drafter
     keys = _step_keys(rp, ks, K)
     tokens, logprobs, prev = [], [], anchor
+    state = d.markov_start(len(runs), g.dtype)
     for j in range(K):
-        bias = model.drafter.markov(prev)
+        bias, state = d.markov(prev, g[:, j], state)
         logits = z[:, j] if bias is None else z[:, j] + bias  # (B, V)
         logits = _ruled_logits(model, runs, logits, None, tokens, ks)
         prev, lp = _pick(runs, logits, keys[j])
         _push(runs, prev, ks, j)
         tokens.append(prev)
         logprobs.append(lp)
-    return mx.stack(tokens, axis=1), _stack_q(logprobs)
+    drafts = mx.stack(tokens, axis=1)  # (B, K)
+    return _cut(model, rp, g, anchor, drafts), _stack_q(logprobs)
+
+
+def _cut(model, rp: RoundPlan, g, anchor, drafts: mx.array) -> mx.array:
+    """Cut every heads row's block where the drafter's confidence head stops it
+    (`mlx_mtp.models.dspark.DSpark.cut`: a stopping time, so acceptance stays
+    exact): row b's ``rp.ks[b]`` becomes ``min(k_b, L_b)``, and the drafts
+    ``(B, K)`` are trimmed to the longest heads row. The lengths are read to the
+    host (the verify pass's width depends on them), rank 0's on every rank."""
+    if not model.drafter.cuts:
+        return drafts
+    lengths = Sync(model.group).share(model.drafter.cut(g, anchor, drafts))
+    for b, length in enumerate(lengths.tolist()):
+        if not rp.lookups[b]:
+            rp.ks[b] = min(rp.ks[b], length)
+    return drafts[:, : max(rp.heads, default=0)]
 
 
 def _write_context(model, drafter_caches, runs) -> None:

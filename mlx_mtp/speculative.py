@@ -389,10 +389,12 @@ class Run:
     def pipelined(self, rnd: Round) -> bool:
         """Whether the round after ``rnd`` may be planned before ``rnd`` is
         committed: ``rnd`` drafts nothing (its commit takes its one token whatever
-        its value), no lookup or grammar needs that token's value, and KV
-        quantization (which runs between rounds) is off."""
+        its value) and ran no drafter (a block drafter whose confidence cut left it
+        no draft still moves the frontier), no lookup or grammar needs that
+        token's value, and KV quantization (which runs between rounds) is off."""
         return not (
             rnd.K
+            or rnd.heads
             or self.kv.bits is not None
             or self.drafting.lookup_tokens
             or (self.rules is not None and self.rules.needs_tokens)

@@ -47,7 +47,8 @@ def _run(r: dict) -> str:
 
 def _ideal(r: dict, k: int, c: dict) -> float:
     """The ideal speedup of a fixed-k row from a file that did not store it."""
-    cost = c[f"verify_{k + 1}"] + k * c.get("draft", 0.0)
+    block = c.get("block", 0.0)  # a block drafter's pass, paid once a round
+    cost = c[f"verify_{k + 1}"] + (block if block else k * c.get("draft", 0.0))
     return r["tokens_per_round"] * c["verify_1"] / cost if k else 1.0
 
 

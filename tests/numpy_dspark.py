@@ -2,21 +2,35 @@
 
 A test oracle for `mlx_mtp.models.dspark`, written from the DSpark spec
 (``/work/notes/dspark_spec.md``: §2.1 taps, §2.2 context, §2.3 block, §2.4
-attention, §2.5 Markov head; DeepSpec ``deepspec/modeling/dspark/qwen3/modeling.py``),
-not from this project's MLX code; it must not import mlx or mlx_lm.
+attention, §2.5 Markov heads, §2.6 confidence head; DeepSpec
+``deepspec/modeling/dspark/qwen3/modeling.py``, ``markov_head.py`` and
+``eval/dspark/draft_ops.py``), not from this project's MLX code; it must not import
+mlx or mlx_lm.
 
     feat_t = concat_l h_t^(l)          h^(l): output of trunk layer l, before the norm
     c_t = hidden_norm(fc(feat_t))      per drafter layer: K = rope(k_norm(k(c_t)), t)
     x = embed([a, M, ..., M])          at positions p..p+gamma-1
     per layer: x += o(attn(q(ln1 x), [K_ctx ; K_blk])); x += mlp(ln2 x)   (no mask)
-    z_k = lm_head(norm(x_k));  l_k = z_k + W2 W1[prev_k]
+    g_k = norm(x_k);  z_k = lm_head(g_k);  e_k = W1[prev_k];  l_k = z_k + b_k
+    vanilla: b_k = W2 e_k
+    gated:   b_k = W2 (sigmoid(gate_proj([g_k ; e_k])) * e_k)
+    rnn:     [u ; c ; o] = joint_proj([s ; e_k ; g_k]), s_0 = 0,
+             s <- sigmoid(u) s + (1 - sigmoid(u)) tanh(c),  b_k = W2 tanh(o)
+    c_k = proj([g_k ; e_k]);  block length = min{k : sigmoid(c_k) < tau}, else gamma
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .numpy_reference import linear, load_checkpoint, mlp, rmsnorm, rope_rotate_half
+from .numpy_reference import (
+    linear,
+    load_checkpoint,
+    mlp,
+    rmsnorm,
+    rope_rotate_half,
+    sigmoid,
+)
 
 
 def _heads(x, n):
@@ -83,9 +97,10 @@ def target_taps(target_dir, tokens, layer_ids):
 
 
 def dspark_block(drafter_dir, taps, anchor, drafts):
-    """Slot logits of one block after context ``taps`` (positions 0..p-1, p =
-    len(taps)), anchor at p: ``(gamma, V)`` base logits z and the Markov-corrected
-    logits of each slot given the tokens ``drafts`` drawn before it."""
+    """One block after context ``taps`` (positions 0..p-1, p = len(taps)), anchor
+    at p, given the tokens ``drafts`` drawn at its slots: ``(gamma, V)`` base logits
+    z, the Markov-corrected logits of each slot given the tokens drawn before it,
+    and ``(gamma,)`` confidence logits c."""
     cfg, W = load_checkpoint(drafter_dir)
     W = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in W.items()}
     nested = cfg.get("dflash_config") or {}
@@ -107,7 +122,37 @@ def dspark_block(drafter_dir, taps, anchor, drafts):
             f"layers.{i}.mlp",
             rmsnorm(x, W[f"layers.{i}.post_attention_layernorm.weight"], eps),
         )
-    z = rmsnorm(x, W["norm.weight"], eps) @ W["lm_head.weight"].T  # (gamma, V)
+    g = rmsnorm(x, W["norm.weight"], eps)  # (gamma, H)
+    z = g @ W["lm_head.weight"].T  # (gamma, V)
     prev = [anchor] + list(drafts[: gamma - 1])
-    w1, w2 = W["markov_head.markov_w1.weight"], W["markov_head.markov_w2.weight"]
-    return z, z + w1[prev] @ w2.T
+    e = W["markov_head.markov_w1.weight"][prev]  # (gamma, r)
+    head = cfg.get("markov_head_type", "vanilla")
+    with_markov = W["confidence_head.proj.weight"].shape[-1] > g.shape[-1]
+    features = np.concatenate([g, e], axis=-1) if with_markov else g
+    c = linear(W, "confidence_head.proj", features)[:, 0]
+    return z, z + _markov_bias(W, head, g, e), c
+
+
+def _markov_bias(W, head, g, e):
+    """(gamma, V) biases of DeepSpec's Markov head ``head`` over a block's slots."""
+    w2 = W["markov_head.markov_w2.weight"]  # (V, r)
+    if head == "vanilla":
+        return e @ w2.T
+    if head == "gated":
+        gate = sigmoid(linear(W, "markov_head.gate_proj", np.concatenate([g, e], -1)))
+        return (gate * e) @ w2.T
+    assert head == "rnn", head
+    s, out = np.zeros(e.shape[-1]), []
+    for k in range(len(e)):
+        joint = linear(W, "markov_head.joint_proj", np.concatenate([s, e[k], g[k]]))
+        u, cand, o = np.split(joint, 3)
+        s = sigmoid(u) * s + (1.0 - sigmoid(u)) * np.tanh(cand)
+        out.append(np.tanh(o) @ w2.T)
+    return np.stack(out)
+
+
+def block_length(confidence, tau):
+    """The block's length under the cut (DeepSpec's rule): the first slot whose
+    sigmoid(c) < tau, else gamma; tau = 0: no cut."""
+    low = [k for k, c in enumerate(confidence) if sigmoid(c) < tau]
+    return low[0] if tau > 0 and low else len(confidence)

@@ -1,11 +1,14 @@
 """Qwen3 targets with DSpark block drafters (``--draft-model``): both folder spellings
 load, the pair decodes exactly as plain decoding of the target (greedy token for
-token at every block length and ``auto``, sampling in distribution), the drafter's
-context cache rolls back with the round, and drafters that do not fit their target
-are refused in one line."""
+token at every block length and ``auto``, sampling in distribution) with each of
+DeepSpec's Markov heads (vanilla, gated, rnn) and with the confidence head cutting
+blocks, the drafter's context cache rolls back with the round, ``auto`` prices a
+block round as one pass, and drafters that do not fit their target are refused in
+one line."""
 
 import json
 import shutil
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -23,6 +26,12 @@ from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.dspark import BLOCK_SIZE, write_dspark, write_qwen3_target
 
 PROMPTS = ([5, 17, 30], list(range(10, 40)))
+MARKOV = ("vanilla", "gated", "rnn")
+# the sampling tests of the gated and rnn heads (about 8 s each) run with ``-m slow``,
+# so that the default suite stays a few minutes; the vanilla head's run by default
+SAMPLED_MARKOV = ["vanilla"] + [
+    pytest.param(m, marks=pytest.mark.slow) for m in MARKOV[1:]
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +44,32 @@ def drafter(target, name, **options):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A predictable pair: acceptance about 0.45 at k = 4."""
+def pairs(tmp_path_factory):
+    """``pairs(markov="vanilla", tau=None)``: a predictable pair with that Markov
+    head and confidence threshold (None: the config has none), made once."""
     root = tmp_path_factory.mktemp("dspark-predictable")
     target = write_qwen3_target(root / "target", predictable=True)
-    path = write_dspark(root / "drafter", target, predictable=True)
-    return load_model(str(target), draft_model=str(path))[0]
+    made = {}
+
+    def get(markov="vanilla", tau=None):
+        if (markov, tau) not in made:
+            path = write_dspark(
+                root / f"drafter-{markov}-{tau}",
+                target,
+                predictable=True,
+                markov=markov,
+                confidence_threshold=tau,
+            )
+            made[markov, tau] = load_model(str(target), draft_model=str(path))[0]
+        return made[markov, tau]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def model(pairs):
+    """A predictable pair: acceptance about 0.45 at k = 4."""
+    return pairs()
 
 
 def plain(model, prompt, n):
@@ -82,6 +111,18 @@ def test_greedy_identity_at_every_block_length_and_auto(model):
     assert all(n > 0 for n in hist[BLOCK_SIZE]), hist
 
 
+@pytest.mark.parametrize("markov", MARKOV[1:])
+def test_gated_and_rnn_heads_decode_greedy_exactly(pairs, markov):
+    """k = 1..gamma and ``auto`` give plain decoding's tokens with a gated or an
+    rnn Markov head, which carries the target's bigram: blocks are accepted whole
+    and rejected at their first slot."""
+    from .test_window import greedy_identity
+
+    ks = tuple(range(1, BLOCK_SIZE + 1))
+    hist = greedy_identity(pairs(markov), PROMPTS, n=60, ks=ks, policies=("auto",))
+    assert hist[BLOCK_SIZE][0] > 0 and hist[BLOCK_SIZE][-1] > 0, hist
+
+
 def test_random_drafters_decode_exactly(target):
     """Random (rarely accepted) drafters of both spellings, the nested one with the
     target's embedding and head."""
@@ -91,6 +132,39 @@ def test_random_drafters_decode_exactly(target):
         path = drafter(target, f"random-{layout}", layout=layout)
         model = load_model(str(target), draft_model=str(path))[0]
         greedy_identity(model, PROMPTS[1:], n=40, ks=(BLOCK_SIZE,))
+
+
+def test_auto_prices_a_block_round_as_one_pass(model, monkeypatch):
+    """``-k auto``'s costs with a block drafter: a round drafting any k > 0 pays
+    one block pass (measured, stored and read back as such); an entry stored
+    without a pass (before block costs) is measured again."""
+    from mlx_mtp import draft_length
+    from mlx_mtp.files import write_table
+
+    costs = draft_length.model_costs(model, BLOCK_SIZE)
+    assert costs.block > 0 and costs.draft == 0
+    assert costs.round(0) == costs.verify[0]
+    for k in range(1, BLOCK_SIZE + 1):
+        assert costs.round(k) == costs.verify[k] + costs.block
+
+    def reload():
+        paths = str(model.source), str(model.drafter_source)
+        return load_model(paths[0], draft_model=paths[1])[0]
+
+    measured = []
+
+    def measure(model, max_k, **kw):
+        measured.append(max_k)
+        return costs
+
+    monkeypatch.setattr(draft_length, "measure_costs", measure)
+    assert draft_length.model_costs(reload(), BLOCK_SIZE) == costs  # stored
+    assert not measured
+    again = reload()
+    old = {"verify": costs.verify, "draft": costs.block / BLOCK_SIZE, "drafts": {}}
+    write_table(draft_length._costs_file(), {draft_length._cost_key(again): old})
+    assert draft_length.model_costs(again, BLOCK_SIZE) == costs
+    assert measured
 
 
 def fresh_context(model, tokens):
@@ -116,7 +190,7 @@ def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
         a = rnd.accepted.item()
         new = rnd.drafts[0, :a].tolist() + [rnd.next_tokens.item()]
         rounds.commit(caches, [run], rnd, [new], state.depth)
-        if a < BLOCK_SIZE:
+        if a < rnd.plan.ks[0]:  # a rejection (not a block the confidence head cut)
             rejected.add(a)
             ref = fresh_context(model, state.tokens[: state.frontier])
             for ours, theirs in zip(caches.mtp, ref):
@@ -148,7 +222,8 @@ def test_drafters_that_do_not_fit_are_refused_in_one_line(target, tmp_path):
     refused(target, edited(target, "far", target_layer_ids=[9]), "taps layer 9")
     refused(target, edited(target, "wide", hidden_size=48), "hidden size of 48")
     refused(target, edited(target, "deep", num_target_layers=8), "of 8 layers")
-    refused(target, edited(target, "gated", markov_head_type="gated"), "'gated'")
+    refused(target, edited(target, "lstm", markov_head_type="lstm"), "'lstm'")
+    refused(target, edited(target, "tau", confidence_threshold=2), "in \\[0, 1\\]")
     with pytest.raises(MTPError, match="at most 4 tokens"):
         model = load_model(
             str(target), draft_model=str(drafter(target, "random-deepspec"))
@@ -156,30 +231,43 @@ def test_drafters_that_do_not_fit_are_refused_in_one_line(target, tmp_path):
         list(mtp_generate_step([1, 2], model, num_draft_tokens=5, max_tokens=2))
 
 
-def test_taps_and_a_block_match_the_numpy_reference(target):
+@pytest.mark.parametrize("markov", MARKOV)
+def test_taps_and_a_block_match_the_numpy_reference(target, markov):
     """The packed taps of a prompt (outputs of target layers 0 and 2, before the
-    final norm), then one block after them: base logits and Markov-corrected ones
-    equal the float64 reference of the spec's math (`tests/numpy_dspark.py`)."""
-    from .numpy_dspark import dspark_block, target_taps
+    final norm), then one block after them: base logits, Markov-corrected ones
+    slot by slot (each head's state carried along), confidence logits and the
+    cut's block length equal the float64 reference of the spec's math
+    (`tests/numpy_dspark.py`)."""
+    from .numpy_dspark import block_length, dspark_block, target_taps
 
-    path = drafter(target, "random-deepspec")
+    path = drafter(target, f"random-{markov}", markov=markov)
     model = load_model(str(target), draft_model=str(path))[0]
-    prompt, anchor, drafts = list(range(10, 30)), 7, [3, 9, 11]
+    d = model.drafter
+    prompt, anchor, drafts = list(range(10, 30)), 7, [3, 9, 11, 2]
     h = model.hidden(mx.array(prompt)[None])  # (1, 20, 3 H)
     taps = target_taps(str(target), prompt, [0, 2])
-    width = model.drafter.tap_width
-    np.testing.assert_allclose(np.array(h[0, :, :width]), taps, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(h[0, :, : d.tap_width]), taps, rtol=1e-4, atol=1e-4
+    )
     caches = mtp_caches(model)
     model.draft_context(h, caches)
     context = [ops(c).read_kv([len(prompt)]) for c in caches]
-    z, _ = model.draft_block(mx.array([anchor]), context, len(prompt))
-    ref_z, ref_markov = dspark_block(str(path), taps, anchor, drafts)
+    z, g = model.draft_block(mx.array([anchor]), context, len(prompt))
+    ref_z, ref_markov, ref_c = dspark_block(str(path), taps, anchor, drafts)
     np.testing.assert_allclose(np.array(z[0]), ref_z, rtol=1e-4, atol=1e-4)
-    for k, prev in enumerate([anchor] + drafts):
-        corrected = z[0, k] + model.drafter.markov(mx.array([prev]))[0]
+    state = d.markov_start(1, g.dtype)
+    for k, prev in enumerate([anchor] + drafts[:-1]):
+        bias, state = d.markov(mx.array([prev]), g[:, k], state)
         np.testing.assert_allclose(
-            np.array(corrected), ref_markov[k], rtol=1e-4, atol=1e-4
+            np.array(z[0, k] + bias[0]), ref_markov[k], rtol=1e-4, atol=1e-4
         )
+    prevs = mx.array([[anchor] + drafts[:-1]])
+    np.testing.assert_allclose(np.array(d.confidence(g, prevs)[0]), ref_c, atol=1e-4)
+    taus = [1 / (1 + np.exp(-c)) for c in ref_c]  # cut just above each slot's
+    for tau in [0.0, 1.0] + [t + 1e-3 for t in taus]:
+        d.spec = replace(d.spec, confidence_threshold=tau)
+        length = d.cut(g, mx.array([anchor]), mx.array([drafts])).item()
+        assert length == block_length(ref_c, tau), (tau, ref_c)
 
 
 # --- sampling exactness ------------------------------------------------------------
@@ -189,11 +277,27 @@ SAMPLE_PROMPT = [3, 7, 1, 9, 4, 2]
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
+def smalls(tmp_path_factory):
+    """``smalls(markov="vanilla", tau=None, predictable=True)``: a 16-token pair."""
     root = tmp_path_factory.mktemp("dspark-small")
     small_target = write_qwen3_target(root / "t", vocab_size=V)
-    path = write_dspark(root / "d", small_target, predictable=True, agree=0.5)
-    return load_model(str(small_target), draft_model=str(path))[0]
+    made = {}
+
+    def get(markov="vanilla", tau=None, predictable=True):
+        key = (markov, tau, predictable)
+        if key not in made:
+            path = write_dspark(
+                root / f"d-{markov}-{tau}-{predictable}",
+                small_target,
+                predictable=predictable,
+                agree=0.5,
+                markov=markov,
+                confidence_threshold=tau,
+            )
+            made[key] = load_model(str(small_target), draft_model=str(path))[0]
+        return made[key]
+
+    return get
 
 
 def sampling_fails(model, k, n=600) -> bool:
@@ -203,19 +307,24 @@ def sampling_fails(model, k, n=600) -> bool:
     return sampling_after_prompt_fails(model, SAMPLE_PROMPT, V, k, n)
 
 
-def test_sampling_is_exact_with_the_markov_head(small):
-    assert not sampling_fails(small, BLOCK_SIZE)
+@pytest.mark.parametrize("markov", SAMPLED_MARKOV)
+def test_sampling_is_exact_with_each_markov_head(smalls, markov):
+    assert not sampling_fails(smalls(markov, tau=0.0), BLOCK_SIZE)
 
 
-def test_sampling_test_catches_q_without_the_markov_correction(small, monkeypatch):
+@pytest.mark.parametrize("markov", SAMPLED_MARKOV)
+def test_sampling_test_catches_q_without_the_markov_correction(
+    smalls, markov, monkeypatch
+):
     """Negative control: drafts drawn from the Markov-corrected logits but reported
     with q from the block's logits alone (ignoring the drawn prefix) must fail the
     same test."""
-    markov, pick, last = small.drafter.markov, rounds._pick, {}
+    small = smalls(markov, tau=0.0)
+    markov_bias, pick, last = small.drafter.markov, rounds._pick, {}
 
-    def recording(prev):
-        last["bias"] = markov(prev)
-        return last["bias"]
+    def recording(prev, g, state):
+        last["bias"], state = markov_bias(prev, g, state)
+        return last["bias"], state
 
     def uncorrected(runs, logits, keys):
         tokens, q = pick(runs, logits, keys)
@@ -228,17 +337,100 @@ def test_sampling_test_catches_q_without_the_markov_correction(small, monkeypatc
     assert sampling_fails(small, BLOCK_SIZE)
 
 
-# --- batched rows ------------------------------------------------------------------
+# --- the confidence cut ------------------------------------------------------------
+
+TAU = 0.3
 
 
-def test_batched_rows_decode_as_alone(model):
+def recorded_cuts(model, monkeypatch) -> list:
+    """Per block the drafter cuts, ``(K, lengths)``: the drafts asked of it and
+    each row's block length under the cut."""
+    seen, cut = [], model.drafter.cut
+
+    def recording(g, anchor, drafts):
+        lengths = cut(g, anchor, drafts)
+        seen.append((drafts.shape[1], lengths.tolist()))
+        return lengths
+
+    monkeypatch.setattr(model.drafter, "cut", recording)
+    return seen
+
+
+def test_the_cut_shortens_blocks_and_decodes_greedy_exactly(pairs, monkeypatch):
+    """With tau > 0 the confidence head cuts a share of the blocks and each round
+    verifies its cut block (the drafts counted are the cut lengths); every k and
+    ``auto`` still give plain decoding's tokens. tau = 0 cuts nothing: rounds
+    draft k = gamma but for the last few (``max_tokens``' room)."""
+    from .test_window import greedy_identity
+
+    def stats(model):
+        opts = HEADS.replace(num_draft_tokens=BLOCK_SIZE, max_tokens=120)
+        return list(mtp_generate_step(PROMPTS[1], model, opts))[-1].stats
+
+    model = pairs(tau=TAU)
+    seen = recorded_cuts(model, monkeypatch)
+    assert stats(model).drafted == sum(min(K, n) for K, ls in seen for n in ls)
+    cut = sum(n < K for K, ls in seen for n in ls)
+    assert 0.1 * len(seen) < cut < 0.9 * len(seen), seen
+    ks = tuple(range(1, BLOCK_SIZE + 1))
+    greedy_identity(model, PROMPTS, ks=ks, policies=("auto",))
+    uncut = stats(pairs(tau=0.0))
+    assert uncut.rounds - uncut.rounds_by_k[BLOCK_SIZE] <= BLOCK_SIZE, uncut
+
+
+def test_sampling_is_exact_with_the_cut(smalls, monkeypatch):
+    model = smalls(tau=TAU)
+    seen = recorded_cuts(model, monkeypatch)
+    assert not sampling_fails(model, BLOCK_SIZE)
+    cut = sum(n < K for K, ls in seen for n in ls)
+    assert 0.1 * len(seen) < cut < 0.9 * len(seen)
+
+
+def token_confidence(small_target, root):
+    """A random (spread q) drafter whose confidence head reads the previous token
+    only (its weights on g zeroed, on W1[prev] made 5 times larger, no bias), so
+    that the cut depends strongly on the tokens drawn: half the vocabulary cuts."""
+    path = write_dspark(root, small_target, confidence_threshold=0.5)
+    model = load_model(str(small_target), draft_model=str(path))[0]
+    proj, H = model.drafter.confidence_head.proj, model.args.hidden_size
+    proj.weight = mx.concatenate([mx.zeros((1, H)), 5 * proj.weight[:, H:]], axis=1)
+    proj.bias = mx.zeros((1,))
+    return model
+
+
+@pytest.mark.slow
+def test_sampling_test_catches_a_cut_that_peeks_at_the_slot(tmp_path, monkeypatch):
+    """Negative control: a cut that decides on slot k from the token drawn there
+    (W1[d_k] instead of W1[d_(k-1)]: not a stopping time) must fail the test that
+    the same drafter with the true cut passes."""
+    model = token_confidence(
+        write_qwen3_target(tmp_path / "t", vocab_size=V), tmp_path / "d"
+    )
+    d, tau = model.drafter, 0.5
+
+    def peeking(g, anchor, drafts):
+        K = drafts.shape[1]
+        low = mx.sigmoid(d.confidence(g[:, :K], drafts)) < tau
+        low = low.astype(mx.int32)
+        return mx.where(low.max(axis=1) > 0, mx.argmax(low, axis=1), K)
+
+    assert not sampling_fails(model, BLOCK_SIZE)
+    monkeypatch.setattr(d, "cut", peeking)
+    assert sampling_fails(model, BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("tau", [0.0, TAU])
+def test_batched_rows_decode_as_alone(pairs, tau, monkeypatch):
     """Rows joining at different rounds, with different pending context rows
     (left-padded into the context caches) and positions: greedy rows equal plain
-    decoding, seeded sampled rows their lone runs, auto rows too."""
+    decoding, seeded sampled rows their lone runs, auto rows too. With the cut,
+    rows whose blocks were cut to different lengths verify together."""
     from mlx_mtp.batch import Batch
 
     from .test_batch import drive
 
+    model = pairs(tau=tau)
+    seen = recorded_cuts(model, monkeypatch) if tau else []
     prompts = [[5, 17, 30], list(range(10, 40)), [9, 8], list(range(40, 51))]
     for opts in (
         HEADS.replace(num_draft_tokens=BLOCK_SIZE, max_tokens=30),
@@ -253,6 +445,7 @@ def test_batched_rows_decode_as_alone(model):
             assert out[i] == alone, (opts.temp, i)
             if not opts.temp:
                 assert out[i] == plain(model, p, opts.max_tokens)
+    assert not tau or any(len(set(ls)) > 1 for _, ls in seen), seen
 
 
 def test_rows_prefilled_together_decode_exactly(model):
@@ -346,7 +539,7 @@ def test_serving_a_target_with_its_drafter(tmp_path):
     text is plain decoding's."""
     import openai
 
-    from mlx_mtp import generate as mtp_generate
+    from mlx_mtp.generate import generate as mtp_generate
     from mlx_mtp.loading import load
     from mlx_mtp.server import Server, server_args
 

@@ -130,6 +130,8 @@ BAD_ENTRIES = {
     "empty": lambda good: {},
     "missing field": lambda good: {"verify": good["verify"], "draft": good["draft"]},
     "extra field": _with(note="x"),
+    "zero block cost": _with(block=0.0),
+    "string block cost": _with(block="1"),
     "zero costs": _verify(lambda v: [0.0] * len(v)),
     "negative costs": _verify(lambda v: [-c for c in v]),
     "nan costs": _verify(lambda v: [math.nan] * len(v)),

@@ -11,9 +11,19 @@ A DSpark drafter proposes a whole block of gamma tokens in one pass
   ``mask_token_id``) at positions p..p+gamma-1; its queries attend, with no mask,
   to every context row (positions < p) and to every block row; a Qwen3 pre-norm
   decoder layer otherwise (§2.3, §2.4); output slot k predicts position p+k+1;
-- Markov head: slot k's logits ``z_k + W2 W1[prev_k]``, prev_0 = a and prev_k the
-  token drawn at slot k-1, so q_k depends on the drawn prefix (§2.5, §3);
-- confidence head: ``proj([g_k ; W1[prev_k]])``, loaded and exposed (§2.6).
+- Markov head: slot k's logits ``z_k + bias_k``, a bias of rank r after prev_k
+  (prev_0 = a, prev_k the token drawn at slot k-1), so q_k depends on the drawn
+  prefix (§2.5, §3). ``markov_head_type`` (DeepSpec ``markov_head.py``), with
+  ``e = W1[prev_k]`` and g_k slot k's normed output:
+  ``vanilla``  ``W2 e``;
+  ``gated``    ``W2 (sigmoid(gate_proj([g_k ; e])) * e)``;
+  ``rnn``      a state s (zero at each block's start): ``[u ; c ; o] =
+  joint_proj([s ; e ; g_k])``, ``s <- sigmoid(u) * s + (1 - sigmoid(u)) * tanh(c)``,
+  bias ``W2 tanh(o)``;
+- confidence head: ``c_k = proj([g_k ; W1[prev_k]])``; the block is cut before the
+  first slot k with ``sigmoid(c_k) < tau`` (DeepSpec ``draft_ops.py``, §2.6). c_k
+  depends on the tokens drawn before slot k only, so the cut is a stopping time and
+  verification stays exact.
 
 The block's own keys and values are never cached, so a rejection needs no drafter
 rollback beyond keeping the context rows of committed positions (§4).
@@ -37,7 +47,11 @@ from ..errors import MTPError, one_line
 
 # DeepSpec's release; mlx-vlm's published nested configs (Qwen3.8, LFM2).
 ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Lfm2DSparkDraftModel")
-MARKOV_TYPES = ("vanilla",)  # "gated" and "rnn" (spec §2.5) are not built yet
+# tau when the folder's config has no ``confidence_threshold`` (the key mlx-vlm's
+# DeepSeek-V4.1 DSpark config spells, default 0.3 there: "how the release keeps a wide
+# draft block from costing more than it returns"). DeepSpec's own eval defaults to 0
+# (no cut); its paper's threshold sweep (Fig. 5) shows acceptance rising with tau.
+DEFAULT_CONFIDENCE_THRESHOLD = 0.3
 # Keys the nested spelling keeps in ``dflash_config`` (spec §1a, variant B).
 NESTED_KEYS = ("mask_token_id", "target_layer_ids", "num_target_layers")
 
@@ -69,6 +83,8 @@ class DSparkSpec:
     # DeepSpec's convention (no key in its configs; vLLM's default is true too);
     # false: the speculators' [a, M x gamma] block, row 0 dropped (spec §2.3)
     sample_from_anchor: bool = True
+    # tau of the confidence cut, in [0, 1]; 0 (or null in the config): no cut
+    confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
 
     @classmethod
     def from_config(cls, config: dict, where="the drafter") -> "DSparkSpec":
@@ -86,21 +102,26 @@ class DSparkSpec:
         for key, least in (("block_size", 1), ("mask_token_id", 0)):
             if type(get(key)) is not int or get(key) < least:
                 raise MTPError(f"{where}: {key} must be a whole number >= {least}")
+        tau = get("confidence_threshold", DEFAULT_CONFIDENCE_THRESHOLD)
+        tau = 0.0 if tau is None else tau
+        if type(tau) not in (int, float) or not 0 <= tau <= 1:
+            raise MTPError(f"{where}: confidence_threshold must be a number in [0, 1]")
         spec = cls(
             block_size=get("block_size"),
             target_layer_ids=tuple(ids),
             mask_token_id=get("mask_token_id"),
             num_target_layers=get("num_target_layers"),
             markov_rank=get("markov_rank", 0) or 0,
-            markov_head_type=get("markov_head_type", "vanilla") or "vanilla",
+            markov_head_type=str(get("markov_head_type") or "vanilla").lower(),
             enable_confidence_head=bool(get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(get("confidence_head_with_markov", True)),
             sample_from_anchor=bool(get("sample_from_anchor", True)),
+            confidence_threshold=float(tau),
         )
-        if spec.markov_rank and spec.markov_head_type not in MARKOV_TYPES:
+        if spec.markov_rank and spec.markov_head_type not in MARKOV_HEADS:
             raise MTPError(
                 f"{where} has a {spec.markov_head_type!r} Markov head; mlx-mtp runs "
-                f"{', '.join(MARKOV_TYPES)} ones only so far"
+                f"{', '.join(MARKOV_HEADS)} ones"
             )
         return spec
 
@@ -126,17 +147,65 @@ def layer_args(config: dict, where="the drafter") -> qwen3.ModelArgs:
 
 
 class MarkovHead(nn.Module):
-    """The vanilla Markov head (DeepSpec ``markov_head.py``; spec §2.5): a bias
-    ``W2 W1[prev]`` over the vocabulary, of rank r."""
+    """The vanilla Markov head (DeepSpec ``VanillaMarkov``; spec §2.5): a bias
+    ``W2 W1[prev]`` over the vocabulary, of rank r. Every head is called slot by
+    slot over a block, ``state`` threaded from one slot to the next."""
 
-    def __init__(self, vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
 
-    def __call__(self, prev: mx.array) -> mx.array:
-        """``(B,)`` previous tokens -> ``(B, V)`` logit biases."""
-        return self.markov_w2(self.markov_w1(prev))
+    def start(self, batch: int, dtype) -> Optional[mx.array]:
+        """The state before a block's first slot (None: the head keeps none)."""
+        return None
+
+    def __call__(self, prev: mx.array, g: mx.array, state):
+        """``(B,)`` previous tokens and ``(B, H)`` the slot's normed outputs ->
+        ``(B, V)`` logit biases and the state after the slot."""
+        return self.markov_w2(self.markov_w1(prev)), state
+
+
+class GatedMarkovHead(MarkovHead):
+    """DeepSpec ``GatedMarkovHead``: ``W2 (sigmoid(gate_proj([g ; e])) * e)`` with
+    ``e = W1[prev]``."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, rank, hidden_size)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)
+
+    def __call__(self, prev: mx.array, g: mx.array, state):
+        e = self.markov_w1(prev)  # (B, r)
+        gate = mx.sigmoid(self.gate_proj(mx.concatenate([g, e], axis=-1)))
+        return self.markov_w2(gate * e), state
+
+
+class RecurrentMarkovHead(MarkovHead):
+    """DeepSpec ``RNNHead``: a GRU-like state s of width r, zero at a block's
+    start; per slot ``[u ; c ; o] = joint_proj([s ; e ; g])`` (``e = W1[prev]``),
+    ``s <- sigmoid(u) s + (1 - sigmoid(u)) tanh(c)`` and the bias ``W2 tanh(o)``."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, rank, hidden_size)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def start(self, batch: int, dtype) -> mx.array:
+        return mx.zeros((batch, self.markov_w1.weight.shape[-1]), dtype=dtype)
+
+    def __call__(self, prev: mx.array, g: mx.array, state: mx.array):
+        e = self.markov_w1(prev)  # (B, r)
+        joint = self.joint_proj(mx.concatenate([state, e, g], axis=-1))  # (B, 3 r)
+        u, c, o = mx.split(joint, 3, axis=-1)
+        u = mx.sigmoid(u)
+        state = u * state + (1.0 - u) * mx.tanh(c)
+        return self.markov_w2(mx.tanh(o)), state
+
+
+MARKOV_HEADS = {
+    "vanilla": MarkovHead,
+    "gated": GatedMarkovHead,
+    "rnn": RecurrentMarkovHead,
+}
 
 
 class ConfidenceHead(nn.Module):
@@ -183,7 +252,7 @@ class DSpark(nn.Module):
                 )
         r = self.spec.markov_rank
         if r:
-            self.markov_head = MarkovHead(V, r)
+            self.markov_head = MARKOV_HEADS[self.spec.markov_head_type](V, r, H)
         if self.spec.enable_confidence_head:
             with_markov = r and self.spec.confidence_head_with_markov
             self.confidence_head = ConfidenceHead(H + (r if with_markov else 0))
@@ -250,18 +319,45 @@ class DSpark(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, R, -1))
 
-    def markov(self, prev: mx.array) -> Optional[mx.array]:
-        """``(B, V)`` Markov bias after the tokens ``prev`` ``(B,)``; None without a
-        Markov head (``markov_rank`` 0: slots are drawn independently)."""
-        return self.markov_head(prev) if "markov_head" in self else None
+    def markov_start(self, batch: int, dtype) -> Optional[mx.array]:
+        """The Markov head's state before a block's first slot (None: no state)."""
+        return self.markov_head.start(batch, dtype) if "markov_head" in self else None
+
+    def markov(self, prev: mx.array, g: mx.array, state):
+        """``(B, V)`` Markov bias of a slot after the tokens ``prev`` ``(B,)``, its
+        normed outputs ``g`` ``(B, H)`` and the head's ``state`` (`markov_start`,
+        then what the slot before returned), and the state after it; the bias is
+        None without a Markov head (``markov_rank`` 0: slots are independent)."""
+        if "markov_head" not in self:
+            return None, state
+        return self.markov_head(prev, g, state)
 
     def confidence(self, g: mx.array, prev: mx.array) -> mx.array:
-        """``(B,)`` confidence logits of slot outputs ``g`` ``(B, H)`` after tokens
-        ``prev`` ``(B,)`` (spec §2.6; the cut that uses them is not built yet)."""
+        """``(...)`` float32 confidence logits c of slot outputs ``g`` ``(..., H)``
+        after tokens ``prev`` ``(...)`` (spec §2.6)."""
         parts = [g]
         if self.confidence_head.proj.weight.shape[-1] > g.shape[-1]:
             parts.append(self.markov_head.markov_w1(prev))
-        return self.confidence_head.proj(mx.concatenate(parts, axis=-1))[:, 0]
+        c = self.confidence_head.proj(mx.concatenate(parts, axis=-1))[..., 0]
+        return c.astype(mx.float32)
+
+    @property
+    def cuts(self) -> bool:
+        """Whether the confidence head cuts blocks (it exists and tau > 0)."""
+        return "confidence_head" in self and self.spec.confidence_threshold > 0
+
+    def cut(self, g: mx.array, anchor: mx.array, drafts: mx.array) -> mx.array:
+        """``(B,)`` block lengths: per row the first slot k < K whose
+        ``sigmoid(c_k) < tau``, else K (DeepSpec ``_confident_prefix_length``).
+        ``drafts`` ``(B, K)`` the tokens drawn after ``anchor`` ``(B,)``, ``g``
+        ``(B, >= K, H)`` the slots' normed outputs; c_k reads slot k's output and
+        the token before it, so whether slot k is kept depends on the tokens
+        drawn before it only. Requires `cuts`."""
+        K = drafts.shape[1]
+        prev = mx.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)  # (B, K)
+        tau = self.spec.confidence_threshold
+        low = (mx.sigmoid(self.confidence(g[:, :K], prev)) < tau).astype(mx.int32)
+        return mx.where(low.max(axis=1) > 0, mx.argmax(low, axis=1), K).astype(mx.int32)
 
 
 def sanitize(weights: dict) -> dict:

@@ -10,7 +10,9 @@
   target's unless ``embeddings=False``), or ``layout="nested"`` as mlx-vlm's
   published configs spell it (``dflash_config`` holding the mask token and the
   tapped layers, ``num_target_layers`` at the top level, tensors under ``model.``,
-  no embedding or head).
+  no embedding or head). ``markov`` picks DeepSpec's Markov head (``vanilla``,
+  ``gated``, ``rnn``); ``confidence_threshold``, when given, is written as the
+  config key (mlx-vlm's spelling; the released configs have none).
 
 ``predictable=True`` makes a pair whose drafter often agrees with its target. The
 target's current-token embedding dominates its residual stream and an untied head maps
@@ -20,7 +22,10 @@ where its layers win. The drafter's Markov head carries the target's greedy bigr
 random successor for the rest), strongly enough to outweigh the block's own logits,
 whose final norm is damped. A block then proposes f(a), f(f(a)), ..., which the
 target follows as far as its context lets it: rounds of every kind (all, some, none
-accepted) occur.
+accepted) occur. A gated head's gate (about 0.7, varying with the slot's output and
+the previous token) scales that bias; an rnn head's output o reads W1[prev] as it
+is, so that its bias W2 tanh(o) carries f too, its state and the slot's output
+perturbing it.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ DRAFT_LAYERS = 2
 # the successor it carries) and the damping of the block's own logits
 MARKOV_SCALE = 6.0
 BLOCK_DAMPING = 0.02
+RNN_GAIN = 2.0  # an rnn head's bias W2 tanh(o) is weaker than W2 e: made up here
 
 
 def target_config(vocab_size: int = VOCAB) -> dict:
@@ -161,6 +167,8 @@ def write_dspark(
     agree: float = 0.9,
     block_size: int = BLOCK_SIZE,
     weight_std: float = 0.2,
+    markov: str = "vanilla",
+    confidence_threshold: Optional[float] = None,
 ) -> pathlib.Path:
     """A tiny DSpark drafter for the target in ``target_dir`` (see the module
     docstring)."""
@@ -168,7 +176,9 @@ def write_dspark(
         raise ValueError(f"unknown layout {layout!r}")
     target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
     V, H = target["vocab_size"], target["hidden_size"]
-    config = _drafter_config(target, layout, block_size)
+    config = _drafter_config(target, layout, block_size, markov)
+    if confidence_threshold is not None:
+        config["confidence_threshold"] = confidence_threshold
     init = _Init(seed, weight_std)
     t = {}
     for i in range(DRAFT_LAYERS):
@@ -179,13 +189,14 @@ def write_dspark(
     t["norm.weight"] = init.norm(H)
     t["markov_head.markov_w1.weight"] = init.normal(V, MARKOV_RANK, std=0.5)
     t["markov_head.markov_w2.weight"] = init.normal(V, MARKOV_RANK, std=0.5)
+    t.update(_markov_extras(init, markov, H))
     t["confidence_head.proj.weight"] = init.normal(1, H + MARKOV_RANK)
     t["confidence_head.proj.bias"] = init.normal(1)
     weights = mx.load(str(pathlib.Path(target_dir) / "model.safetensors"))
     embed = np.array(weights["model.embed_tokens.weight"], np.float32)
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     if predictable:
-        _predictable(t, target_dir, init, agree)
+        _predictable(t, target_dir, init, agree, markov)
     if embeddings and layout == "deepspec":
         t["embed_tokens.weight"] = embed
         t["lm_head.weight"] = np.array(head, np.float32)  # the target's head
@@ -194,14 +205,32 @@ def write_dspark(
     return _write(out_dir, config, t)
 
 
-def _drafter_config(target: dict, layout: str, block_size: int) -> dict:
+def _markov_extras(init: _Init, markov: str, H: int) -> Tensors:
+    """The tensors a ``gated`` or ``rnn`` Markov head adds (DeepSpec's names and
+    shapes: ``gate_proj`` [r, H + r], ``joint_proj`` [3 r, 2 r + H], with biases)."""
+    r = MARKOV_RANK
+    if markov == "gated":
+        p = "markov_head.gate_proj."
+        return {f"{p}weight": init.normal(r, H + r), f"{p}bias": init.normal(r)}
+    if markov == "rnn":
+        p = "markov_head.joint_proj."
+        return {
+            f"{p}weight": init.normal(3 * r, 2 * r + H),
+            f"{p}bias": init.normal(3 * r),
+        }
+    if markov != "vanilla":
+        raise ValueError(f"unknown Markov head {markov!r}")
+    return {}
+
+
+def _drafter_config(target: dict, layout: str, block_size: int, markov: str) -> dict:
     """The target's config with the drafter keys (spec §1a), in ``layout``."""
     config = {**target, "num_hidden_layers": DRAFT_LAYERS, "block_size": block_size}
     config.update(
         layer_types=["full_attention"] * DRAFT_LAYERS,
         tie_word_embeddings=False,
         markov_rank=MARKOV_RANK,
-        markov_head_type="vanilla",
+        markov_head_type=markov,
         enable_confidence_head=True,
         confidence_head_with_markov=True,
     )
@@ -225,7 +254,7 @@ def _drafter_config(target: dict, layout: str, block_size: int) -> dict:
     return config
 
 
-def _predictable(t: Tensors, target_dir, init: _Init, agree: float) -> None:
+def _predictable(t: Tensors, target_dir, init: _Init, agree: float, markov) -> None:
     """Give the Markov head the target's greedy bigram for a share ``agree`` of
     the previous tokens (random successors for the rest), and damp the block's
     own logits (see the module docstring)."""
@@ -242,6 +271,12 @@ def _predictable(t: Tensors, target_dir, init: _Init, agree: float) -> None:
     t["markov_head.markov_w1.weight"] = MARKOV_SCALE * w1
     t["markov_head.markov_w2.weight"] = MARKOV_SCALE * w2
     t["norm.weight"] = t["norm.weight"] * np.float32(BLOCK_DAMPING)
+    if markov == "gated":  # a gate about sigmoid(1) on every rank dimension
+        t["markov_head.gate_proj.bias"] = np.ones(MARKOV_RANK, np.float32)
+    if markov == "rnn":  # the output gate o reads e = W1[prev] as it is
+        r, joint = MARKOV_RANK, t["markov_head.joint_proj.weight"]
+        joint[2 * r :, r : 2 * r] = np.eye(r, dtype=np.float32)
+        t["markov_head.markov_w2.weight"] *= np.float32(RNN_GAIN)
 
 
 def _write(out_dir, config: dict, tensors: Tensors) -> pathlib.Path:
