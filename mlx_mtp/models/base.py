@@ -142,7 +142,8 @@ class Model(nn.Module):
         """Draft with the block drafter ``drafter`` (it replaces any MTP layers); the
         trunk's layers it reads record their outputs from now on."""
         self.drafter, self.drafter_source = drafter, source
-        self.taps = install_taps(self.trunk.layers, drafter.spec.target_layer_ids)
+        ids = drafter.spec.target_layer_ids
+        self.taps = install_taps(self.trunk.layers, ids, drafter.TAPS)
         self.mtp = MTPStack([])
         self.round_costs = None
 

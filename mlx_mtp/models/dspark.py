@@ -34,6 +34,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import MTPError, one_line
+from .capture import Taps
 
 # DeepSpec's release; mlx-vlm's published nested configs (Qwen3.8, LFM2).
 ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Lfm2DSparkDraftModel")
@@ -143,9 +144,9 @@ class ConfidenceHead(nn.Module):
     """``proj([g_k ; W1[prev_k]])``: a raw logit whose sigmoid estimates slot k's
     acceptance given an accepted prefix (spec §2.6)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, bias: bool = True):
         super().__init__()
-        self.proj = nn.Linear(width, 1, bias=True)
+        self.proj = nn.Linear(width, 1, bias=bias)
 
 
 class DSpark(nn.Module):
@@ -155,7 +156,15 @@ class DSpark(nn.Module):
         config: The drafter's ``config.json`` (either spelling).
         own_embed: The folder has ``embed_tokens`` (else the target's is used).
         own_head: The folder has ``lm_head`` (else the target's is used).
+
+    Attributes:
+        TAPS: The kind of `Taps` its context reads (the outputs of the tapped
+            layers, before the final norm: spec §2.1).
+        context_window: The last context rows a block attends to (None: all).
     """
+
+    TAPS = Taps
+    context_window = None
 
     def __init__(self, config: dict, own_embed: bool = True, own_head: bool = True):
         super().__init__()
