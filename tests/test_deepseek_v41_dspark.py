@@ -15,7 +15,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import deepseek_v41 as lm
 
 import mlx_mtp.round as rounds
-from mlx_mtp.cache import make_caches, mtp_caches
+from mlx_mtp.cache import make_caches, mtp_caches, ops
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MissingHeadsError
 from mlx_mtp.loading import load_model
@@ -97,6 +97,30 @@ def test_taps_are_the_target_layers_inputs_averaged_over_the_streams(
         expected = inputs[i].astype(mx.float32).mean(axis=2)
         np.testing.assert_allclose(
             np.array(h[..., n * H : (n + 1) * H]), np.array(expected), atol=1e-6
+        )
+
+
+def test_a_block_matches_the_numpy_reference(random_path):
+    """After a prompt longer than the window (the block sees its last 8 context
+    rows), one block's base logits and Markov-corrected ones equal the float64
+    reference of V4.1's DSpark stages (`tests/numpy_deepseek_v41_dspark.py`)."""
+    from .numpy_deepseek_v41_dspark import dspark_block
+
+    model = load_model(str(random_path))[0]
+    prompt, anchor, drafts = list(range(10, 30)), 7, [3, 9, 11, 200]
+    h = model.hidden(mx.array(prompt)[None])  # (1, 20, 4 H)
+    taps = h[0, :, : model.drafter.tap_width]
+    caches = mtp_caches(model)
+    model.draft_context(h, caches)
+    window = model.drafter.context_window
+    context = [ops(c).read_kv([len(prompt)], window) for c in caches]
+    z, _ = model.draft_block(mx.array([anchor]), context, len(prompt))
+    ref_z, ref_markov = dspark_block(str(random_path), np.array(taps), anchor, drafts)
+    np.testing.assert_allclose(np.array(z[0]), ref_z, rtol=1e-4, atol=1e-4)
+    for k, prev in enumerate([anchor] + drafts):
+        corrected = z[0, k] + model.drafter.markov(mx.array([prev]))[0]
+        np.testing.assert_allclose(
+            np.array(corrected), ref_markov[k], rtol=1e-4, atol=1e-4
         )
 
 
