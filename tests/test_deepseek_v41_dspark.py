@@ -14,18 +14,19 @@ from click.testing import CliRunner
 from mlx_lm.generate import generate_step
 from mlx_lm.models import deepseek_v41 as lm
 
-import mlx_mtp.round as rounds
 from mlx_mtp.cache import make_caches, mtp_caches, ops
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MissingHeadsError
 from mlx_mtp.loading import load_model
 from mlx_mtp.models.deepseek_v41_dspark import DSparkV41
-from mlx_mtp.resolve import drafting
-from mlx_mtp.speculative import Run, Session, mtp_generate_step, prefill
-from mlx_mtp.testing import HEADS
+from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing.fixtures_v41 import write_deepseek_v41
 
-from .test_dspark import sampling_fails
+from .test_dspark import (
+    fails_with_q_without_the_markov_correction,
+    rejections,
+    sampling_fails,
+)
 
 PROMPTS = ([5, 17, 30], list(range(10, 40)))
 GAMMA = 5  # dspark_block_size of the fixture
@@ -191,23 +192,8 @@ def test_caches_after_a_rejection_at_every_position_equal_fresh_ones(model):
     trunk's caches (window, compressed entries, index keys, the open group's
     projections) and the drafter's context rows equal those of fresh passes over
     the committed tokens."""
-    opts = HEADS.replace(num_draft_tokens=GAMMA, max_tokens=-1)
-    caches = make_caches(model)
-    state = prefill(model, caches, PROMPTS[1], 1, 512)
-    run = Run(
-        model, Session(caches, state), drafting(model, opts), opts, mx.random.key(0)
-    )
-    run.begin()
     rejected, window = set(), model.args.sliding_window
-    for _ in range(200):
-        if rejected == set(range(GAMMA)):
-            break
-        rnd = rounds.launch(model, caches, [run], rounds.plan([run]), state.depth)
-        a = rnd.accepted.item()
-        new = rnd.drafts[0, :a].tolist() + [rnd.next_tokens.item()]
-        rounds.commit(caches, [run], rnd, [new], state.depth)
-        if a == GAMMA:
-            continue
+    for a, caches, state in rejections(model, PROMPTS[1], 200):
         rejected.add(a)
         n = len(state.tokens) - 1
         ref = fresh_caches(model, state.tokens[:n])
@@ -218,6 +204,8 @@ def test_caches_after_a_rejection_at_every_position_equal_fresh_ones(model):
             assert ours.offset == theirs.offset == state.frontier
             for x, y in zip(ours.committed_kv(window), theirs.committed_kv(window)):
                 np.testing.assert_allclose(np.array(x), np.array(y), atol=2e-5)
+        if rejected == set(range(GAMMA)):
+            break
     assert rejected == set(range(GAMMA)), rejected
 
 
@@ -238,23 +226,9 @@ def test_sampling_is_exact_with_the_markov_head(small):
 
 
 def test_sampling_test_catches_q_without_the_markov_correction(small, monkeypatch):
-    """Negative control: drafts drawn from the Markov-corrected logits but reported
-    with q from the block's logits alone must fail the same test."""
-    markov, pick, last = small.drafter.markov, rounds._pick, {}
-
-    def recording(prev):
-        last["bias"] = markov(prev)
-        return last["bias"]
-
-    def uncorrected(runs, logits, keys):
-        tokens, q = pick(runs, logits, keys)
-        z = logits - last["bias"]
-        lp = z - mx.logsumexp(z, axis=-1, keepdims=True)  # (B, V)
-        return tokens, [None if x is None else lp[b : b + 1] for b, x in enumerate(q)]
-
-    monkeypatch.setattr(small.drafter, "markov", recording)
-    monkeypatch.setattr(rounds, "_pick", uncorrected)
-    assert sampling_fails(small, GAMMA)
+    """Negative control (`tests/test_dspark.py`'s): q from the block's logits alone
+    fails the same test."""
+    assert fails_with_q_without_the_markov_correction(small, monkeypatch)
 
 
 # --- the CLI and checkpoints that do not fit -----------------------------------------
