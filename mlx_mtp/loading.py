@@ -281,7 +281,16 @@ def build_mtp(
 
     Args:
         raw: The checkpoint is in raw Hugging Face form (see the family's ``is_raw``).
+
+    Raises:
+        MissingHeadsError: the family's MTP tensors are a block drafter
+            (``make_drafter``: loaded by `attach_own_drafter`, not kept as heads).
     """
+    if family.make_drafter is not None:
+        raise MissingHeadsError(
+            f"{family.name}'s MTP tensors are a block drafter, not MTP layers: "
+            "it drafts from the original checkpoint, and no conversion keeps it yet"
+        )
     weights = family.sanitize(tensors, config, trunk, raw=raw)
     n = 1 + max(int(k.split(".")[1]) for k in weights)
     stack = MTPStack([family.make_layer(trunk, j, config) for j in range(n)])
