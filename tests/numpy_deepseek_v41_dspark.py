@@ -8,9 +8,10 @@ over the streams) are given.
     main_x = main_norm(main_proj(taps))                      stage 0's, for every stage
     ctx_j = fp8(rope(kv_norm_j(wkv_j(main_x)), 0..p-1))[-window:]
     x = embed([a, M, ..., M]) in hc streams, pre = onehot(0)  positions p..p+gamma-1
-    per stage: (a_pre, a_post, a_comb) = hc_attn(s); s = a_post attn(norm(pre . s)) + comb s
-               (f_pre, f_post, f_comb) = hc_ffn(s);  s = f_post moe(norm(a_pre . s)) + comb s
-               pre = f_pre
+    per stage: (a_pre, a_post, a_comb) = hc_attn(s)
+               s = a_post attn(norm(pre . s)) + a_comb s
+               (f_pre, f_post, f_comb) = hc_ffn(s)
+               s = f_post moe(norm(a_pre . s)) + f_comb s;  pre = f_pre
     z = head(norm(pre . s));  l_k = z_k + W2 W1[prev_k]
 
 attn: ``q = wq_b(q_norm(wq_a h))`` (no per-head norm, unlike V4), RoPE on the trailing
