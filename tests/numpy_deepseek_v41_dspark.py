@@ -12,7 +12,8 @@ over the streams) are given.
                s = a_post attn(norm(pre . s)) + a_comb s
                (f_pre, f_post, f_comb) = hc_ffn(s)
                s = f_post moe(norm(a_pre . s)) + f_comb s;  pre = f_pre
-    z = head(norm(pre . s));  l_k = z_k + W2 W1[prev_k]
+    x = pre . s;  z = head(norm(x));  l_k = z_k + W2 W1[prev_k]
+    c_k = proj([x_k ; W1[prev_k]])                            the confidence logits
 
 attn: ``q = wq_b(q_norm(wq_a h))`` (no per-head norm, unlike V4), RoPE on the trailing
 ``qk_rope_head_dim`` dims (interleaved, ``rope_theta``, no YaRN: the stages' compress
@@ -104,8 +105,9 @@ def stage(W, prefix, cfg, streams, pre_mix, context, positions):
 
 def dspark_block(ckpt_dir, taps, anchor, drafts):
     """Slot logits of one block after context ``taps`` (p, n H) (positions
-    0..p-1), anchor at p: ``(gamma, V)`` base logits z and the Markov-corrected
-    logits of each slot given the tokens ``drafts`` drawn before it."""
+    0..p-1), anchor at p: ``(gamma, V)`` base logits z, the Markov-corrected logits
+    of each slot given the tokens ``drafts`` drawn before it, and ``(gamma,)``
+    confidence logits ``proj([x ; W1[prev]])`` of the collapses x before ``norm``."""
     config, W = load_checkpoint(ckpt_dir)
     cfg = config.get("text_config", config)
     eps, p, gamma = cfg["rms_norm_eps"], len(taps), cfg["dspark_block_size"]
@@ -129,4 +131,6 @@ def dspark_block(ckpt_dir, taps, anchor, drafts):
     prev = [anchor] + list(drafts[: gamma - 1])
     w1 = W[last + "markov_head.embed.weight"]
     w2 = W[last + "markov_head.head.weight"]
-    return z, z + w1[prev] @ w2.T
+    features = np.concatenate([x, w1[prev]], axis=-1)
+    confidence = features @ W[last + "confidence_head.proj.weight"][0]
+    return z, z + w1[prev] @ w2.T, confidence

@@ -103,8 +103,9 @@ def test_taps_are_the_target_layers_inputs_averaged_over_the_streams(
 
 def test_a_block_matches_the_numpy_reference(random_path):
     """After a prompt longer than the window (the block sees its last 8 context
-    rows), one block's base logits and Markov-corrected ones equal the float64
-    reference of V4.1's DSpark stages (`tests/numpy_deepseek_v41_dspark.py`)."""
+    rows), one block's base logits, Markov-corrected ones and confidence logits
+    (of the collapses before ``norm``) equal the float64 reference of V4.1's DSpark
+    stages (`tests/numpy_deepseek_v41_dspark.py`)."""
     from .numpy_deepseek_v41_dspark import dspark_block
 
     model = load_model(str(random_path))[0]
@@ -115,14 +116,19 @@ def test_a_block_matches_the_numpy_reference(random_path):
     model.draft_context(h, caches)
     window = model.drafter.context_window
     context = [ops(c).read_kv([len(prompt)], window) for c in caches]
-    z, _ = model.draft_block(mx.array([anchor]), context, len(prompt))
-    ref_z, ref_markov = dspark_block(str(random_path), np.array(taps), anchor, drafts)
+    z, x = model.draft_block(mx.array([anchor]), context, len(prompt))
+    ref_z, ref_markov, ref_confidence = dspark_block(
+        str(random_path), np.array(taps), anchor, drafts
+    )
     np.testing.assert_allclose(np.array(z[0]), ref_z, rtol=1e-4, atol=1e-4)
     for k, prev in enumerate([anchor] + drafts):
-        corrected = z[0, k] + model.drafter.markov(mx.array([prev]))[0]
+        prev = mx.array([prev])
+        corrected = z[0, k] + model.drafter.markov(prev)[0]
         np.testing.assert_allclose(
             np.array(corrected), ref_markov[k], rtol=1e-4, atol=1e-4
         )
+        confidence = model.drafter.confidence(x[:, k], prev)[0]
+        assert abs(confidence.item() - ref_confidence[k]) < 1e-4
 
 
 def test_greedy_identity_at_every_block_length_and_auto(model):

@@ -200,12 +200,14 @@ class Model(nn.Module):
         """A block drafter's pass after the anchors ``anchor`` ``(B,)`` at
         ``position`` (int, or ``(B,)``), reading ``context`` (per drafter layer,
         its cache's ``read_kv``): ``(B, gamma, V)`` logits before the Markov head,
-        and the ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`)."""
+        and the ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`'s,
+        which its confidence head reads; ``head_input`` of them is the head's)."""
         d = self.drafter
         ids = d.block_ids(anchor)
         x = d.embed_tokens(ids) if "embed_tokens" in d else self.embed(ids)
         g = d.block(x, context, position)
-        logits = d.lm_head(g) if "lm_head" in d else self.family.logits(self.trunk, g)
+        h = d.head_input(g)
+        logits = d.lm_head(h) if "lm_head" in d else self.family.logits(self.trunk, h)
         return logits, g
 
     def draft_logits(self, h: mx.array, vocab: Optional[int] = None) -> mx.array:

@@ -201,9 +201,10 @@ class DSparkV41(dspark.DSpark):
     def block(self, x: mx.array, context, position: int) -> mx.array:
         """The block pass: ``x`` ``(B, gamma, H)`` embedded block rows at positions
         ``position ..``; ``context[j]``: stage j's ``read_kv`` (its last
-        ``context_window`` rows). Returns ``(B, gamma, H)`` normed outputs, slot k
-        predicting position ``position + k + 1``. Nothing is written to any
-        cache."""
+        ``context_window`` rows). Returns ``(B, gamma, H)``: the last stage's
+        streams collapsed by its pre-mix, before ``norm`` (what the confidence head
+        reads; `head_input` norms them), slot k predicting position ``position + k
+        + 1``. Nothing is written to any cache."""
         B, R, H = x.shape
         hc = self.args.hc_mult
         streams = mx.broadcast_to(x[:, :, None], (B, R, hc, H))
@@ -218,13 +219,11 @@ class DSparkV41(dspark.DSpark):
                 cache=seen,
                 shared=None,
             )
-        return self.norm(lm._collapse(streams, pre_mix))
+        return lm._collapse(streams, pre_mix)
 
-    def confidence(self, x: mx.array, prev: mx.array) -> mx.array:
-        """``(B,)`` confidence logits of the pre-norm collapses ``x`` ``(B, H)``
-        (not `block`'s normed outputs: the reference's ``forward_head``) after
-        tokens ``prev`` ``(B,)``."""
-        return super().confidence(x, prev)
+    def head_input(self, x: mx.array) -> mx.array:
+        """The head reads the last stage's ``norm`` of `block`'s collapses."""
+        return self.norm(x)
 
 
 # -- checkpoint names -> DSparkV41's ------------------------------------------------

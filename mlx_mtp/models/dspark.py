@@ -259,6 +259,10 @@ class DSpark(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, R, -1))
 
+    def head_input(self, g: mx.array) -> mx.array:
+        """The head's input for `block`'s outputs ``g`` (normed already here)."""
+        return g
+
     def markov(self, prev: mx.array) -> Optional[mx.array]:
         """``(B, V)`` Markov bias after the tokens ``prev`` ``(B,)``; None without a
         Markov head (``markov_rank`` 0: slots are drawn independently)."""
