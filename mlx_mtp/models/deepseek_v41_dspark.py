@@ -78,9 +78,12 @@ def spec_of(text: dict, where: str = "the DSpark drafter") -> dspark.DSparkSpec:
     bad = [i for i in ids if not 0 <= i < L]
     if bad:
         raise MissingHeadsError(f"{where} taps layer {bad[0]}, outside 0..{L - 1}")
-    for key, top in (("dspark_block_size", None), ("dspark_noise_token_id", V)):
+    for key, low, top in (
+        ("dspark_block_size", 1, None),
+        ("dspark_noise_token_id", 0, V),
+    ):
         value = text.get(key)
-        if type(value) is not int or value < 0 or (top is not None and value >= top):
+        if type(value) is not int or value < low or (top and value >= top):
             raise MissingHeadsError(f"{where}: {key} is {value!r}")
     return dspark.DSparkSpec(
         block_size=text["dspark_block_size"],
@@ -124,14 +127,14 @@ class StageAttention(lm.Attention):
     (a cache's ``read_kv``, one stream: mask None)."""
 
     def __call__(self, x, *, start_pos, window_idx, cache, shared) -> mx.array:
+        (context, _), mask = cache
+        if mask is not None or not isinstance(start_pos, int):
+            raise MTPError("DeepSeek-V4.1's drafter drafts for one stream at a time")
         B, R, _ = x.shape
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         q = q.reshape(B, R, self.num_heads, self.head_dim)
         q = lm._apply_rope(q, self.rope, rope_dim=self.rope_dim, offset=start_pos)
         keys = stage_kv(self, x, start_pos)  # (B, R, d)
-        (context, _), mask = cache
-        if mask is not None or not isinstance(start_pos, int):
-            raise MTPError("DeepSeek-V4.1's drafter drafts for one stream at a time")
         if context is not None:
             keys = mx.concatenate([context[:, 0], keys], axis=1)  # (B, T + R, d)
         keys = keys[:, None].astype(mx.float32)
@@ -154,7 +157,7 @@ def make_stage(args: lm.ModelArgs, layer_id: int) -> lm.DecoderLayer:
     """Stage ``layer_id - num_hidden_layers``: mlx-lm's decoder layer (a window-only
     one: the stages' compress ratios are 0) with `StageAttention`."""
     stage = lm.DecoderLayer(args, layer_id)
-    stage.self_attn = StageAttention(args, layer_id)
+    stage.self_attn.__class__ = StageAttention  # its parameters are the same
     return stage
 
 
@@ -179,13 +182,13 @@ class DSparkV41(dspark.DSpark):
         self.spec = spec_of(text)
         self.args = args
         self.context_window = args.sliding_window
-        self.stage_args = stage_args(args, text)
         H, V, r = args.hidden_size, args.vocab_size, self.spec.markov_rank
         stages = text.get("num_nextn_predict_layers") or 0
         self.main_proj = nn.Linear(len(self.spec.target_layer_ids) * H, H, bias=False)
         self.main_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         L = args.num_hidden_layers
-        self.layers = [make_stage(self.stage_args, L + j) for j in range(stages)]
+        stage = stage_args(args, text)
+        self.layers = [make_stage(stage, L + j) for j in range(stages)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.markov_head = dspark.MarkovHead(V, r)
         self.confidence_head = dspark.ConfidenceHead(H + r, bias=False)
