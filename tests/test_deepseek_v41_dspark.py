@@ -18,6 +18,7 @@ from mlx_mtp.cache import make_caches, mtp_caches, ops
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MissingHeadsError
 from mlx_mtp.loading import load_model
+from mlx_mtp.models.deepseek_v4_quant import dequantize_fp8
 from mlx_mtp.models.deepseek_v41_dspark import DSparkV41
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing.fixtures_v41 import write_deepseek_v41
@@ -76,6 +77,31 @@ def test_the_drafter_loads_from_the_main_checkpoint(random_path):
     caches = make_caches(model)
     assert len(caches.mtp) == 3 and model.num_mtp_layers == 1
     assert model.hidden_width == 4 * model.args.hidden_size
+
+
+def test_release_dtypes_load_packed(tmp_path):
+    """The stages' FP8 projections (e4m3, ue8m0 per 32x32 block) and FP4 experts
+    load packed as mxfp8 / mxfp4 with the values they encode, and the drafter
+    drafts exactly."""
+    from .test_window import greedy_identity
+
+    path = write_deepseek_v41(tmp_path / "release", release=True)
+    model = load_model(str(path))[0]
+    d, stored = model.drafter, mx.load(str(path / "model.safetensors"))
+    packed = {
+        "mxfp8": [d.main_proj, d.layers[1].self_attn.q_a_proj],
+        "mxfp4": [d.layers[2].mlp.experts.switch_mlp.down_proj],
+    }
+    for mode, layers in packed.items():
+        assert all(layer.mode == mode for layer in layers), mode
+    q = d.layers[1].self_attn.q_a_proj
+    w = mx.dequantize(q.weight, q.scales, None, q.group_size, q.bits, mode=q.mode)
+    name = "mtp.1.attn.wq_a"
+    encoded = dequantize_fp8(
+        stored[f"{name}.weight"], stored[f"{name}.scale"], (32, 32), mx.float32
+    )
+    assert mx.array_equal(w.astype(mx.float32), encoded).item()
+    greedy_identity(model, PROMPTS[1:], n=20, ks=(GAMMA,))
 
 
 def test_taps_are_the_target_layers_inputs_averaged_over_the_streams(

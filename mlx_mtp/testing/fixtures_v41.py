@@ -283,6 +283,38 @@ def _predictable(params: dict, drafter: dict, args, agree: float, seed: int):
     drafter["own.norm.weight"] = drafter["own.norm.weight"] * BLOCK_DAMPING
 
 
+# The drafter's tensors the V4.1 release stores in FP8 (e4m3, ue8m0 scales per 32x32
+# block: the reference's default ``Linear`` dtype) and in FP4 (the routed experts);
+# ``wo_a`` is bfloat16 there, the router, norms and heads float.
+_RELEASE_FP8 = re.compile(
+    r"^mtp\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.w[123]"
+    r"|main_proj)\.weight$"
+)
+_RELEASE_FP4 = re.compile(r"^mtp\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+RELEASE_FP8_BLOCK = (32, 32)
+
+
+def release_drafter(weights: dict) -> dict:
+    """``weights`` (float, released names) as numpy, the drafter's FP8 and FP4
+    tensors in the release's dtypes with their ``.scale`` beside them
+    (`mlx_mtp.testing.deepseek_v4_release`'s encoders)."""
+    import numpy as np
+
+    from .deepseek_v4_release import quantize_fp4_np, quantize_fp8_np
+
+    out = {}
+    for name, value in weights.items():
+        value = np.array(value, dtype=np.float32)
+        base = name[: -len(".weight")]
+        if _RELEASE_FP8.match(name):
+            out[name], out[base + ".scale"] = quantize_fp8_np(value, RELEASE_FP8_BLOCK)
+        elif _RELEASE_FP4.match(name):
+            out[name], out[base + ".scale"] = quantize_fp4_np(value)
+        else:
+            out[name] = value
+    return out
+
+
 def write_deepseek_v41(
     out_dir,
     *,
@@ -290,6 +322,7 @@ def write_deepseek_v41(
     drafter: bool = True,
     predictable: bool = False,
     agree: float = 0.9,
+    release: bool = False,
     **text,
 ) -> pathlib.Path:
     """Write the tiny V4.1 checkpoint into ``out_dir`` and return its path.
@@ -300,6 +333,8 @@ def write_deepseek_v41(
             mlx-lm conversion keeps it).
         predictable: A trunk and drafter that often agree (`_predictable`), with
             ``agree`` the share of tokens whose Markov successor is the trunk's.
+        release: The drafter's tensors in the release's FP8 / FP4 dtypes
+            (`release_drafter`; the trunk's stay float32).
         text: Overrides of `text_config` values (``engram_layer_ids=[1]``,
             ``vocab_size=16``, say). Below `VOCAB` tokens the folder has no
             tokenizer, and the noise token is the vocabulary's last.
@@ -336,6 +371,12 @@ def write_deepseek_v41(
     if drafter:
         weights.update(dspark_tensors(stages, cfg))
     mx.eval(weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
+    path = out / "model.safetensors"
+    if release:
+        from .deepseek_v4_release import write_release_safetensors
+
+        write_release_safetensors(path, release_drafter(weights))
+    else:
+        mx.save_safetensors(str(path), weights, {"format": "pt"})
     _write_json(out / "config.json", config)
     return out
