@@ -140,7 +140,7 @@ class Model(nn.Module):
 
     def attach_drafter(self, drafter: nn.Module, source=None):
         """Draft with the block drafter ``drafter`` (it replaces any MTP layers); the
-        trunk's layers it reads record their outputs from now on."""
+        trunk's layers it reads record what it reads (its ``TAPS``) from now on."""
         self.drafter, self.drafter_source = drafter, source
         ids = drafter.spec.target_layer_ids
         self.taps = install_taps(self.trunk.layers, ids, drafter.TAPS)
