@@ -249,7 +249,9 @@ V = 16
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     root = tmp_path_factory.mktemp("v41-small")
-    path = write_deepseek_v41(root / "s", predictable=True, agree=0.5, vocab_size=V)
+    path = write_deepseek_v41(
+        root / "s", predictable=True, walk=False, agree=0.5, vocab_size=V
+    )
     return load_model(str(path))[0]
 
 

@@ -19,8 +19,8 @@ shared expert); ``mtp.0.main_proj`` / ``main_norm``; the last stage's ``norm``,
 ``markov_head.embed`` / ``markov_head.head`` and ``confidence_head.proj``. No
 ``hc_head_*`` and no ``markov_w1`` / ``markov_w2``: those are DeepSeek-V4-Flash-0731's
 DSpark names. ``predictable=True`` makes a pair whose drafter often agrees with its
-trunk (`_predictable`). Not in `mlx_mtp.testing.fixtures`' families: the generic
-suites draft with MTP heads.
+trunk (`_following_drafter`, `_walking_trunk`). Not in `mlx_mtp.testing.fixtures`'
+families: the generic suites draft with MTP heads.
 """
 
 from __future__ import annotations
@@ -254,22 +254,27 @@ def dspark_tensors(params: dict, cfg: dict) -> dict:
     return out
 
 
-def _predictable(params: dict, drafter: dict, args, agree: float, seed: int):
-    """Make the trunk mostly walk a random permutation pi (its embedding, std
-    `EMBED_STD`, dominates the streams, and row pi(u) of the untied head is u's
-    embedding), and give the drafter's Markov head the trunk's greedy bigram f (its
-    argmax after the one-token prompt u) for a share ``agree`` of the tokens, a
-    random successor for the rest, strongly enough to outweigh the block's own
-    logits (the last stage's ``norm`` damped); as `mlx_mtp.testing.dspark` does for
-    Qwen3. Both dicts are changed in place."""
+def _walking_trunk(params: dict, V: int, rng) -> None:
+    """Make the trunk mostly walk a random permutation pi: its embedding (std
+    `EMBED_STD`) dominates the streams, and row pi(u) of the untied head is u's
+    embedding. ``params`` (MLX names) is changed in place."""
     import numpy as np
-    from mlx_lm.models import deepseek_v41 as lm
 
-    rng = np.random.default_rng(seed)
-    V, R = args.vocab_size, drafter["own.markov_head.embed.weight"].shape[1]
     embed = params["model.embed_tokens.weight"] * EMBED_STD
     params["model.embed_tokens.weight"] = embed
     params["lm_head.weight"] = embed[mx.array(np.argsort(rng.permutation(V)))]
+
+
+def _following_drafter(params: dict, drafter: dict, args, agree: float, rng) -> None:
+    """Give the drafter's Markov head the trunk's greedy bigram f (its argmax after
+    the one-token prompt u) for a share ``agree`` of the tokens, a random successor
+    for the rest, strongly enough to outweigh the block's own logits (the last
+    stage's ``norm`` damped); as `mlx_mtp.testing.dspark` does for Qwen3.
+    ``drafter`` is changed in place."""
+    import numpy as np
+    from mlx_lm.models import deepseek_v41 as lm
+
+    V, R = args.vocab_size, drafter["own.markov_head.embed.weight"].shape[1]
     trunk = lm.Model(args)
     trunk.load_weights(list(params.items()))
     f = np.array(mx.argmax(trunk(mx.arange(V)[:, None])[:, -1], axis=-1))
@@ -321,6 +326,7 @@ def write_deepseek_v41(
     seed: int = 0,
     drafter: bool = True,
     predictable: bool = False,
+    walk: bool = True,
     agree: float = 0.9,
     release: bool = False,
     **text,
@@ -331,8 +337,11 @@ def write_deepseek_v41(
         seed: The weights' seed (same seed, same bytes).
         drafter: Write the DSpark ``mtp.*`` tensors (False: the trunk only, as an
             mlx-lm conversion keeps it).
-        predictable: A trunk and drafter that often agree (`_predictable`), with
-            ``agree`` the share of tokens whose Markov successor is the trunk's.
+        predictable: A drafter that often agrees with its trunk
+            (`_following_drafter`: ``agree`` is the share of tokens whose Markov
+            successor is the trunk's) and, with ``walk``, a trunk that mostly walks
+            a permutation (`_walking_trunk`; without, its distributions stay spread,
+            as sampling tests need).
         release: The drafter's tensors in the release's FP8 / FP4 dtypes
             (`release_drafter`; the trunk's stay float32).
         text: Overrides of `text_config` values (``engram_layer_ids=[1]``,
@@ -366,7 +375,12 @@ def write_deepseek_v41(
     params = _random(dict(tree_flatten(lm.Model(args).parameters())), seed)
     stages = dspark_params(args, cfg, seed)
     if predictable:
-        _predictable(params, stages, args, agree, seed)
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        if walk:
+            _walking_trunk(params, args.vocab_size, rng)
+        _following_drafter(params, stages, args, agree, rng)
     weights = release_tensors(params, args.o_groups)
     if drafter:
         weights.update(dspark_tensors(stages, cfg))
