@@ -120,10 +120,15 @@ def check_max_kv_size(max_kv_size) -> None:
 def mtp_caches(model) -> List[Any]:
     """One cache per MTP layer: a KV cache, a `WindowCache` for a block with a sliding
     window (``MTPLayer.window``), or a `ListCache` of KV caches for an attention that
-    keeps several (``MTPLayer.kv_caches``); with a block drafter, one KV cache per
-    drafter layer, its context rows (row i: committed position i)."""
-    if model.drafter is not None:
-        return [KVCache() for _ in model.drafter.layers]
+    keeps several (``MTPLayer.kv_caches``); with a block drafter, one cache per
+    drafter layer, its context rows (row i: committed position i): a KV cache, or
+    a `WindowCache` when its blocks see the last ``context_window`` rows only."""
+    drafter = model.drafter
+    if drafter is not None:
+        window = drafter.context_window
+        return [
+            KVCache() if window is None else WindowCache(window) for _ in drafter.layers
+        ]
     return [_mtp_cache(layer) for layer in model.mtp.layers]
 
 

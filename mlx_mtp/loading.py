@@ -9,6 +9,7 @@ the family module and loaded strictly into an `MTPStack`.
 """
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -280,7 +281,16 @@ def build_mtp(
 
     Args:
         raw: The checkpoint is in raw Hugging Face form (see the family's ``is_raw``).
+
+    Raises:
+        MissingHeadsError: the family's MTP tensors are a block drafter
+            (``make_drafter``: loaded by `attach_own_drafter`, not kept as heads).
     """
+    if family.make_drafter is not None:
+        raise MissingHeadsError(
+            f"{family.name}'s MTP tensors are a block drafter, not MTP layers: "
+            "it drafts from the original checkpoint, and no conversion keeps it yet"
+        )
     weights = family.sanitize(tensors, config, trunk, raw=raw)
     n = 1 + max(int(k.split(".")[1]) for k in weights)
     stack = MTPStack([family.make_layer(trunk, j, config) for j in range(n)])
@@ -372,7 +382,9 @@ def _load_model(
             stack = MTPStack([])
         if not lazy:
             mx.eval(stack.parameters())
-    elif check_declared(family, config, split.mtp, allow_missing_heads):
+    elif family.make_drafter is None and check_declared(
+        family, config, split.mtp, allow_missing_heads
+    ):
         try:
             stack = build_mtp(trunk, family, split.mtp, config, split.raw)
         except MissingHeadsError as e:
@@ -387,6 +399,8 @@ def _load_model(
         model.group, model.sharding = group, distributed.shard(trunk, group)
     if draft_model is not None:
         attach_assistant(model, config, model_path, draft_model)
+    elif family.make_drafter is not None and split.mtp:
+        attach_own_drafter(model, split.mtp, config, allow_missing_heads)
     elif assistants.has_assistant_section(config):
         try:
             assistant = assistants.load_section(model_path, config)
@@ -517,6 +531,29 @@ def attach_dspark(model: Model, config: dict, path: Path, d_config: dict, where:
             f"{where}: " + str(e).replace("MTP ", "drafter ")
         ) from None
     model.attach_drafter(drafter, path)
+
+
+def attach_own_drafter(model: Model, tensors: dict, config: dict, allowed: bool):
+    """Draft with the block drafter a checkpoint keeps in its MTP tensors
+    (DeepSeek-V4.1's DSpark stages), built by its family. One that does not load
+    (stages missing, tensors missing or misshapen) is refused in one line naming
+    the checkpoint's tensors, or decoded without under ``allowed``."""
+    family = model.family
+    try:
+        if model.group is not None:
+            raise MissingHeadsError(
+                "a DSpark drafter needs the trunk whole on one process"
+            )
+        weights = family.sanitize(tensors, config, model.trunk, raw=True)
+        drafter = family.make_drafter(model.trunk, config)
+        quantize_like(drafter, weights, config.get("quantization"))
+        load_strict(drafter, weights)
+    except MissingHeadsError as e:
+        named = re.sub(r"\blayers\.(\d+)\.", r"mtp.\1.", str(e))
+        named = named.replace("MTP weights", "the DSpark drafter's weights")
+        _without(MissingHeadsError(named), allowed, "its DSpark drafter")
+        return
+    model.attach_drafter(drafter, model.source)
 
 
 def _shared_copies(model: Model, weights: dict) -> dict:

@@ -358,7 +358,8 @@ def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
         return mx.zeros((len(runs), 0), dtype=mx.int32), None
     _write_context(model, caches.mtp, runs)
     n = [len(r.state.tokens) - 1 for r in runs]
-    context = [ops(c).read_kv(n) for c in caches.mtp]
+    window = model.drafter.context_window  # None: every context row
+    context = [ops(c).read_kv(n, window) for c in caches.mtp]
     position = n[0] if len(runs) == 1 else mx.array(n, dtype=mx.int32)
     anchor = mx.array([r.state.tokens[-1] for r in runs], dtype=mx.int32)  # (B,)
     z, g = model.draft_block(anchor, context, position)  # (B, gamma, V), (B, gamma, H)

@@ -1,7 +1,7 @@
-"""DeepSeek-V4.1: mlx-lm's trunk loads, its DSpark drafter (``mtp.{0,1,2}``) is
-refused in one line, and ``--allow-missing-heads`` decodes plainly, token for token as
-mlx-lm; its caches cannot roll back, so prompt lookup is refused and "auto" drafts
-nothing, alone and served."""
+"""DeepSeek-V4.1: mlx-lm's trunk loads with its DSpark drafter (``mtp.{0,1,2}``,
+`tests/test_deepseek_v41_dspark.py` for the drafter itself), and decodes token for
+token as mlx-lm: drafting (``auto``), with prompt lookup (its caches roll back), and
+served."""
 
 import http.client
 import json
@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlx_mtp import load, stream_generate
 from mlx_mtp.cli import main
-from mlx_mtp.errors import MissingHeadsError, RollbackError
+from mlx_mtp.errors import MissingHeadsError
 from mlx_mtp.loading import load_model
 from mlx_mtp.server import Server, server_args
 from mlx_mtp.testing.fixtures import write_checkpoint
@@ -34,7 +34,15 @@ def v41(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(v41):
-    return load(str(v41), allow_missing_heads=True)
+    return load(str(v41))
+
+
+def mlx_lm_tokens(v41, prompt):
+    lm_model, lm_tokenizer = lm_load(str(v41))
+    steps = lm_stream_generate(
+        lm_model, lm_tokenizer, prompt, TOKENS, sampler=make_sampler(0.0)
+    )
+    return [r.token for r in steps], lm_tokenizer
 
 
 def run_cli(*args):
@@ -52,48 +60,34 @@ def error_line(result) -> str:
     return lines[-1]
 
 
-def test_the_dspark_drafter_is_refused_in_one_line(v41):
-    with pytest.raises(MissingHeadsError, match="DSpark block drafter"):
-        load_model(str(v41))
-    result = run_cli("generate", "--model", str(v41), "-p", "hi")
-    assert result.exit_code == 1
-    assert result.output.strip().splitlines() == [
-        "mlx-mtp: error: DeepSeek-V4.1's mtp.{0,1,2} are a DSpark block drafter "
-        "(5-token parallel proposals with a Markov head), not MTP heads: mlx-mtp "
-        "does not draft with it (use --allow-missing-heads to decode without)"
-    ]
-
-
-def test_plain_decoding_is_mlx_lms(v41, loaded):
-    """Default options (k and source "auto"): plain decoding, mlx-lm's greedy tokens,
-    through the library and the CLI."""
+def test_decoding_is_mlx_lms(v41, loaded):
+    """Default options (k and source "auto": the drafter drafts) and k = 5 give
+    mlx-lm's greedy tokens, through the library and the CLI."""
     model, tokenizer = loaded
-    assert model.num_mtp_layers == 0
-    ours = [r.token for r in stream_generate(model, tokenizer, PROMPT, TOKENS)]
-    lm_model, lm_tokenizer = lm_load(str(v41))
-    theirs = [
-        r.token
-        for r in lm_stream_generate(
-            lm_model, lm_tokenizer, PROMPT, TOKENS, sampler=make_sampler(0.0)
-        )
-    ]
-    assert ours == theirs and len(set(ours)) > 3
+    assert model.num_mtp_layers == 1 and model.drafter is not None
+    theirs, lm_tokenizer = mlx_lm_tokens(v41, PROMPT)
+    for options in ({}, {"num_draft_tokens": 5}):
+        steps = stream_generate(model, tokenizer, PROMPT, TOKENS, **options)
+        assert [r.token for r in steps] == theirs and len(set(theirs)) > 3
     args = ["generate", "--model", str(v41), "-p", PROMPT, "-m", str(TOKENS)]
-    result = run_cli(*args, "--allow-missing-heads", "--ignore-chat-template")
+    result = run_cli(*args, "--ignore-chat-template")
     assert result.exit_code == 0, result.output
     assert lm_tokenizer.decode(theirs) in result.output
 
 
-def test_prompt_lookup_is_refused_in_one_line(v41, loaded):
-    """A rejected lookup draft would need the trunk's `LayerCache` rolled back."""
+def test_prompt_lookup_is_mlx_lms(v41, loaded):
+    """Rejected lookup drafts roll the trunk's caches back: mlx-lm's tokens, through
+    the library and the CLI (lookup alone, and with the drafter)."""
     model, tokenizer = loaded
-    with pytest.raises(RollbackError, match="LayerCache"):
-        next(stream_generate(model, tokenizer, PROMPT, 4, draft_source="lookup"))
+    theirs, lm_tokenizer = mlx_lm_tokens(v41, PROMPT)
+    steps = stream_generate(model, tokenizer, PROMPT, TOKENS, draft_source="lookup")
+    assert [r.token for r in steps] == theirs
     for k in ("0", "auto"):
-        args = ["generate", "--model", str(v41), "-p", PROMPT, "-m", "4", "-k", k]
-        result = run_cli(*args, "--allow-missing-heads", "--draft-source", "lookup")
-        line = error_line(result)
-        assert "prompt lookup" in line and "LayerCache" in line, line
+        args = ["generate", "--model", str(v41), "-p", PROMPT, "-m", str(TOKENS)]
+        args += ["-k", k, "--draft-source", "lookup", "--ignore-chat-template"]
+        result = run_cli(*args)
+        assert result.exit_code == 0, result.output
+        assert lm_tokenizer.decode(theirs) in result.output
 
 
 def test_the_trunk_alone_decodes_with_no_message(tmp_path, caplog):
@@ -133,21 +127,20 @@ def post(server, body):
     return reply.status, json.loads(reply.read())
 
 
-def test_served_plainly_and_lookup_refused(v41, loaded):
-    """The server starts (no round costs to time: nothing drafts), replies as
-    `stream_generate`, and refuses a lookup request with a 400."""
+def test_served_with_its_drafter_and_lookup(v41, loaded):
+    """The server starts (its round costs timed with the drafter) and replies as
+    `stream_generate`, with the drafter and with prompt lookup."""
     model, tokenizer = loaded
     messages = [{"role": "user", "content": PROMPT}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     expected = [r.token for r in stream_generate(model, tokenizer, prompt, 8)]
-    server = Server(server_args(model=str(v41), port=0, allow_missing_heads=True))
-    server.start()
+    server = Server(server_args(model=str(v41), port=0)).start()
     try:
-        status, reply = post(server, {"messages": messages, "max_tokens": 8})
-        assert status == 200, reply
-        assert reply["choices"][0]["message"]["content"] == tokenizer.decode(expected)
-        body = {"messages": messages, "max_tokens": 8, "draft_source": "lookup"}
-        status, reply = post(server, body)
-        assert status == 400 and "LayerCache" in reply["error"]["message"], reply
+        for extra in ({}, {"draft_source": "lookup"}):
+            body = {"messages": messages, "max_tokens": 8, **extra}
+            status, reply = post(server, body)
+            assert status == 200, reply
+            text = reply["choices"][0]["message"]["content"]
+            assert text == tokenizer.decode(expected)
     finally:
         server.close()

@@ -174,29 +174,38 @@ def fresh_context(model, tokens):
     return caches
 
 
-def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
-    """After each round that rejects at position j (every j of the block), the
-    drafter's context rows equal those of a fresh pass over the committed tokens."""
-    opts = HEADS.replace(num_draft_tokens=BLOCK_SIZE, max_tokens=-1)
+def rejections(model, prompt, rounds_at_most):
+    """Greedy rounds of k = gamma after ``prompt`` (at most ``rounds_at_most``):
+    after each that rejects a draft, yield the accepted count, the caches and the
+    decode state."""
+    gamma = model.drafter.block_size
+    opts = HEADS.replace(num_draft_tokens=gamma, max_tokens=-1)
     caches = make_caches(model)
-    state = prefill(model, caches, PROMPTS[1], 1, 512)
+    state = prefill(model, caches, prompt, 1, 512)
     run = Run(
         model, Session(caches, state), drafting(model, opts), opts, mx.random.key(0)
     )
     run.begin()
-    rejected = set()
-    for _ in range(60):
+    for _ in range(rounds_at_most):
         rnd = rounds.launch(model, caches, [run], rounds.plan([run]), state.depth)
         a = rnd.accepted.item()
         new = rnd.drafts[0, :a].tolist() + [rnd.next_tokens.item()]
         rounds.commit(caches, [run], rnd, [new], state.depth)
         if a < rnd.plan.ks[0]:  # a rejection (not a block the confidence head cut)
-            rejected.add(a)
-            ref = fresh_context(model, state.tokens[: state.frontier])
-            for ours, theirs in zip(caches.mtp, ref):
-                assert ours.offset == theirs.offset == state.frontier
-                for x, y in zip(ours.keys_and_values(), theirs.keys_and_values()):
-                    np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+            yield a, caches, state
+
+
+def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
+    """After each round that rejects at position j (every j of the block), the
+    drafter's context rows equal those of a fresh pass over the committed tokens."""
+    rejected = set()
+    for a, caches, state in rejections(model, PROMPTS[1], 60):
+        rejected.add(a)
+        ref = fresh_context(model, state.tokens[: state.frontier])
+        for ours, theirs in zip(caches.mtp, ref):
+            assert ours.offset == theirs.offset == state.frontier
+            for x, y in zip(ours.keys_and_values(), theirs.keys_and_values()):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
     assert rejected == set(range(BLOCK_SIZE)), rejected
 
 
@@ -316,11 +325,16 @@ def test_sampling_is_exact_with_each_markov_head(smalls, markov):
 def test_sampling_test_catches_q_without_the_markov_correction(
     smalls, markov, monkeypatch
 ):
+    assert fails_with_q_without_the_markov_correction(
+        smalls(markov, tau=0.0), monkeypatch
+    )
+
+
+def fails_with_q_without_the_markov_correction(model, monkeypatch) -> bool:
     """Negative control: drafts drawn from the Markov-corrected logits but reported
     with q from the block's logits alone (ignoring the drawn prefix) must fail the
-    same test."""
-    small = smalls(markov, tau=0.0)
-    markov_bias, pick, last = small.drafter.markov, rounds._pick, {}
+    same test. Returns whether it failed."""
+    markov_bias, pick, last = model.drafter.markov, rounds._pick, {}
 
     def recording(prev, g, state):
         last["bias"], state = markov_bias(prev, g, state)
@@ -332,9 +346,9 @@ def test_sampling_test_catches_q_without_the_markov_correction(
         lp = z - mx.logsumexp(z, axis=-1, keepdims=True)  # (B, V)
         return tokens, [None if x is None else lp[b : b + 1] for b, x in enumerate(q)]
 
-    monkeypatch.setattr(small.drafter, "markov", recording)
+    monkeypatch.setattr(model.drafter, "markov", recording)
     monkeypatch.setattr(rounds, "_pick", uncorrected)
-    assert sampling_fails(small, BLOCK_SIZE)
+    return sampling_fails(model, model.drafter.block_size)
 
 
 # --- the confidence cut ------------------------------------------------------------

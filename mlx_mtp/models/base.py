@@ -140,9 +140,10 @@ class Model(nn.Module):
 
     def attach_drafter(self, drafter: nn.Module, source=None):
         """Draft with the block drafter ``drafter`` (it replaces any MTP layers); the
-        trunk's layers it reads record their outputs from now on."""
+        trunk's layers it reads record what it reads (its ``TAPS``) from now on."""
         self.drafter, self.drafter_source = drafter, source
-        self.taps = install_taps(self.trunk.layers, drafter.spec.target_layer_ids)
+        ids = drafter.spec.target_layer_ids
+        self.taps = install_taps(self.trunk.layers, ids, drafter.TAPS)
         self.mtp = MTPStack([])
         self.round_costs = None
 
@@ -199,12 +200,14 @@ class Model(nn.Module):
         """A block drafter's pass after the anchors ``anchor`` ``(B,)`` at
         ``position`` (int, or ``(B,)``), reading ``context`` (per drafter layer,
         its cache's ``read_kv``): ``(B, gamma, V)`` logits before the Markov head,
-        and the ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`)."""
+        and the ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`'s,
+        which its confidence head reads; ``head_input`` of them is the head's)."""
         d = self.drafter
         ids = d.block_ids(anchor)
         x = d.embed_tokens(ids) if "embed_tokens" in d else self.embed(ids)
         g = d.block(x, context, position)
-        logits = d.lm_head(g) if "lm_head" in d else self.family.logits(self.trunk, g)
+        h = d.head_input(g)
+        logits = d.lm_head(h) if "lm_head" in d else self.family.logits(self.trunk, h)
         return logits, g
 
     def draft_logits(self, h: mx.array, vocab: Optional[int] = None) -> mx.array:

@@ -305,6 +305,10 @@ class Taps:
         self.ids = tuple(ids)
         self.values = {}
 
+    def layer_of(self, i: int) -> int:
+        """The trunk layer whose pass records tap ``i`` (-1: layer 0's input)."""
+        return 0 if i == -1 else i
+
     def record(self, index: int, x: mx.array, out: mx.array) -> None:
         """Layer ``index`` saw input ``x`` and gave ``out`` (both (B, L, H))."""
         if index == 0 and -1 in self.ids:
@@ -317,6 +321,20 @@ class Taps:
         (and forgotten, so they hold no memory past the pass)."""
         values, self.values = self.values, {}
         return mx.concatenate([values[i] for i in self.ids], axis=-1)
+
+
+class StreamInputTaps(Taps):
+    """The input of each tapped layer, averaged over its hyper-connection streams:
+    id i is ``mean(streams, hc)`` of layer i's input ``(B, L, hc, H)`` (the
+    attention input of layer i, as DeepSeek-V4.1's DSpark reads it: the reference's
+    ``Transformer.forward`` takes ``h.mean(dim=2)`` before block i; spec §2.1)."""
+
+    def layer_of(self, i: int) -> int:
+        return i
+
+    def record(self, index: int, x: mx.array, out: mx.array) -> None:
+        if index in self.ids:
+            self.values[index] = mx.mean(x, axis=2)  # (B, L, H)
 
 
 class TappedLayer:
@@ -333,11 +351,12 @@ class TappedLayer:
 _TAPPED = {}
 
 
-def install_taps(layers, ids) -> Taps:
-    """Make the trunk ``layers`` that ``ids`` tap record into a new `Taps` (only
-    the class changes, as `install_capture` does; the layers compute as before)."""
-    taps = Taps(ids)
-    wanted = {0 if i == -1 else i for i in ids}
+def install_taps(layers, ids, kind=Taps) -> Taps:
+    """Make the trunk ``layers`` that ``ids`` tap record into a new ``kind`` of
+    `Taps` (only the class changes, as `install_capture` does; the layers compute
+    as before)."""
+    taps = kind(ids)
+    wanted = {taps.layer_of(i) for i in ids}
     for index in sorted(wanted):
         layer = layers[index]
         cls = type(layer)

@@ -44,14 +44,16 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import MTPError, one_line
+from .capture import Taps
 
 # DeepSpec's release; mlx-vlm's published nested configs (Qwen3.8, LFM2).
 ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Lfm2DSparkDraftModel")
 # tau when the folder's config has no ``confidence_threshold`` (the key mlx-vlm's
-# DeepSeek-V4.1 DSpark config spells, default 0.3 there: "how the release keeps a wide
-# draft block from costing more than it returns"). DeepSpec's own eval defaults to 0
-# (no cut); its paper's threshold sweep (Fig. 5) shows acceptance rising with tau.
-DEFAULT_CONFIDENCE_THRESHOLD = 0.3
+# DeepSeek-V4.1 DSpark config spells, 0.3 there): DeepSpec's own default, 0 (no cut).
+# On a memory-bound machine a wider verify pass costs little, while a cut needs its
+# lengths on the host before the pass (one more sync per round); its paper's sweep
+# (Fig. 5) shows acceptance rising with tau, so a config may ask for one.
+DEFAULT_CONFIDENCE_THRESHOLD = 0.0
 # Keys the nested spelling keeps in ``dflash_config`` (spec §1a, variant B).
 NESTED_KEYS = ("mask_token_id", "target_layer_ids", "num_target_layers")
 
@@ -212,9 +214,9 @@ class ConfidenceHead(nn.Module):
     """``proj([g_k ; W1[prev_k]])``: a raw logit whose sigmoid estimates slot k's
     acceptance given an accepted prefix (spec §2.6)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, bias: bool = True):
         super().__init__()
-        self.proj = nn.Linear(width, 1, bias=True)
+        self.proj = nn.Linear(width, 1, bias=bias)
 
 
 class DSpark(nn.Module):
@@ -224,7 +226,15 @@ class DSpark(nn.Module):
         config: The drafter's ``config.json`` (either spelling).
         own_embed: The folder has ``embed_tokens`` (else the target's is used).
         own_head: The folder has ``lm_head`` (else the target's is used).
+
+    Attributes:
+        TAPS: The kind of `Taps` its context reads (the outputs of the tapped
+            layers, before the final norm: spec §2.1).
+        context_window: The last context rows a block attends to (None: all).
     """
+
+    TAPS = Taps
+    context_window = None
 
     def __init__(self, config: dict, own_embed: bool = True, own_head: bool = True):
         super().__init__()
@@ -318,6 +328,10 @@ class DSpark(nn.Module):
             mask = mx.concatenate([mask, mx.ones((B, 1, 1, R), dtype=mx.bool_)], -1)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, R, -1))
+
+    def head_input(self, g: mx.array) -> mx.array:
+        """The head's input for `block`'s outputs ``g`` (normed already here)."""
+        return g
 
     def markov_start(self, batch: int, dtype) -> Optional[mx.array]:
         """The Markov head's state before a block's first slot (None: no state)."""

@@ -71,7 +71,10 @@ Optional (default in brackets):
   ``model_type``]: the trunk's classes, for a model mlx-lm has none for;
 - ``hidden_width(args) -> int`` [``args.hidden_size``]: the last axis of ``hidden``
   (wider when a family packs more than one state into it; the last ``hidden_size``
-  entries are then what its ``head`` projects).
+  entries are then what its ``head`` projects);
+- ``make_drafter(trunk, config)`` [None]: the checkpoint's MTP tensors are a block
+  drafter (DeepSeek-V4.1's DSpark stages), not MTP layers: the module ``sanitize``'s
+  names load into, attached as the model's drafter (``make_layer`` then refuses).
 """
 
 import difflib
@@ -189,6 +192,7 @@ class Family:
     fix_config: Callable[[dict], dict] = no_fixes
     trunk_classes: Optional[Callable[[dict], tuple]] = None
     hidden_width: Callable[[Any], int] = args_hidden_size
+    make_drafter: Optional[Callable[[Any, dict], Any]] = None
 
     def __post_init__(self):
         # The default count follows MTP_CONFIG_KEYS, also in a derived family that

@@ -1,4 +1,4 @@
-"""A tiny DeepSeek-V4.1 checkpoint in the released layout, with a DSpark drafter.
+"""A tiny DeepSeek-V4.1 checkpoint in the released layout, with its DSpark drafter.
 
 ``write_deepseek_v41(out_dir)`` writes a complete, offline folder: ``config.json`` as
 V4.1 releases nest it (``model_type`` ``deepseek_v41``, the text model under
@@ -11,11 +11,16 @@ The trunk is mlx-lm's ``deepseek_v41`` model at tiny sizes (hidden 64, five laye
 the release mixes them: a sliding-window one; two of ratio 2, the first compressing and
 indexing, the second reusing both; two of ratio 1, the first compressing, indexing and
 picking the candidate blocks, the second indexing its keys among them), random
-weights. Beside it sit a few recognisable tensors of V4.1's DSpark block drafter
-(``mtp.{0,1,2}.*``: ``main_proj``, ``main_norm``, the stages' attention, ``hc_head_*``,
-the Markov and confidence heads), random too: mlx-mtp must refuse them, never draft
-with them. Not in `mlx_mtp.testing.fixtures`' families: the generic suites would
-expect drafting.
+weights. Beside it sit the three stages of V4.1's DSpark block drafter in the
+released layout (``/work/notes/dspark_spec.md`` §1b, §6B): each stage ``mtp.{j}.*`` a
+window-only block under the trunk layers' names (norms, hyper-connections,
+attention with its sink, the router and the ``dspark_n_routed_experts`` experts, the
+shared expert); ``mtp.0.main_proj`` / ``main_norm``; the last stage's ``norm``,
+``markov_head.embed`` / ``markov_head.head`` and ``confidence_head.proj``. No
+``hc_head_*`` and no ``markov_w1`` / ``markov_w2``: those are DeepSeek-V4-Flash-0731's
+DSpark names. ``predictable=True`` makes a pair whose drafter often agrees with its
+trunk (`_following_drafter`, `_walking_trunk`). Not in `mlx_mtp.testing.fixtures`'
+families: the generic suites draft with MTP heads.
 """
 
 from __future__ import annotations
@@ -38,7 +43,13 @@ HIDDEN = 64
 LAYERS = 5
 HC = 4
 DSPARK_STAGES = 3
-MARKOV_RANK = 8
+MARKOV_RANK = 32  # room for 512 distinct successors (predictable=True)
+# predictable=True: the embedding's scale (it dominates the streams), the Markov
+# head's scale (its bias is about MARKOV_SCALE**2 for the successor it carries) and
+# the damping of the block's own logits
+EMBED_STD = 4.0
+MARKOV_SCALE = 6.0
+BLOCK_DAMPING = 0.02
 
 
 def text_config() -> dict:
@@ -184,55 +195,141 @@ def _random(params: dict, seed: int) -> dict:
     return out
 
 
-def dspark_tensors(config: dict, seed: int) -> dict:
-    """A few tensors of each DSpark stage ``mtp.{j}``, with their released names and
-    shapes (hidden H, vocabulary V, Markov rank R): ``mtp.0.main_proj`` (H, 3H) and
-    ``main_norm`` fuse the target layers' hidden states; every stage has its norms,
-    hyper-connections, attention and router; ``mtp.2`` closes with ``norm``,
-    ``hc_head_*``, the Markov head (``markov_w1``, ``markov_w2``: V x R) and the
-    confidence head (1, H + R)."""
-    H, V, R = HIDDEN, config["vocab_size"], MARKOV_RANK
-    targets = len(config["dspark_target_layer_ids"])
-    mix = (2 + HC) * HC
-    shapes = {
-        "mtp.0.main_proj.weight": (H, targets * H),
-        "mtp.0.main_norm.weight": (H,),
-    }
-    for j in range(DSPARK_STAGES):
-        p = f"mtp.{j}."
-        shapes.update(
-            {
-                p + "attn_norm.weight": (H,),
-                p + "ffn_norm.weight": (H,),
-                p + "hc_attn_fn": (mix, HC * H),
-                p + "hc_attn_base": (mix,),
-                p + "hc_attn_scale": (3,),
-                p + "attn.wq_a.weight": (config["q_lora_rank"], H),
-                p + "attn.wkv.weight": (config["head_dim"], H),
-                p + "attn.attn_sink": (config["num_attention_heads"],),
-                p + "ffn.gate.weight": (config["dspark_n_routed_experts"], H),
-            }
-        )
-    shapes.update(
-        {
-            "mtp.2.norm.weight": (H,),
-            "mtp.2.hc_head_fn": (HC, HC * H),
-            "mtp.2.hc_head_base": (HC,),
-            "mtp.2.hc_head_scale": (1,),
-            "mtp.2.markov_head.markov_w1.weight": (V, R),
-            "mtp.2.markov_head.markov_w2.weight": (V, R),
-            "mtp.2.confidence_head.proj.weight": (1, H + R),
-        }
+def stage_args(args, cfg: dict):
+    """mlx-lm ``deepseek_v41`` args for the DSpark stages: the trunk's with the
+    ``dspark_*`` expert counts."""
+    from dataclasses import replace
+
+    return replace(
+        args,
+        n_routed_experts=cfg["dspark_n_routed_experts"],
+        num_experts_per_tok=cfg["dspark_num_experts_per_tok"],
     )
-    keys = mx.random.split(mx.random.key(seed + 1), len(shapes))
-    return {
-        name: 0.1 * mx.random.normal(shape, key=key)
-        for key, (name, shape) in zip(keys, shapes.items())
+
+
+def dspark_params(args, cfg: dict, seed: int) -> dict:
+    """Random DSpark stage tensors, MLX names (stage j as ``model.layers.{L + j}``,
+    a window-only mlx-lm ``deepseek_v41`` decoder layer with the stages' expert
+    counts), and the drafter's own under ``own.*``: ``main_proj`` (H, n H),
+    ``main_norm``, ``norm``, the Markov head (V x R each) and the confidence head
+    (1, H + R), all drawn as `_random` draws."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import deepseek_v41 as lm
+
+    H, V, R = args.hidden_size, args.vocab_size, cfg["dspark_markov_rank"]
+    n, L = len(cfg["dspark_target_layer_ids"]), args.num_hidden_layers
+    shapes = {}
+    for j in range(cfg["num_nextn_predict_layers"]):
+        layer = lm.DecoderLayer(stage_args(args, cfg), L + j)
+        for name, value in tree_flatten(layer.parameters()):
+            shapes[f"model.layers.{L + j}.{name}"] = value
+    own = {
+        "main_proj.weight": (H, n * H),
+        "main_norm.weight": (H,),
+        "norm.weight": (H,),
+        "markov_head.embed.weight": (V, R),
+        "markov_head.head.weight": (V, R),
+        "confidence_head.proj.weight": (1, H + R),
     }
+    shapes.update({f"own.{k}": mx.zeros(v) for k, v in own.items()})
+    return _random(shapes, seed + 1)
+
+
+def dspark_tensors(params: dict, cfg: dict) -> dict:
+    """`dspark_params` under their released names (spec §1b): every stage's block
+    tensors as the trunk's layers name theirs, under ``mtp.{j}.``; ``main_proj``
+    and ``main_norm`` in ``mtp.0``; ``norm``, ``markov_head.embed`` /
+    ``markov_head.head`` and ``confidence_head.proj`` (no bias) in the last stage.
+    No ``hc_head_*``: that is DeepSeek-V4-Flash-0731's DSpark, not V4.1's."""
+    L, last = cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"] - 1
+    stages = {k: v for k, v in params.items() if not k.startswith("own.")}
+    out = {}
+    for name, value in release_tensors(stages, cfg["o_groups"]).items():
+        j, rest = name[len("layers.") :].split(".", 1)
+        out[f"mtp.{int(j) - L}.{rest}"] = value
+    for name, value in params.items():
+        if name.startswith("own."):
+            stage = 0 if name.startswith("own.main_") else last
+            out[f"mtp.{stage}.{name[len('own.'):]}"] = value
+    return out
+
+
+def _walking_trunk(params: dict, V: int, rng) -> None:
+    """Make the trunk mostly walk a random permutation pi: its embedding (std
+    `EMBED_STD`) dominates the streams, and row pi(u) of the untied head is u's
+    embedding. ``params`` (MLX names) is changed in place."""
+    import numpy as np
+
+    embed = params["model.embed_tokens.weight"] * EMBED_STD
+    params["model.embed_tokens.weight"] = embed
+    params["lm_head.weight"] = embed[mx.array(np.argsort(rng.permutation(V)))]
+
+
+def _following_drafter(params: dict, drafter: dict, args, agree: float, rng) -> None:
+    """Give the drafter's Markov head the trunk's greedy bigram f (its argmax after
+    the one-token prompt u) for a share ``agree`` of the tokens, a random successor
+    for the rest, strongly enough to outweigh the block's own logits (the last
+    stage's ``norm`` damped); as `mlx_mtp.testing.dspark` does for Qwen3.
+    ``drafter`` is changed in place."""
+    import numpy as np
+    from mlx_lm.models import deepseek_v41 as lm
+
+    V, R = args.vocab_size, drafter["own.markov_head.embed.weight"].shape[1]
+    trunk = lm.Model(args)
+    trunk.load_weights(list(params.items()))
+    f = np.array(mx.argmax(trunk(mx.arange(V)[:, None])[:, -1], axis=-1))
+    follow = np.where(rng.random(V) < agree, f, rng.integers(0, V, V))
+    w1 = rng.standard_normal((V, R)).astype(np.float32)
+    w1 /= np.linalg.norm(w1, axis=1, keepdims=True)
+    w2 = np.zeros_like(w1)
+    np.add.at(w2, follow, w1)  # W2[v] . W1[u] is largest where v = follow(u)
+    drafter["own.markov_head.embed.weight"] = mx.array(MARKOV_SCALE * w1)
+    drafter["own.markov_head.head.weight"] = mx.array(MARKOV_SCALE * w2)
+    drafter["own.norm.weight"] = drafter["own.norm.weight"] * BLOCK_DAMPING
+
+
+# The drafter's tensors the V4.1 release stores in FP8 (e4m3, ue8m0 scales per 32x32
+# block: the reference's default ``Linear`` dtype) and in FP4 (the routed experts);
+# ``wo_a`` is bfloat16 there, the router, norms and heads float.
+_RELEASE_FP8 = re.compile(
+    r"^mtp\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.w[123]"
+    r"|main_proj)\.weight$"
+)
+_RELEASE_FP4 = re.compile(r"^mtp\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+RELEASE_FP8_BLOCK = (32, 32)
+
+
+def release_drafter(weights: dict) -> dict:
+    """``weights`` (float, released names) as numpy, the drafter's FP8 and FP4
+    tensors in the release's dtypes with their ``.scale`` beside them
+    (`mlx_mtp.testing.deepseek_v4_release`'s encoders)."""
+    import numpy as np
+
+    from .deepseek_v4_release import quantize_fp4_np, quantize_fp8_np
+
+    out = {}
+    for name, value in weights.items():
+        value = np.array(value, dtype=np.float32)
+        base = name[: -len(".weight")]
+        if _RELEASE_FP8.match(name):
+            out[name], out[base + ".scale"] = quantize_fp8_np(value, RELEASE_FP8_BLOCK)
+        elif _RELEASE_FP4.match(name):
+            out[name], out[base + ".scale"] = quantize_fp4_np(value)
+        else:
+            out[name] = value
+    return out
 
 
 def write_deepseek_v41(
-    out_dir, *, seed: int = 0, drafter: bool = True, **text
+    out_dir,
+    *,
+    seed: int = 0,
+    drafter: bool = True,
+    predictable: bool = False,
+    walk: bool = True,
+    agree: float = 0.9,
+    release: bool = False,
+    **text,
 ) -> pathlib.Path:
     """Write the tiny V4.1 checkpoint into ``out_dir`` and return its path.
 
@@ -240,31 +337,60 @@ def write_deepseek_v41(
         seed: The weights' seed (same seed, same bytes).
         drafter: Write the DSpark ``mtp.*`` tensors (False: the trunk only, as an
             mlx-lm conversion keeps it).
-        text: Overrides of `text_config` values (``engram_layer_ids=[1]``, say).
+        predictable: A drafter that often agrees with its trunk
+            (`_following_drafter`: ``agree`` is the share of tokens whose Markov
+            successor is the trunk's) and, with ``walk``, a trunk that mostly walks
+            a permutation (`_walking_trunk`; without, its distributions stay spread,
+            as sampling tests need).
+        release: The drafter's tensors in the release's FP8 / FP4 dtypes
+            (`release_drafter`; the trunk's stay float32).
+        text: Overrides of `text_config` values (``engram_layer_ids=[1]``,
+            ``vocab_size=16``, say). Below `VOCAB` tokens the folder has no
+            tokenizer, and the noise token is the vocabulary's last.
     """
     from mlx.utils import tree_flatten
     from mlx_lm.models import deepseek_v41 as lm
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, VOCAB)
-    ids = _special_token_ids(VOCAB)
     cfg = {**text_config(), **text}
     config = {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
         "torch_dtype": "float32",
-        **_token_id_config(ids),
-        "text_config": cfg,
     }
+    if cfg["vocab_size"] >= VOCAB:
+        write_tokenizer(out, VOCAB)
+        ids = _special_token_ids(VOCAB)
+        config.update(_token_id_config(ids))
+        _write_json(out / "generation_config.json", _generation_config(ids))
+    else:
+        cfg.setdefault("dspark_noise_token_id", cfg["vocab_size"] - 1)
+        cfg["dspark_noise_token_id"] = min(
+            cfg["dspark_noise_token_id"], cfg["vocab_size"] - 1
+        )
+    config["text_config"] = cfg
     clean = {**cfg, "engram_layer_ids": []}
     args = lm.ModelArgs.from_dict({**config, "text_config": clean})
-    params = dict(tree_flatten(lm.Model(args).parameters()))
-    weights = release_tensors(_random(params, seed), args.o_groups)
+    params = _random(dict(tree_flatten(lm.Model(args).parameters())), seed)
+    stages = dspark_params(args, cfg, seed)
+    if predictable:
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        if walk:
+            _walking_trunk(params, args.vocab_size, rng)
+        _following_drafter(params, stages, args, agree, rng)
+    weights = release_tensors(params, args.o_groups)
     if drafter:
-        weights.update(dspark_tensors(cfg, seed))
+        weights.update(dspark_tensors(stages, cfg))
     mx.eval(weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
+    path = out / "model.safetensors"
+    if release:
+        from .deepseek_v4_release import write_release_safetensors
+
+        write_release_safetensors(path, release_drafter(weights))
+    else:
+        mx.save_safetensors(str(path), weights, {"format": "pt"})
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(ids))
     return out
