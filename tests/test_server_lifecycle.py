@@ -178,12 +178,15 @@ def at_once(server, bodies) -> list:
 
 
 def settled(server) -> None:
-    """Until the generation loop is idle and its last sessions are kept."""
+    """Until the generation loop is idle, its last sessions are kept and MLX's
+    active memory holds still (a handler thread that is still finishing a reply
+    the client already read frees its arrays late on a loaded machine)."""
     sessions, seen = server.generator.sessions, []
     while len(seen) < 5 or len(set(seen[-5:])) > 1:
         scheduler = server.generator.scheduler
         busy = scheduler is not None and scheduler.busy()
-        seen.append((busy, len(sessions), sessions.nbytes))
+        gc.collect()
+        seen.append((busy, len(sessions), sessions.nbytes, mx.get_active_memory()))
         time.sleep(0.05)
     assert not seen[-1][0]
 
