@@ -1,6 +1,8 @@
 """Shared fixtures: tiny checkpoints in each family's Hugging Face layout, built
 once."""
 
+import signal
+
 import mlx.core as mx
 import pytest
 
@@ -29,6 +31,17 @@ SLOW_MODULES = {
     "test_sampling",
     "test_window",
 }
+
+
+@pytest.fixture(autouse=True)
+def fresh_sigint():
+    """Every test starts with SIGINT as a new process has it (delivered, raising
+    KeyboardInterrupt): an earlier test in the same worker that blocked or replaced
+    it (the entry point's hold across an exec, a server's handler) must not make
+    a later Ctrl-C test pass or fail by the order tests ran in."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 def pytest_collection_modifyitems(items):
