@@ -5,9 +5,9 @@ largest seed MLX takes works."""
 import pytest
 from click.testing import CliRunner
 
-from mlx_mtp import generate as mtp_generate
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MTPError
+from mlx_mtp.generate import generate as mtp_generate
 from mlx_mtp.sampling import SamplingError
 
 LARGEST = str(2**64 - 1)
