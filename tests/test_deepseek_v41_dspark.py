@@ -158,6 +158,7 @@ def test_a_block_matches_the_numpy_reference(random_path):
         assert abs(confidence.item() - ref_confidence[k]) < 1e-4
 
 
+@pytest.mark.slow  # about 30 s, as the other families' sweeps (tests/test_greedy.py)
 def test_greedy_identity_at_every_block_length_and_auto(model):
     """k = 1..gamma, a random k per round and ``auto``; with k = gamma, rounds
     reject at every position of the block and accept it all."""
