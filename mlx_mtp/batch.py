@@ -46,7 +46,7 @@ from .errors import MTPError, one_line
 from .options import DecodeOptions
 from .resolve import drafting
 from .round import DecodeState, Round, commit, draft, launch, plan
-from .speculative import Run, Session, append, extend_mtp, prefill
+from .speculative import Run, Session, append, extend_mtp, kept_state, prefill
 from .stats import MTPStats
 
 
@@ -339,14 +339,16 @@ class Batch:
 
     def session_of(self, row: Row) -> Session:
         """A `Session` holding ``row``'s committed caches and state (to go on from
-        later), whatever rounds are launched."""
+        later), whatever rounds are launched: only that row's arrays, each in a
+        buffer of its own (no rollback marks of the batch's rounds, no slice of a
+        longer hidden buffer), as `Session.nbytes` counts them."""
         if row in self.joining:
             return Session(row.run.caches, row.state)
         b = self.rows.index(row)
         bases = self.queued[0].marks if self.queued else None
         limits = (len(row.state.tokens) - 1, row.state.frontier)
         caches = batch_cache.to_single(self.caches, b, limits, bases)
-        return Session(caches, row.state)
+        return Session(caches, kept_state(row.state))
 
     def step(self) -> List[RowOutput]:
         """Commit one round of every row (launching it first if none is): their

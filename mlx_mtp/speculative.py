@@ -133,7 +133,7 @@ def _settle(caches: Caches, state: DecodeState, queued: List[Round], seen: int):
         trim_to(c, frontier)
     if state.hidden is not None:
         start = frontier - state.frontier
-        state.hidden = state.hidden[:, start : start + seen - frontier]
+        state.hidden = own_rows(state.hidden[:, start : start + seen - frontier])
     del state.tokens[seen + 1 :]
     state.frontier, state.marks = frontier, None
 
@@ -160,9 +160,7 @@ class Session:
         array objects, no rollback record kept. Not copy-on-write: once evaluated,
         each array is a full copy (a snapshot takes about the session's `nbytes`
         again)."""
-        state = replace(self.state, tokens=list(self.state.tokens), marks=None)
-        if state.hidden is not None:
-            state.hidden = mx.array(state.hidden)
+        state = kept_state(self.state)
         caches = Caches(
             [snapshot(c) for c in self.caches.trunk],
             [snapshot(c) for c in self.caches.mtp],
@@ -182,6 +180,20 @@ class Session:
         """The bytes of `arrays`: what the session holds once they are evaluated
         (an array whose computation is pending may hold its inputs too)."""
         return sum(a.nbytes for a in self.arrays())
+
+
+def kept_state(state: DecodeState) -> DecodeState:
+    """``state`` as a `Session` keeps it: a token list of its own, no rollback marks
+    (a batch's hold every row), and its hidden rows gathered into a buffer of their
+    own (a slice, or a copy of one that may take over its buffer, holds the whole
+    buffer it was cut from)."""
+    hidden = None if state.hidden is None else own_rows(state.hidden)
+    return replace(state, tokens=list(state.tokens), marks=None, hidden=hidden)
+
+
+def own_rows(hidden: mx.array) -> mx.array:
+    """``hidden`` ``(1, n, H)`` gathered into a buffer of its own."""
+    return mx.take(hidden, mx.arange(hidden.shape[1]), axis=1)
 
 
 def _collect(value, found: Dict[int, Any]) -> None:
