@@ -32,6 +32,7 @@ and at commit the row gets a last `RowOutput` with ``finish_reason`` "error" and
 """
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
@@ -161,6 +162,7 @@ class Admission:
 
     def advance(self) -> None:
         """Run the trunk over the next chunk of the prompt."""
+        self.batch.interrupted()
         self.fresh = False
         chunk, self.todo = self.todo[: self.step], self.todo[self.step :]
         model, s, kv = self.batch.model, self.run.session, self.options.kv
@@ -212,6 +214,7 @@ def prefill_together(admissions: Sequence[Admission]) -> None:
     if not admissions:
         return
     batch = admissions[0].batch
+    batch.interrupted()
     model, depth = batch.model, batch.depth
     todos = [a.todo[:-1] for a in admissions]  # the last token is left pending
     step = min(a.step for a in admissions)
@@ -289,6 +292,8 @@ class Batch:
         self.caches: Optional[Caches] = None
         self.queued: List[Round] = []  # launched, not committed (oldest first)
         self._next = None  # the next round's `RoundPlan`, made ahead (`step`)
+        self._done_at: Optional[float] = None  # the last round's results (`_time`)
+        self._last_K: Optional[int] = None  # and its drafts
 
     def __len__(self) -> int:
         """The streams in the batch (those joining included)."""
@@ -328,6 +333,7 @@ class Batch:
         self.joining = [r for r in self.joining if r.uid not in uids]
         keep = [i for i, r in enumerate(self.rows) if r.uid not in uids]
         if len(keep) < len(self.rows):
+            self.interrupted()
             self.rows = [self.rows[i] for i in keep]
             if keep:
                 batch_cache.select(self.caches, keep)
@@ -366,6 +372,7 @@ class Batch:
             if self._next.K == 0:
                 self.queued.append(self._launch(pending=rnd.next_tokens))
         mx.eval(rnd.accepted, rnd.next_tokens, rnd.drafts)
+        self._time(rnd)
         outputs = self._commit(rnd)
         self.queued.pop(0)
         done = [o.uid for o in outputs if o.finish_reason is not None]
@@ -400,6 +407,8 @@ class Batch:
     def _admit_joining(self) -> None:
         """Put the joining rows' caches into the batch (no round is launched); their
         single-stream caches are dropped (the batch holds their only copy)."""
+        if self.joining:
+            self.interrupted()
         for row in self.joining:
             caches = to_batch(row.run.caches)
             row.run.session.caches = None
@@ -409,6 +418,28 @@ class Batch:
                 self.caches = batch_cache.join(self.caches, caches)
             self.rows.append(row)
         self.joining = []
+
+    def _time(self, rnd: Round) -> None:
+        """Tell `BatchLength` how long ``rnd`` took: from the last round's results
+        to its own (host work, launch and device time: what a round costs in a
+        steady run), if nothing else ran between them (no prefill, no row joined
+        or left: they unset ``_done_at``), its drafts, if any, are the heads' and,
+        if it is plain, so was the round before (plain rounds run two deep)."""
+        now, last, after = time.perf_counter(), self._done_at, self._last_K
+        self._done_at, self._last_K = now, rnd.K
+        ks = rnd.plan.ks
+        if last is None or self.length is None or len(ks) < 2:
+            return
+        if rnd.K == 0 and after != 0:  # timed behind a plain round only
+            return
+        if any(k and rnd.plan.source(b) != "heads" for b, k in enumerate(ks)):
+            return
+        self.length.observe(len(ks), rnd.K, now - last)
+
+    def interrupted(self) -> None:
+        """Work other than rounds ran on the device (a prefill, a join): the next
+        round is not timed."""
+        self._done_at = None
 
     def _cap(self, asks: List[int], auto: List[bool]) -> Optional[int]:
         """The cap `BatchLength` puts on the auto rows' drafts (its costs measured

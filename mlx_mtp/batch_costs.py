@@ -17,9 +17,11 @@ output: every round is verified exactly.
 """
 
 import math
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Dict, List, Optional, Sequence
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -40,6 +42,9 @@ VERIFY_WIDTHS = DEFAULT_MAX_DRAFT_TOKENS + 1  # tokens per row measured: 1..5
 DRAFT_FLOOR = 0.02  # a draft costs at least this share of a plain round
 VERSION = "rounds-4"  # how the costs are measured (older entries are measured anew)
 MAX_GRID = 16  # batch sizes one stored entry may hold
+SEEN_ROUNDS = 16  # round times kept per (batch size, K), the latest
+MIN_SEEN = 4  # round times of both a K and a plain round before they correct the costs
+PLAIN_EVERY = 32  # drafting rounds at a batch size between plain ones that time it
 
 
 @dataclass
@@ -351,6 +356,38 @@ class BatchLength:
     probe_every: int = 16  # with drafting off, let the rows draft this often at first
     idle: int = 0  # rounds since drafting was last let through
     interval: int = 0  # the rounds between probes now (0: ``probe_every``)
+    seen: Dict[Tuple[int, int], Deque[float]] = field(default_factory=dict)
+    unplain: Dict[int, int] = field(default_factory=dict)  # drafting rounds per B
+    plain_left: Dict[int, int] = field(default_factory=dict)  # plain rounds to run
+    pairs: Dict[int, int] = field(default_factory=dict)  # plain pairs run per B
+
+    def observe(self, B: int, K: int, seconds: float) -> None:
+        """A round over B rows drafting (at most) K tokens from the heads took
+        ``seconds``, from the previous round's results to its own (nothing else
+        run between them; a plain one after a plain one, as plain rounds run)."""
+        seen = self.seen.setdefault((B, K), deque(maxlen=SEEN_ROUNDS))
+        seen.append(seconds)
+
+    def correction(self, B: int, K: int, scale: float = 1.0) -> float:
+        """How much dearer a round drafting K at batch B is against a plain one
+        than the measured costs say, as the batch's own rounds went (the medians
+        of the latest of each; a K not timed yet takes the nearest K timed); 1
+        until a drafting and a plain round were each timed `MIN_SEEN` times. It
+        catches costs measured on a busier machine, or rounds the table
+        misprices."""
+        plain = self.seen.get((B, 0), ())
+        timed = [
+            j for (b, j), t in self.seen.items() if b == B and j and len(t) >= MIN_SEEN
+        ]
+        if K == 0 or not timed or len(plain) < MIN_SEEN:
+            return 1.0
+        j = min(timed, key=lambda j: (abs(j - K), j))
+        seen = statistics.median(self.seen[B, j]) / statistics.median(plain)
+        return seen / (self.costs.round(B, j, scale) / self.costs.round(B, 0))
+
+    def round_cost(self, B: int, K: int, scale: float = 1.0) -> float:
+        """`BatchCosts.round` as corrected by the rounds seen (`correction`)."""
+        return self.costs.round(B, K, scale) * self.correction(B, K, scale)
 
     def rate(self, rows, asks: List[int], auto: List[bool], K: int) -> float:
         """Expected tokens of all rows per unit of cost with drafts capped at K."""
@@ -358,7 +395,7 @@ class BatchLength:
             expected_tokens(r, min(K, a) if free else a)
             for r, a, free in zip(rows, asks, auto)
         )
-        return tokens / self.costs.round(len(rows), K, draft_scale(rows))
+        return tokens / self.round_cost(len(rows), K, draft_scale(rows))
 
     def cap(self, rows, asks: List[int], auto: List[bool]) -> Optional[int]:
         """The cap on the ``auto`` rows' drafts (None: none needed); ``asks``: each
@@ -382,7 +419,26 @@ class BatchLength:
         if best == 0:
             best = min(longest, max(self.depth, 1))
         self.idle = 0
+        if fixed == 0 and self._times_plain(len(rows)):
+            return 0
         return None if best >= longest else best
+
+    def _times_plain(self, B: int) -> bool:
+        """Whether this round, which would draft, is plain instead, so that
+        `correction` has plain rounds at batch B to weigh the drafting ones
+        against: two in a row (the second is timed: a plain round runs behind a
+        plain one) after `PLAIN_EVERY` drafting rounds (`MIN_SEEN` while fewer
+        than `MIN_SEEN` pairs ran)."""
+        if self.plain_left.get(B):
+            self.plain_left[B] -= 1
+            return True
+        pairs = self.pairs.get(B, 0)
+        every = PLAIN_EVERY if pairs >= MIN_SEEN else MIN_SEEN
+        self.unplain[B] = self.unplain.get(B, 0) + 1
+        if self.unplain[B] <= every:
+            return False
+        self.unplain[B], self.plain_left[B], self.pairs[B] = 0, 1, pairs + 1
+        return True
 
     def describe(self, sizes: Sequence[int], alpha: float, k: int) -> Dict[int, dict]:
         """Per batch size: the speedup over plain of drafting k with acceptance

@@ -269,6 +269,44 @@ def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
     assert length.cap(rows, [1] + [2] * 15, fixed[1]) == 1
 
 
+def test_batch_length_weighs_the_rounds_it_times(loaded):
+    """Costs that say drafting pays at batch 2, on a machine whose drafting rounds
+    are in fact dear: once the batch has timed drafting and plain rounds, the auto
+    rows stop drafting (but for probes), whatever K it timed; where the rounds cost
+    what the table says, they go on drafting, with two plain rounds now and then to
+    time plain decoding. Without the timings (the control) they draft throughout."""
+    model, tokenizer = loaded("qwen3_5", predictable=True)
+    cheap = [1.0, 1.02, 1.04, 1.06, 1.08]
+    costs = BatchCosts({1: cheap, 2: [1.1 * c for c in cheap]}, {1: 0.05, 2: 0.06})
+    opts = DecodeOptions(num_draft_tokens="auto", max_tokens=4)
+    batch = Batch(model, opts)
+    ids = tokenizer.encode("x y z")
+    rows = [batch.join(batch.admit(i, ids, opts)) for i in range(2)]
+    for r in rows:
+        r.stats.record(3, 2)
+
+    def caps(seconds, timed=True, rounds=400):
+        length = BatchLength(costs, 1)
+        out = []
+        for _ in range(rounds):
+            cap = length.cap(rows, [3, 3], [True, True])
+            K = 3 if cap is None else cap
+            if timed:
+                length.observe(2, K, seconds(K))
+            out.append(K)
+        return out
+
+    table = [1.1 * cheap[K] + 0.06 * K for K in range(4)]  # what the costs say
+    dear = caps(lambda K: table[0] * (1 + 2 * K))
+    assert dear[200:].count(0) >= 195, dear[200:]  # probes only
+    right = caps(lambda K: table[K])
+    assert right[200:].count(0) in range(8, 16), right[200:]  # timing plain rounds
+    runs = "".join("0" if K == 0 else "k" for K in right[200:]).strip("0").split("k")
+    assert {len(r) for r in runs if r} == {2}, right[200:]  # plain rounds in pairs
+    control = caps(lambda K: 0.0, timed=False)
+    assert control[200:].count(0) in range(8, 16), control[200:]
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_rows_leaving_while_rounds_are_queued_keep_exact_sessions(k, loaded):
     """Plain rounds are launched two ahead: rows that finish, or are removed, while
