@@ -1,7 +1,8 @@
 """What a batched round costs, and the longest draft that pays at each batch size.
 
 A round over B rows drafting K tokens costs ``verify(B, K + 1) + K * draft(B)``: one
-trunk pass over B x (K + 1) tokens and K draft steps at batch B. Decoding is memory
+trunk pass over B x (K + 1) tokens and K draft steps at batch B (a block drafter's
+one pass instead, whatever K). Decoding is memory
 bound while B x (K + 1) is small, so verifying K + 1 tokens costs little more than
 one; as B grows the pass turns compute bound and each draft costs nearly its share.
 `BatchCosts` holds these costs, relative to one plain decode step of one row, measured
@@ -55,6 +56,7 @@ class BatchCosts:
 
     verify: Dict[int, List[float]]
     draft: Dict[int, float]
+    block: bool = False  # ``draft[B]`` is a block drafter's pass, paid once a round
 
     def __post_init__(self):
         self.verify = {int(b): list(v) for b, v in self.verify.items()}
@@ -85,8 +87,11 @@ class BatchCosts:
 
     def round(self, B: int, K: int, scale: float = 1.0) -> float:
         """A round over B rows drafting K tokens each, a draft step costing
-        ``scale`` of one from the heads' own rows (`draft_scale`)."""
-        return self.verify_cost(B, K + 1) + K * scale * self._at(self.draft, B)
+        ``scale`` of one from the heads' own rows (`draft_scale`); a block
+        drafter's round pays its pass once, whatever K (as
+        `mlx_mtp.draft_length.RoundCosts` prices one stream's)."""
+        steps = min(K, 1) if self.block else K
+        return self.verify_cost(B, K + 1) + steps * scale * self._at(self.draft, B)
 
     def pays(self, B: int, longest: int, scale: float = 1.0) -> bool:
         """Whether drafting at most ``longest`` tokens (a draft step costing
@@ -279,6 +284,7 @@ def model_batch_costs(model, max_batch: int, filled, on_measure=None) -> BatchCo
                 "draft": {str(b): v for b, v in stored.draft.items()},
             }
             write_table(_costs_file(), table)
+    stored.block = getattr(model, "drafter", None) is not None
     model.batch_costs = stored
     return stored
 
