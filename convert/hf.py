@@ -36,9 +36,10 @@ from mlx_mtp.loading import (
     load_trunk,
     read_config,
 )
-from mlx_mtp.models import get_family
+from mlx_mtp.models import dspark, get_family
 
 from .assistant import convert_assistant, pair_section
+from .drafter import convert_drafter
 from .gguf import gguf_to_hf, is_gguf
 from .output import (
     check_destination,
@@ -169,6 +170,15 @@ def _convert_folder(
         if draft is not None:
             raise MTPError(f"{source} is an assistant itself: it takes no assistant")
         return convert_assistant(src, source, revision, dst, o, protect)
+    if dspark.is_dspark(src_config):
+        if draft is not None:
+            raise MTPError(f"{source} is a DSpark drafter: it takes no assistant")
+        return convert_drafter(src, source, revision, dst, o, protect)
+    if draft is not None and dspark.is_dspark(_draft_config(draft)):
+        raise MTPError(
+            f"{draft} is a DSpark drafter: convert it alone (--hf-path) for "
+            "--draft-model, or graft it onto the target's conversion"
+        )
     family = get_family(src_config)
     trunk, config, split = load_trunk(src, family, lazy=True)
     stack = None
@@ -240,6 +250,12 @@ def _convert_folder(
         copy_side_files(src, tmp, code=o.copy_code)
         if stack is not None and o.rank_vocab and "draft_vocab" not in stack:
             _store_ranking(tmp, config)
+
+
+def _draft_config(draft: str) -> dict:
+    """The config of the draft model ``draft`` (a folder or hub repo; only its
+    config is fetched)."""
+    return read_config(resolve_source(draft, None, ["config.json"]))
 
 
 def _store_ranking(folder: Path, config: dict) -> None:

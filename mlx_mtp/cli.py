@@ -1362,11 +1362,13 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
 @stops_on_signals
 @friendly_errors
 def graft(source, mlx_path, **options):
-    """Add MTP heads to an existing MLX conversion (e.g. an mlx-community model).
+    """Add MTP heads to an existing MLX conversion (e.g. an mlx-community model),
+    or the assistant or DSpark drafter it drafts with.
 
     \b
     mlx-mtp graft --from Qwen/Qwen3.6-27B --mlx-path ~/models/Qwen3.6-27B-4bit
     mlx-mtp graft --from google/gemma-4-E4B-it-assistant --mlx-path ~/models/g4-4bit
+    mlx-mtp graft --from ./dspark-qwen3-8b --mlx-path ~/models/Qwen3-8B-4bit
     """
     _quiet_transformers()
     _graft(source, mlx_path, options)
@@ -1375,12 +1377,19 @@ def graft(source, mlx_path, **options):
 def _graft(source, mlx_path, options: dict) -> None:
     from .convert import graft_assistant, graft_heads
     from .convert.assistant import is_assistant_source
+    from .convert.drafter import graft_drafter, is_drafter_source
 
     if not mlx_path:
         raise click.UsageError("--mlx-path is required")
-    assistant = is_assistant_source(source, options["revision"])
-    extra = {} if assistant else {"rank_vocab": options.get("rank_vocab", True)}
-    out = (graft_assistant if assistant else graft_heads)(
+    extra = {}
+    if is_assistant_source(source, options["revision"]):
+        graft, what = graft_assistant, "the assistant"
+    elif is_drafter_source(source, options["revision"]):
+        graft, what = graft_drafter, "the DSpark drafter"
+    else:
+        graft, what = graft_heads, "MTP heads"
+        extra = {"rank_vocab": options.get("rank_vocab", True)}
+    out = graft(
         source,
         mlx_path,
         revision=options["revision"],
@@ -1388,7 +1397,6 @@ def _graft(source, mlx_path, options: dict) -> None:
         overwrite=options["overwrite"],
         **extra,
     )
-    what = "the assistant" if assistant else "MTP heads"
     click.echo(f"grafted {what} from {source} onto {out}")
 
 

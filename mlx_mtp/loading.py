@@ -20,7 +20,13 @@ from . import assistant as assistants
 from . import distributed, draft_vocab
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import check_not_mid_update, read_json, safetensors_header
-from .heads import has_heads_file, load_heads, load_strict, quantize_like
+from .heads import (
+    has_heads_file,
+    load_heads,
+    load_strict,
+    quantize_like,
+    read_section_file,
+)
 from .models import dspark, get_family
 from .models.base import Model
 from .models.mtp import MTPStack
@@ -401,6 +407,8 @@ def _load_model(
         attach_assistant(model, config, model_path, draft_model)
     elif family.make_drafter is not None and split.mtp:
         attach_own_drafter(model, split.mtp, config, allow_missing_heads)
+    elif has_drafter_section(config):
+        attach_drafter_section(model, config, model_path, allow_missing_heads)
     elif assistants.has_assistant_section(config):
         try:
             assistant = assistants.load_section(model_path, config)
@@ -472,6 +480,14 @@ def _without(e: MissingHeadsError, allowed: bool, what: str) -> None:
     log.warning("%s; decoding without %s", e, what)
 
 
+DRAFTER_FILE = "drafter.safetensors"  # a DSpark drafter kept beside a conversion
+
+
+def has_drafter_section(config: dict) -> bool:
+    """Whether a conversion keeps a DSpark drafter beside its trunk (``graft``)."""
+    return isinstance(config.get("drafter"), dict)
+
+
 # Files of an assistant checkpoint: all a draft model needs from the hub (not its
 # tokenizer, tens of MB for Gemma's 262k tokens: a local one is compared with the
 # target's, the vocabulary size always).
@@ -497,7 +513,11 @@ def attach_assistant(
     where = f"the draft model {path}"
     if dspark.is_dspark(a_config):
         return attach_dspark(model, config, path, a_config, where)
-    if has_heads_file(a_config) or assistants.has_assistant_section(a_config):
+    if (
+        has_heads_file(a_config)
+        or assistants.has_assistant_section(a_config)
+        or has_drafter_section(a_config)
+    ):
         raise MTPError(
             f"{where} is a target's conversion, not an assistant; --draft-model takes "
             "a Gemma 4 assistant"
@@ -514,12 +534,24 @@ def attach_assistant(
 def attach_dspark(model: Model, config: dict, path: Path, d_config: dict, where: str):
     """Load the DSpark drafter in ``path`` (either spelling), check that it fits the
     target (``config``), and draft with it: `mlx_mtp.models.dspark`."""
+    weights = dspark.sanitize(assistants.read_weights(path))
+    drafter = build_dspark(model, config, d_config, weights, where)
+    model.attach_drafter(drafter, path)
+
+
+def build_dspark(
+    model: Model, config: dict, d_config: dict, weights: dict, where: str
+) -> dspark.DSpark:
+    """The DSpark drafter of ``d_config`` with ``weights`` (DSpark's names; layers
+    that come quantized are built so, as ``d_config``'s ``quantization`` says),
+    checked against the target (``config``); its copies of the target's embedding
+    and head dropped for the target's own (`_shared_copies`)."""
     dspark.check_pair(d_config, assistants.target_text_config(config), where)
     if model.group is not None:
         raise MTPError(
             f"{where}: a DSpark drafter needs the trunk whole on one process"
         )
-    weights = _shared_copies(model, dspark.sanitize(assistants.read_weights(path)))
+    weights = _shared_copies(model, weights)
     drafter = dspark.DSpark(
         d_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights
     )
@@ -530,7 +562,27 @@ def attach_dspark(model: Model, config: dict, path: Path, d_config: dict, where:
         raise MissingHeadsError(
             f"{where}: " + str(e).replace("MTP ", "drafter ")
         ) from None
-    model.attach_drafter(drafter, path)
+    return drafter
+
+
+def attach_drafter_section(model: Model, config: dict, model_path: Path, allowed):
+    """Draft with the DSpark drafter a conversion keeps beside its trunk (``graft``
+    of a drafter: `DRAFTER_FILE` and the config's ``drafter`` section). One that is
+    missing or does not load is refused in one line, or decoded without under
+    ``allowed``."""
+    section = config["drafter"]
+    where = f"the DSpark drafter in {model_path}"
+    try:
+        weights = read_section_file(
+            model_path, section, DRAFTER_FILE, "a DSpark drafter"
+        )
+        d_config = dict(section.get("config") or {})
+        d_config["quantization"] = section.get("quantization")
+        drafter = build_dspark(model, config, d_config, weights, where)
+    except MissingHeadsError as e:
+        _without(e, allowed, "its DSpark drafter")
+        return
+    model.attach_drafter(drafter, model_path)
 
 
 def attach_own_drafter(model: Model, tensors: dict, config: dict, allowed: bool):
@@ -557,28 +609,58 @@ def attach_own_drafter(model: Model, tensors: dict, config: dict, allowed: bool)
 
 
 def _shared_copies(model: Model, weights: dict) -> dict:
+    """`drop_shared_copies` for the target ``model``."""
+    return drop_shared_copies(model.trunk, model.family, model.args, weights)
+
+
+def drop_shared_copies(trunk, family, args, weights: dict) -> dict:
     """The drafter's tensors without its ``embed_tokens``/``lm_head`` when they are
     the target's (DeepSpec stores frozen copies: spec §2.7), compared on a strided
     subset of rows; the target's are then used, and no second V x H copy is kept.
-    A copy that differs (or a quantized target head) stays the drafter's own."""
-    V = model.args.vocab_size
+    A float copy is the target's quantized table when it quantizes alike to the
+    same packed rows (the target's conversion quantized the same values). A copy
+    that differs, or comes quantized, stays the drafter's own."""
+    V, H = args.vocab_size, args.hidden_size
     rows = mx.arange(0, V, max(1, V // 256))
-    head = model.family.output_head(model.trunk)
-    theirs = {
-        "embed_tokens.weight": lambda: model.embed(rows),
-        "lm_head.weight": lambda: None if "scales" in head else head.weight[rows],
+    tables = {
+        "embed_tokens.weight": getattr(
+            getattr(trunk, "model", None), "embed_tokens", None
+        ),
+        "lm_head.weight": family.output_head(trunk),
     }
     out = dict(weights)
-    for name, target_rows in theirs.items():
+    for name, table in tables.items():
         mine = weights.get(name)
-        if mine is None or mine.shape != (V, model.args.hidden_size):
+        if mine is None or table is None or mine.shape != (V, H):
             continue
-        if name == "lm_head.weight" and head is None:
+        if f"{name[: -len('weight')]}scales" in weights:
             continue
-        other = target_rows()
-        if other is not None and mx.array_equal(mine[rows], other).item():
+        if _same_rows(mine[rows], table, rows):
             del out[name]
     return out
+
+
+def _same_rows(mine: mx.array, table, rows: mx.array) -> bool:
+    """Whether ``mine`` holds the rows ``rows`` of ``table`` (an embedding or a
+    linear layer) in the table's float dtype; for a quantized table, whether
+    ``mine`` in the dtype it was quantized from (its scales') packs to the same
+    rows."""
+    if not hasattr(table, "scales"):
+        weight = table.weight[rows]
+        return mx.array_equal(mine.astype(weight.dtype), weight).item()
+    packed = mx.quantize(
+        mine.astype(table.scales.dtype),
+        group_size=table.group_size,
+        bits=table.bits,
+        mode=getattr(table, "mode", "affine"),
+    )
+    biases = getattr(table, "biases", None)
+    theirs = [table.weight[rows], table.scales[rows]]
+    theirs += [] if biases is None else [biases[rows]]
+    return len(packed) == len(theirs) and all(
+        a.shape == b.shape and mx.array_equal(a, b).item()
+        for a, b in zip(packed, theirs)
+    )
 
 
 def load(

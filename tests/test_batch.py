@@ -269,6 +269,23 @@ def test_batch_length_turns_drafting_off_where_it_does_not_pay(loaded):
     assert length.cap(rows, [1] + [2] * 15, fixed[1]) == 1
 
 
+def test_a_block_drafters_batched_round_pays_its_pass_once():
+    """A block drafter's batched round costs its verify pass and one block pass,
+    whatever K (a drafter from the heads pays a step per draft): so a long block
+    pays where K draft steps would not."""
+    verify = {1: [1.0, 1.02, 1.04, 1.06, 1.08], 2: [1.1, 1.14, 1.18, 1.22, 1.26]}
+    steps = BatchCosts(verify, {1: 0.3, 2: 0.3})
+    block = BatchCosts(verify, {1: 0.3, 2: 0.3}, block=True)
+    assert block.round(2, 0) == steps.round(2, 0) == 1.1
+    assert block.round(2, 4) == pytest.approx(1.26 + 0.3)
+    assert steps.round(2, 4) == pytest.approx(1.26 + 4 * 0.3)
+    best = {}
+    for name, costs in [("steps", steps), ("block", block)]:
+        tokens = [sum(0.7**j for j in range(K + 1)) for K in range(5)]
+        best[name] = max(range(5), key=lambda K: tokens[K] / costs.round(2, K))
+    assert best == {"steps": 2, "block": 4}, best
+
+
 def test_batch_length_weighs_the_rounds_it_times(loaded):
     """Costs that say drafting pays at batch 2, on a machine whose drafting rounds
     are in fact dear: once the batch has timed drafting and plain rounds, the auto

@@ -11,14 +11,18 @@ import shutil
 from dataclasses import replace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from mlx_lm.generate import generate_step
 
 import mlx_mtp.round as rounds
 from mlx_mtp.cache import make_caches, mtp_caches, ops
+from mlx_mtp.cli import main
+from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
-from mlx_mtp.loading import load_model
+from mlx_mtp.loading import _same_rows, load_model
 from mlx_mtp.options import DecodeOptions
 from mlx_mtp.resolve import drafting
 from mlx_mtp.speculative import Run, Session, mtp_generate_step, prefill
@@ -98,6 +102,90 @@ def test_a_head_that_differs_from_the_targets_stays_the_drafters(target):
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     d = load_model(str(target), draft_model=str(path))[0].drafter
     assert "lm_head" in d and "embed_tokens" not in d
+
+
+def test_a_converted_drafter_decodes_exactly_beside_a_quantized_target(
+    target, tmp_path
+):
+    """``convert`` of a DSpark drafter alone: its layers quantized at 8 bits (the
+    widths that allow it), the copies of the target's tables kept float; beside
+    a quantized conversion of the target the loader takes those copies for the
+    target's own tables (quantized alike, they pack to the same rows) and the pair
+    decodes greedy exactly, drafts accepted. A copy that differs in one row stays
+    the drafter's; a drafter converted with an assistant, or given as one, is
+    refused in one line."""
+    src = drafter(target, "to-convert", predictable=True)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    out = convert(str(src), tmp_path / "d8", quantize=True, progress=False)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    saved = mx.load(str(out / "model.safetensors"))
+    assert "fc.scales" in saved and "layers.0.mlp.down_proj.scales" in saved
+    assert "embed_tokens.scales" not in saved and "lm_head.scales" not in saved
+    quantized = convert(
+        str(target), tmp_path / "t4", quantize=True, q_group_size=32, progress=False
+    )
+    model = load_model(str(quantized), draft_model=str(out))[0]
+    d = model.drafter
+    assert "embed_tokens" not in d and "lm_head" not in d
+    assert isinstance(d.fc, nn.QuantizedLinear) and d.fc.bits == 8
+    tokens, stats = greedy_run(model, PROMPTS[1])
+    assert tokens == plain(model, PROMPTS[1], 24) and stats.accepted > 0, stats
+    table = model.trunk.model.embed_tokens
+    rows = mx.arange(0, model.args.vocab_size, 1)
+    copy = saved["embed_tokens.weight"]
+    assert _same_rows(copy[rows], table, rows)
+    assert not _same_rows(copy.at[3].add(1.0)[rows], table, rows)
+    with pytest.raises(MTPError, match="DSpark drafter: convert it alone"):
+        convert(str(target), tmp_path / "pair", draft_hf_path=str(src))
+    with pytest.raises(MTPError, match="is a DSpark drafter: it takes no assistant"):
+        convert(str(src), tmp_path / "x", draft_hf_path=str(src))
+
+
+def greedy_run(model, prompt, n=24, k=4):
+    """The greedy tokens of ``model`` at k and its statistics."""
+    tokens, stats = [], None
+    for step in mtp_generate_step(prompt, model, max_tokens=n, num_draft_tokens=k):
+        tokens.append(step.token)
+        stats = step.stats
+    return tokens, stats
+
+
+def test_a_grafted_drafter_runs_with_its_target_folder_alone(target, tmp_path):
+    """``graft --from DRAFTER --mlx-path TARGET``: the drafter beside a quantized
+    conversion of its target (its copies of the target's tables dropped, its
+    layers at 8 bits), the folder alone decodes greedy exactly with drafts
+    accepted; the drafter's folder is untouched. A second graft without
+    --overwrite, the folder given as a --draft-model, and a missing drafter file
+    are refused in one line (decoded without under --allow-missing-heads)."""
+    src = drafter(target, "to-graft", predictable=True)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    conv = convert(
+        str(target), tmp_path / "t4", quantize=True, q_group_size=32, progress=False
+    )
+    args = ["graft", "--from", str(src), "--mlx-path", str(conv)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "DSpark drafter" in result.output, result.output
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    section = json.loads((conv / "config.json").read_text())["drafter"]
+    assert section["quantization"]["bits"] == 8 and section["provenance"]["grafted"]
+    saved = mx.load(str(conv / section["file"]))
+    assert "fc.scales" in saved and "embed_tokens.weight" not in saved
+    assert "lm_head.weight" not in saved
+    model = load_model(str(conv))[0]
+    tokens, stats = greedy_run(model, PROMPTS[1])
+    assert tokens == plain(model, PROMPTS[1], 24) and stats.accepted > 0, stats
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 1 and "already has a drafter" in again.output
+    assert again.output.count("\n") == 1, again.output
+    with pytest.raises(MTPError, match="is a target's conversion"):
+        load_model(str(target), draft_model=str(conv))
+    (conv / section["file"]).unlink()
+    with pytest.raises(MTPError, match="drafter.safetensors is missing"):
+        load_model(str(conv))
+    bare = load_model(str(conv), allow_missing_heads=True)[0]
+    assert bare.drafter is None
 
 
 def test_greedy_identity_at_every_block_length_and_auto(model):
