@@ -7,7 +7,7 @@ its drafts did (per draft source and position: drafts judged, drafts accepted) t
 model's history, and the next generation starts from it. The history is kept beside
 the measured round costs, in ``$MLX_MTP_HOME/acceptance.json``, keyed by the model's
 files (and a separate assistant's); it weighs about the last `MEMORY` drafts judged
-at the first position.
+at each position.
 
 Only ``-k auto`` generations use and add to it. A seeded sampled one keeps the
 constant prior (its draws, and so its text, must not depend on what ran before it);
@@ -24,7 +24,7 @@ from .files import model_stamps, read_table, write_table
 from .paths import home
 
 DEFAULT_PRIOR = 0.6  # acceptance assumed at a position nothing is known about
-MEMORY = 256.0  # first-position drafts the stored history weighs, at most
+MEMORY = 256.0  # drafts judged at a position the stored history weighs, at most
 MAX_POSITIONS = 16
 MAX_ENTRIES = 64  # models the file remembers (the oldest written is dropped)
 SOURCES = ("heads", "lookup", "vocab")  # "vocab": `shares` of the draft vocabularies
@@ -48,13 +48,16 @@ class Counts:
         return Counts(_sum(self.hits, other.hits), _sum(self.reached, other.reached))
 
     def capped(self, memory: float = MEMORY) -> "Counts":
-        """Scaled down so that the first position holds at most ``memory`` drafts
-        (older generations then weigh less, as exponential forgetting does)."""
-        first = self.reached[0] if self.reached else 0.0
-        if first <= memory:
-            return self
-        s = memory / first
-        return Counts([h * s for h in self.hits], [r * s for r in self.reached])
+        """Each position scaled down to hold at most ``memory`` drafts judged (its
+        older drafts weigh less, as exponential forgetting over that position's own
+        drafts does: a deeper position, judged only when a round gets that far, is
+        not forgotten through the first position's volume)."""
+        hits, reached = [], []
+        for h, r in zip(self.hits, self.reached):
+            s = memory / r if r > memory else 1.0
+            hits.append(h * s)
+            reached.append(r * s)
+        return Counts(hits, reached)
 
     def priors(self, prior: float = DEFAULT_PRIOR) -> List[float]:
         """Acceptance per position, each leaning on the one before (``prior`` for

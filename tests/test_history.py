@@ -32,9 +32,22 @@ def test_counts_lean_cap_and_parse():
     assert c.priors(0.6) == pytest.approx(
         [(10 + 1.2) / 22, (2 + 2 * (10 + 1.2) / 22) / 12]
     )
-    big = Counts([300.0, 30.0], [1000.0, 300.0]).capped(256.0)
-    assert big.reached[0] == pytest.approx(256.0)
+    big = Counts([300.0, 30.0, 9.0], [1000.0, 300.0, 10.0]).capped(256.0)
+    assert big.reached[:2] == pytest.approx([256.0, 256.0])
     assert big.hits[1] / big.reached[1] == pytest.approx(0.1)
+    assert (big.hits[2], big.reached[2]) == (9.0, 10.0)  # each position its own
+
+
+def test_a_deeper_position_is_not_forgotten_through_the_first():
+    """Generations that judge 30 drafts at the first position and 2 at the second
+    (a probe now and then): the history keeps what the second position did, as its
+    own drafts weigh, however many generations ran."""
+    total = Counts.empty(2)
+    for _ in range(200):
+        total = total.add(Counts([15.0, 1.8], [30.0, 2.0])).capped()
+    assert total.reached[0] == pytest.approx(256.0)
+    assert total.reached[1] == pytest.approx(256.0)  # 400 judged, the last 256 kept
+    assert total.priors()[1] == pytest.approx(0.9, abs=0.01)
     assert parse({"heads": {"hits": [1, 2], "reached": [3, 4]}}) is not None
     for bad in (
         [],
