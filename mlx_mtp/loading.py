@@ -545,11 +545,15 @@ def build_dspark(
     """The DSpark drafter of ``d_config`` with ``weights`` (DSpark's names; layers
     that come quantized are built so, as ``d_config``'s ``quantization`` says),
     checked against the target (``config``); its copies of the target's embedding
-    and head dropped for the target's own (`_shared_copies`)."""
+    and head dropped for the target's own (`_shared_copies`). Over several ranks
+    the drafter runs whole on each, as MTP layers do, reading the tapped layers'
+    outputs, which a tensor-parallel trunk gives every rank whole."""
     dspark.check_pair(d_config, assistants.target_text_config(config), where)
-    if model.group is not None:
+    if model.group is not None and model.sharding != "tensor":
         raise MTPError(
-            f"{where}: a DSpark drafter needs the trunk whole on one process"
+            f"{where}: a DSpark drafter reads the outputs of the tapped layers on "
+            "every rank, which a pipelined trunk does not give it; run it on one "
+            "machine"
         )
     weights = _shared_copies(model, weights)
     drafter = dspark.DSpark(

@@ -36,14 +36,30 @@ def main():
         json.dump(results, f)
 
 
+def prompt_ids(tokenizer) -> list:
+    """`PROMPT`'s ids; ids 10..29 for a fixture whose tokenizer knows none of its
+    text (the DSpark target's, whose 64 ids are all special)."""
+    return tokenizer.encode(PROMPT) or list(range(10, 30))
+
+
 def decode(model, tokenizer) -> dict:
-    ids = tokenizer.encode(PROMPT)
+    """This rank's sharding and drafter, and `runs`."""
     out = {"sharding": model.sharding, "ranks": world().size()}
+    out["drafter"] = model.drafter is not None
+    return {**out, **runs(model, prompt_ids(tokenizer))}
+
+
+def runs(model, ids) -> dict:
+    """The tokens of greedy runs at k = 0..3 and auto (and the drafts each fixed k
+    accepted) and of seeded sampled runs at k = 0 and 2."""
+    out = {}
     for k in (0, 1, 2, 3, "auto"):
-        steps = mtp_generate_step(
-            ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS
+        steps = list(
+            mtp_generate_step(ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS)
         )
         out[f"greedy-{k}"] = [o.token for o in steps]
+        if k != "auto":  # auto's lengths follow the history, of this process only
+            out[f"accepted-{k}"] = steps[-1].stats.accepted
     for k in (0, 2):
         steps = mtp_generate_step(
             ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS, temp=1.0, seed=7

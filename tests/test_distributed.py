@@ -14,10 +14,9 @@ import time
 
 import pytest
 
-from mlx_mtp.speculative import mtp_generate_step
-from mlx_mtp.testing import HEADS
+from mlx_mtp import load
 
-from .distributed_worker import PROMPT, TOKENS
+from .distributed_worker import prompt_ids, runs
 
 WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
 LAUNCH = pathlib.Path(sys.executable).with_name("mlx.launch")
@@ -59,19 +58,7 @@ def launch(*args, timeout=TIMEOUT, input=None):
 
 def single_process(model, tokenizer):
     """What the worker decodes, on this process with the whole model."""
-    ids = tokenizer.encode(PROMPT)
-    out = {}
-    for k in (0, 1, 2, 3, "auto"):
-        steps = mtp_generate_step(
-            ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS
-        )
-        out[f"greedy-{k}"] = [o.token for o in steps]
-    for k in (0, 2):
-        steps = mtp_generate_step(
-            ids, model, HEADS, num_draft_tokens=k, max_tokens=TOKENS, temp=1.0, seed=7
-        )
-        out[f"sampled-{k}"] = [o.token for o in steps]
-    return out
+    return runs(model, prompt_ids(tokenizer))
 
 
 SHARDED = {
@@ -80,15 +67,35 @@ SHARDED = {
     "glm4_moe": "tensor",
     "qwen3_5": "tensor",  # Gated-DeltaNet heads split over the ranks
     "qwen3_next": "pipeline",  # mlx-lm pipelines it (no tensor parallelism)
+    "qwen3+dspark": "tensor",  # a DSpark drafter whole on each rank
 }
 
 
 @pytest.fixture(scope="module")
-def two_ranks(checkpoint, tmp_path_factory):
+def folders(checkpoint, tmp_path_factory):
+    """``folders(family)``: the predictable checkpoint of a `SHARDED` family; for
+    "qwen3+dspark", a Qwen3 target with a DSpark drafter grafted beside it."""
+
+    def get(family):
+        if family != "qwen3+dspark":
+            return checkpoint(family, predictable=True)
+        from mlx_mtp.convert.drafter import graft_drafter
+        from mlx_mtp.testing.dspark import write_dspark, write_qwen3_target
+
+        root = tmp_path_factory.mktemp("dspark-ranks")
+        target = write_qwen3_target(root / "target", predictable=True)
+        drafter = write_dspark(root / "drafter", target, predictable=True)
+        return graft_drafter(str(drafter), str(target))
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders, tmp_path_factory):
     """Each family of `SHARDED` decoded on two ranks (one launch): ``{family: [rank 0's
     results, rank 1's]}``."""
     out = tmp_path_factory.mktemp("ranks") / "out"
-    paths = [checkpoint(family, predictable=True) for family in SHARDED]
+    paths = [folders(family) for family in SHARDED]
     proc = launch(WORKER, out, *paths)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ranks = [json.loads(pathlib.Path(f"{out}.{r}").read_text()) for r in (0, 1)]
@@ -96,16 +103,23 @@ def two_ranks(checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", SHARDED)
-def test_two_ranks_decode_as_one_process(family, two_ranks, loaded):
+def test_two_ranks_decode_as_one_process(family, two_ranks, folders):
     """Greedy k = 0..3 and auto, and sampled runs with a seed: both ranks emit the same
     tokens (every decision is rank 0's), and the same as one process with the whole
-    model (the sharded sums round differently, which these fixtures do not feel)."""
+    model (the sharded sums round differently, which these fixtures do not feel);
+    a DSpark drafter too, whole on each rank, drafting from the taps the sharded
+    trunk gives every rank."""
     rank0, rank1 = two_ranks[family]
     assert rank0 == rank1
     assert rank0.pop("sharding") == SHARDED[family] and rank0.pop("ranks") == 2
-    expected = single_process(*loaded(family, predictable=True))
+    assert rank0.pop("drafter") == (family == "qwen3+dspark")
+    model, tokenizer = load(str(folders(family)))
+    expected = single_process(model, tokenizer)
     assert rank0 == expected
-    assert len(set(map(tuple, expected.values()))) > 1  # greedy and sampled differ
+    assert expected["accepted-3"] > 0  # drafts accepted, and rejected ones rolled back
+    tokens = [v for name, v in expected.items() if not name.startswith("accepted")]
+    if family != "qwen3+dspark":  # its predictable target samples as it decodes
+        assert len(set(map(tuple, tokens))) > 1  # greedy and sampled differ
 
 
 def test_a_rank_that_fails_to_load_ends_both(checkpoint, tmp_path):
