@@ -7,7 +7,8 @@ peer check, outside the default suite.
 The peers are installed apart, so that their dependencies stay out of this
 environment (mlx-dspark imports mlx-vlm: give both for it):
 
-    pip install --no-deps --target VLM mlx-vlm==0.7.10 && pip install --target VLM pillow
+    pip install --no-deps --target VLM mlx-vlm==0.7.10
+    pip install --target VLM pillow
     pip install --no-deps --target DSPARK mlx-dspark==0.20.3
     PYTHONPATH=VLM python scripts/peer_dspark.py --vlm VLM --dspark DSPARK
 
