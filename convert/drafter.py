@@ -15,7 +15,6 @@ each when it is the target's, a quantized target's too (it quantizes the copy's
 rows alike and compares them: `mlx_mtp.loading`), so no second V x H table is held.
 """
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -24,18 +23,20 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from mlx_mtp import assistant as assistants
-from mlx_mtp.errors import MissingHeadsError, MTPError
-from mlx_mtp.heads import FORMAT, load_strict, provenance, quantize_like, save_heads
+from mlx_mtp.errors import MTPError
+from mlx_mtp.heads import FORMAT, provenance, save_heads
 from mlx_mtp.loading import (
     ASSISTANT_PATTERNS,
     DRAFTER_FILE,
     drop_shared_copies,
+    dspark_with,
     has_drafter_section,
     load_trunk,
     read_config,
 )
 from mlx_mtp.models import dspark, get_family
 
+from .assistant import _float_dtype, _source_name, _write_json
 from .output import locked, remove_stale, replace_files, staged_folder
 from .source import copy_side_files, resolve_source, snapshot_revision
 
@@ -49,17 +50,7 @@ def read_drafter(src: Path, config: dict, where: str, weights=None) -> dspark.DS
     dspark.DSparkSpec.from_config(config, where)  # one-line errors for a bad config
     if weights is None:
         weights = dspark.sanitize(assistants.read_weights(src))
-    drafter = dspark.DSpark(
-        config, "embed_tokens.weight" in weights, "lm_head.weight" in weights
-    )
-    quantize_like(drafter, weights, config.get("quantization"))
-    try:
-        load_strict(drafter, weights)
-    except MissingHeadsError as e:
-        raise MissingHeadsError(
-            f"{where}: " + str(e).replace("MTP ", "drafter ")
-        ) from None
-    return drafter
+    return dspark_with(config, weights, where)
 
 
 def _cast(drafter: nn.Module, dtype: Optional[str]) -> None:
@@ -177,17 +168,3 @@ def is_drafter_source(path_or_repo: str, revision=None) -> bool:
     is fetched)."""
     src = resolve_source(path_or_repo, revision, ["config.json"])
     return dspark.is_dspark(read_config(src))
-
-
-def _float_dtype(trunk) -> str:
-    dtype = trunk.model.norm.weight.dtype
-    return {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(dtype, "float32")
-
-
-def _source_name(path_or_repo: str, src: Path) -> str:
-    local = Path(path_or_repo).expanduser().exists()
-    return str(src.resolve()) if local else path_or_repo
-
-
-def _write_json(path: Path, config: dict) -> None:
-    path.write_text(json.dumps(config, indent=4, sort_keys=True) + "\n")

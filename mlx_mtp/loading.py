@@ -555,7 +555,13 @@ def build_dspark(
             "every rank, which a pipelined trunk does not give it; run it on one "
             "machine"
         )
-    weights = _shared_copies(model, weights)
+    return dspark_with(d_config, _shared_copies(model, weights), where)
+
+
+def dspark_with(d_config: dict, weights: dict, where: str) -> dspark.DSpark:
+    """The DSpark drafter of ``d_config`` holding exactly ``weights`` (its own
+    embedding and head where they are among them; layers that come quantized
+    built so); one-line errors for tensors missing or misshapen."""
     drafter = dspark.DSpark(
         d_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights
     )
