@@ -73,8 +73,11 @@ from .kv_cache import (
     kv_cost,
 )
 from .one_row import OneRow, TrimsTail
+from .rows import apart
 
 log = logging.getLogger("mlx_mtp")
+
+ApartWindowCache = apart(WindowCache)  # a window whose streams batch apart
 
 
 @dataclass
@@ -122,13 +125,16 @@ def mtp_caches(model) -> List[Any]:
     window (``MTPLayer.window``), or a `ListCache` of KV caches for an attention that
     keeps several (``MTPLayer.kv_caches``); with a block drafter, one cache per
     drafter layer, its context rows (row i: committed position i): a KV cache, or
-    a `WindowCache` when its blocks see the last ``context_window`` rows only."""
+    a `WindowCache` when its blocks see the last ``context_window`` rows only,
+    whose streams batch apart (`mlx_mtp.rows.Rows`) when the drafter's passes take
+    one stream (its ``rows_apart``)."""
     drafter = model.drafter
     if drafter is not None:
         window = drafter.context_window
-        return [
-            KVCache() if window is None else WindowCache(window) for _ in drafter.layers
-        ]
+        if window is None:
+            return [KVCache() for _ in drafter.layers]
+        kind = ApartWindowCache if drafter.rows_apart else WindowCache
+        return [kind(window) for _ in drafter.layers]
     return [_mtp_cache(layer) for layer in model.mtp.layers]
 
 

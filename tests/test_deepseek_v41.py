@@ -24,6 +24,10 @@ from mlx_mtp.testing.fixtures_v41 import write_deepseek_v41
 
 # Longer than the sliding window (8): several compressed blocks, candidate blocks.
 PROMPT = "The quick brown fox jumps over the lazy dog, then it counts the stars."
+CONVERSATIONS = [
+    {"role": "user", "content": text}
+    for text in (PROMPT, "One, two, three, four.", "Tell me about caches and rows.")
+]
 TOKENS = 24
 
 
@@ -127,9 +131,12 @@ def post(server, body):
     return reply.status, json.loads(reply.read())
 
 
-def test_served_with_its_drafter_and_lookup(v41, loaded):
+def test_served_with_its_drafter_and_lookup(v41, loaded, monkeypatch):
     """The server starts (its round costs timed with the drafter) and replies as
-    `stream_generate`, with the drafter and with prompt lookup."""
+    `stream_generate`, with the drafter and with prompt lookup; three requests at
+    once decode in one batch (`mlx_mtp.rows`), each as alone."""
+    from .test_server_batch import at_once, gathered
+
     model, tokenizer = loaded
     messages = [{"role": "user", "content": PROMPT}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -142,5 +149,15 @@ def test_served_with_its_drafter_and_lookup(v41, loaded):
             assert status == 200, reply
             text = reply["choices"][0]["message"]["content"]
             assert text == tokenizer.decode(expected)
+        gathered(server.generator, 3, monkeypatch)  # decoded together, apart
+        bodies = [{"messages": [m], "max_tokens": 8} for m in CONVERSATIONS]
+        replies = at_once(lambda i: post(server, bodies[i]), 3)
+        for (status, reply), message in zip(replies, CONVERSATIONS):
+            assert status == 200, reply
+            text = reply["choices"][0]["message"]["content"]
+            ids = tokenizer.apply_chat_template([message], add_generation_prompt=True)
+            lone = [r.token for r in stream_generate(model, tokenizer, ids, 8)]
+            assert text == tokenizer.decode(lone)
+            assert 3 in {int(b) for b in reply["mtp"]["batch_sizes"]}, reply["mtp"]
     finally:
         server.close()

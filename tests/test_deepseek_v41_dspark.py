@@ -327,3 +327,75 @@ def test_stages_that_do_not_fit_are_refused_in_one_line(
     assert "\n" not in str(e.value) and "--allow-missing-heads" in str(e.value)
     model = load_model(str(path), allow_missing_heads=True)[0]
     assert model.drafter is None and model.num_mtp_layers == 0
+
+
+def test_batched_rows_decode_as_alone(model):
+    """V4.1 rows decoded together, apart (`mlx_mtp.rows.Rows`: each row's trunk
+    pass, context rows and block its own, at its own position), joining at
+    different rounds, prefilled alone or together: greedy rows equal plain
+    decoding, token for token and in their log-probabilities (the predictable
+    fixture's tokens alone would miss a stale cache row), seeded sampled rows
+    their lone runs, ``auto`` rows too; rounds accept drafts in one row while
+    rejecting in another."""
+    from mlx_mtp.batch import Batch, run_batch
+    from mlx_mtp.batch_cache import batch_support
+    from mlx_mtp.options import DecodeOptions
+    from mlx_mtp.rows import Rows
+
+    from .test_batch import assert_together_exact
+
+    assert batch_support(model) is None
+    prompts = [[5, 17, 30], list(range(10, 40)), [9, 8], list(range(40, 51))]
+    for opts in (
+        DecodeOptions(num_draft_tokens=GAMMA, max_tokens=16),
+        DecodeOptions(num_draft_tokens=3, max_tokens=12, temp=0.9, seed=7),
+        DecodeOptions(max_tokens=12),  # auto: the batch costs timed with the drafter
+    ):
+        batch = Batch(model, opts)
+        tokens, logprobs, accepted, rnd = {}, {}, [], 0
+        while rnd == 0 or len(batch):
+            if rnd in (0, 2):
+                for i in (0, 1) if rnd == 0 else (2, 3):
+                    batch.join(batch.admit(i, prompts[i], opts))
+            outputs = batch.step()
+            caches = batch.caches.trunk + batch.caches.mtp if len(batch) else []
+            assert all(type(c) is Rows for c in caches)
+            accepted.append([sum(o.from_draft) for o in outputs])
+            for o in outputs:
+                tokens.setdefault(o.uid, []).extend(o.tokens)
+                logprobs.setdefault(o.uid, []).append(o.logprobs)
+            rnd += 1
+        for i, p in enumerate(prompts):
+            steps = list(mtp_generate_step(p, model, opts))
+            assert tokens[i] == [s.token for s in steps], (opts, i)
+            if opts.temp:
+                continue
+            assert tokens[i] == plain(model, p, opts.max_tokens), i
+            lone = mx.stack([s.logprobs for s in steps])
+            mine = mx.concatenate(logprobs[i])
+            assert mx.allclose(mine, lone, atol=1e-4).item(), (opts, i)
+        if opts.num_draft_tokens == GAMMA:
+            assert any(len(set(r)) > 1 and max(r) for r in accepted), accepted
+    opts = DecodeOptions(num_draft_tokens=2, prefill_step_size=5)
+    assert_together_exact(model, prompts[1:], opts, [9, 7, 8])
+    outs = {}
+    for o in run_batch(model, prompts[:3], [opts.replace(max_tokens=10)] * 3):
+        outs.setdefault(o.uid, []).extend(o.tokens)
+    assert all(outs[i] == plain(model, p, 10) for i, p in enumerate(prompts[:3]))
+
+
+def test_the_servers_cache_cost_bounds_v41_rows(model):
+    """The server's memory budget of a V4.1 batch (it counted nothing for the
+    trunk) bounds what the trunk's caches hold, within a factor of two: the
+    window, the compressed entries and index keys, the open groups'
+    projections."""
+    from mlx_mtp.cache import make_caches
+    from mlx_mtp.serving.budget import cache_cost
+    from mlx_mtp.speculative import prefill
+
+    cost = cache_cost(model, 1)
+    for n in (40, 400):
+        caches = make_caches(model)
+        prefill(model, caches, [3 + i % 50 for i in range(n)], 1, 256)
+        held = sum(c.nbytes for c in caches.trunk)
+        assert held <= cost.bytes([n]) < 2 * held + 64 * 1024, (n, held)

@@ -22,6 +22,7 @@ LAYERS = [
         "files",
         "private",
         "one_row",
+        "rows",
         "paths",
     ],  # the root imports its names lazily
     ["models"],

@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from ..rows import RowReads, by_rows, each_row
 from .capture import install_taps
 from .mtp import MTPStack
 
@@ -181,6 +182,8 @@ class Model(nn.Module):
         return self.trunk(inputs, cache=cache)
 
     def hidden(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
+        if by_rows(cache):  # a trunk whose passes take one stream (`mlx_mtp.rows`)
+            return each_row(self.hidden, inputs, cache)
         h = self.family.hidden(self.trunk, inputs, cache)
         if self.taps is None:
             return h
@@ -194,6 +197,9 @@ class Model(nn.Module):
     def draft_context(self, h: mx.array, caches: List[Any]) -> None:
         """Append a block drafter's context rows for the packed hidden states ``h``
         ``(B, m, hidden_width)`` of committed positions to its ``caches``."""
+        if by_rows(caches):  # a drafter whose passes take one stream
+            each_row(self.draft_context, h, caches)
+            return
         self.drafter.context(h[..., : self.drafter.tap_width], caches)
 
     def draft_block(self, anchor: mx.array, context: List[Any], position):
@@ -201,7 +207,16 @@ class Model(nn.Module):
         ``position`` (int, or ``(B,)``), reading ``context`` (per drafter layer,
         its cache's ``read_kv``): ``(B, gamma, V)`` logits before the Markov head,
         and the ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`'s,
-        which its confidence head reads; ``head_input`` of them is the head's)."""
+        which its confidence head reads; ``head_input`` of them is the head's).
+        Read from `mlx_mtp.rows.Rows` caches (`RowReads`), each row's pass is its
+        own, at its own position."""
+        if context and isinstance(context[0], RowReads):
+            passes = [
+                self.draft_block(anchor[b : b + 1], [c[b] for c in context], n)
+                for b, n in enumerate(context[0].positions)
+            ]
+            logits, g = zip(*passes)
+            return mx.concatenate(logits), mx.concatenate(g)
         d = self.drafter
         ids = d.block_ids(anchor)
         x = d.embed_tokens(ids) if "embed_tokens" in d else self.embed(ids)

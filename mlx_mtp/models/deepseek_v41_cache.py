@@ -20,7 +20,9 @@ exactly as before, with what a rollback of up to ``slack`` positions needs:
   ops on the same rows, lazily: evaluated only when a rollback reads them).
 
 Rolling back further than the last marked pass, or than ``slack`` positions, is a
-`RollbackError`, never a wrong answer. One stream per cache: batching is refused.
+`RollbackError`, never a wrong answer. Streams decoded together batch apart: a
+`mlx_mtp.rows.Rows` of one `V41Cache` per row, each row's passes its own (mlx-lm's
+trunk takes one position for every row).
 """
 
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from mlx_lm.models import deepseek_v41 as lm
 
 from ..errors import MTPError, RollbackError
 from ..one_row import OneRow
+from ..rows import merge_apart
 
 
 @dataclass
@@ -44,9 +47,6 @@ class Mark:
     pending_gate: Optional[mx.array]
     kv: Optional[mx.array] = None
     gate: Optional[mx.array] = None
-
-    def filter(self, idx: mx.array) -> "Mark":
-        raise MTPError("DeepSeek-V4.1's caches hold one stream")
 
 
 def _cat(a: Optional[mx.array], b: Optional[mx.array]) -> Optional[mx.array]:
@@ -150,13 +150,23 @@ class V41Cache(OneRow, lm.LayerCache):
         return kv[:, rows], gate[:, rows]
 
     def batch_refusal(self) -> Optional[str]:
-        return "DeepSeek-V4.1 attention caches"
+        return None
 
-    def merge(self, caches: Sequence["V41Cache"]):
-        raise MTPError("no batched cache for DeepSeek-V4.1's attention")
+    merge = classmethod(merge_apart)  # the rows' passes are their own (`Rows`)
 
     def cost(self):
-        return 0.0, (), 0.0
+        """Its batched form's bytes (`mlx_mtp.cache`'s protocol), read off a cache
+        that has seen a position: the window (a row's bytes, and the ``window +
+        slack`` rows it keeps at most); on a layer that compresses its own KV, an
+        entry per ``ratio`` positions and as much again for its index keys (each
+        at most a window row: an upper bound); per row, the open group's float32
+        projections (kv and gate) over the ``ratio + slack`` positions a rollback
+        may need."""
+        d = self.window.shape[-1]
+        row = self.window.nbytes / self.window.shape[1]
+        per_position = 2 * row / self.ratio if self.ratio else 0.0
+        kept = 2 * 4 * d * (self.ratio + self.slack) if self.ratio > 1 else 0.0
+        return per_position, ((row, self.window_size + self.slack),), kept
 
     def snapshot(self) -> "V41Cache":
         """A copy whose arrays are new objects, no rollback record kept."""

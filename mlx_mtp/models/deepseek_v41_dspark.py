@@ -175,6 +175,9 @@ class DSparkV41(dspark.DSpark):
     """
 
     TAPS = StreamInputTaps
+    # a stage's pass takes one position for every row, as the trunk's: streams
+    # decoded together keep their context caches apart (`mlx_mtp.rows.Rows`)
+    rows_apart = True
 
     def __init__(self, args: lm.ModelArgs, config: dict):
         nn.Module.__init__(self)

@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from ..errors import MTPError, RollbackError
 from ..one_row import TrimsTail
+from ..rows import Rows
 
 
 def _append(old: Optional[mx.array], new: mx.array) -> mx.array:
@@ -240,74 +241,17 @@ def _fresh(a: Optional[mx.array]) -> Optional[mx.array]:
     return None if a is None else mx.array(a)
 
 
-class V4Rows:
+class V4Rows(Rows):
     """One V4 attention layer's caches of B streams decoded together: a `V4Cache`
-    per row (``rows``), each at its row's own position and block phase.
+    per row (``rows``), each at its own position and block phase (`mlx_mtp.rows`).
 
     V4's attention, given this, runs the part that reads a cache (RoPE, window,
     compressor, indexer, attention) row by row on that row's tokens past its
     left padding, so a row's cache holds exactly what the row's lone decoding
     would: padded positions never enter it, and a row rolls back by its own count
-    (`rewind_rows`: a trim of its cache). It implements the batch half of the cache
-    protocol (`mlx_mtp.cache`).
+    (a trim of its cache)."""
 
-    Attributes:
-        padding: Per row, the filler inputs at the start of the next pass (None:
-            none); the pass consumes it (`take_padding`).
-    """
-
-    def __init__(self, rows: List[V4Cache]):
-        self.rows = list(rows)
-        self.padding: Optional[List[int]] = None
-
-    def pad(self, padding: Sequence[int]) -> None:
-        """Left-pad the next pass: row b's first ``padding[b]`` inputs are filler,
-        seen by no row's cache."""
-        self.padding = list(padding) if any(padding) else None
-
-    def take_padding(self) -> List[int]:
-        """The next pass's padding per row (0s when none); it applies to that pass
-        only."""
-        padding, self.padding = self.padding, None
-        return padding or [0] * len(self.rows)
-
-    def prepare(self, left_padding: Optional[Sequence[int]] = None, **kwargs) -> None:
-        """As mlx-lm's batch caches: ``left_padding`` for the next pass (`pad`)."""
-        if left_padding is not None:
-            self.pad(left_padding)
-
-    def finalize(self) -> None:
-        """Nothing: the pass that follows `prepare` takes its padding."""
-        return None
-
-    def can_roll_back(self) -> bool:
-        return True
-
-    def mark(self, record: bool = True) -> None:
-        return None
-
-    def rewind(self, mark, n: int) -> None:
-        self.rewind_rows([n] * len(self.rows))
-
-    def rewind_rows(self, drop: Sequence[int], mark=None) -> None:
-        """Forget the last ``drop[b]`` positions of row b."""
-        for c, n in zip(self.rows, drop):
-            if n:
-                c.trim(n)
-
-    def keep_below(self, limits: Sequence[int]) -> None:
-        """Keep row b's positions below ``limits[b]``."""
-        for c, limit in zip(self.rows, limits):
-            if c.offset > limit:
-                c.trim(c.offset - limit)
-
-    def filter(self, rows: Sequence[int]) -> None:
-        """Keep ``rows``, in that order."""
-        self.rows = [self.rows[r] for r in rows]
-
-    def extend(self, other: "V4Rows") -> None:
-        """Append ``other``'s rows."""
-        self.rows += other.rows
+    whole_pass = False  # the rest of the pass is batched
 
     def extract(self, b: int, below: Optional[int] = None, mark=None) -> V4Cache:
         """Row b's cache on its own (a copy), its positions below ``below``."""
@@ -315,17 +259,3 @@ class V4Rows:
         if below is not None and out.offset > below:
             out.trim(out.offset - below)
         return out
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def empty(self) -> bool:
-        return all(c.empty() for c in self.rows)
-
-    @property
-    def state(self) -> List[mx.array]:
-        return [a for c in self.rows for a in c.state]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.rows)

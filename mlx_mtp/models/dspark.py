@@ -234,6 +234,7 @@ class DSpark(nn.Module):
     """
 
     TAPS = Taps
+    rows_apart = False  # its passes batch streams (see `mlx_mtp.cache.mtp_caches`)
     context_window = None
 
     def __init__(self, config: dict, own_embed: bool = True, own_head: bool = True):
