@@ -399,3 +399,33 @@ def test_the_servers_cache_cost_bounds_v41_rows(model):
         prefill(model, caches, [3 + i % 50 for i in range(n)], 1, 256)
         held = sum(c.nbytes for c in caches.trunk)
         assert held <= cost.bytes([n]) < 2 * held + 64 * 1024, (n, held)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_leaving_row_keeps_its_session(model, k):
+    """A V4.1 row's session, taken as it leaves the batch (the short row first,
+    while the other's rounds go on: with k = 0 a plain round is already launched,
+    whose positions its caches drop), goes on single-stream exactly, in its
+    log-probabilities too (the predictable fixture's tokens alone would miss a
+    stale cache row)."""
+    from mlx_mtp.batch import Batch
+    from mlx_mtp.options import DecodeOptions
+
+    from .test_batch import drive
+
+    prompts = [[5, 17, 30], list(range(10, 40))]
+    opts = [DecodeOptions(num_draft_tokens=k, max_tokens=n) for n in (5, 11)]
+    batch = Batch(model, opts[1], keep_sessions=True)
+    rows = [
+        batch.join(batch.admit(i, p, o)) for i, (p, o) in enumerate(zip(prompts, opts))
+    ]
+    out, _ = drive(batch, {})
+    more, then = [7, 8, 9], opts[1].replace(max_tokens=10)
+    for row, p in zip(rows, prompts):
+        assert row.session is not None
+        steps = list(mtp_generate_step(more, model, then, session=row.session))
+        whole = p + out[row.uid] + more
+        assert [o.token for o in steps] == plain(model, whole, 10)
+        lone = mx.stack([o.logprobs for o in mtp_generate_step(whole, model, then)])
+        mine = mx.stack([o.logprobs for o in steps])
+        assert mx.allclose(mine, lone, atol=1e-4).item(), row.uid
