@@ -547,14 +547,9 @@ def build_dspark(
     checked against the target (``config``); its copies of the target's embedding
     and head dropped for the target's own (`_shared_copies`). Over several ranks
     the drafter runs whole on each, as MTP layers do, reading the tapped layers'
-    outputs, which a tensor-parallel trunk gives every rank whole."""
+    outputs, which a tensor-parallel trunk gives every rank whole and a pipelined
+    one sums over its ranks (`mlx_mtp.models.capture.Taps.collect`)."""
     dspark.check_pair(d_config, assistants.target_text_config(config), where)
-    if model.group is not None and model.sharding != "tensor":
-        raise MTPError(
-            f"{where}: a DSpark drafter reads the outputs of the tapped layers on "
-            "every rank, which a pipelined trunk does not give it; run it on one "
-            "machine"
-        )
     return dspark_with(d_config, _shared_copies(model, weights), where)
 
 
@@ -599,13 +594,10 @@ def attach_own_drafter(model: Model, tensors: dict, config: dict, allowed: bool)
     """Draft with the block drafter a checkpoint keeps in its MTP tensors
     (DeepSeek-V4.1's DSpark stages), built by its family. One that does not load
     (stages missing, tensors missing or misshapen) is refused in one line naming
-    the checkpoint's tensors, or decoded without under ``allowed``."""
+    the checkpoint's tensors, or decoded without under ``allowed``. Over several
+    ranks it runs whole on each (`build_dspark`)."""
     family = model.family
     try:
-        if model.group is not None:
-            raise MissingHeadsError(
-                "a DSpark drafter needs the trunk whole on one process"
-            )
         weights = family.sanitize(tensors, config, model.trunk, raw=True)
         drafter = family.make_drafter(model.trunk, config)
         quantize_like(drafter, weights, config.get("quantization"))

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from mlx_mtp import load
+from mlx_mtp.testing.fixtures import write_checkpoint
 
 from .distributed_worker import prompt_ids, runs
 
@@ -68,23 +69,38 @@ SHARDED = {
     "qwen3_5": "tensor",  # Gated-DeltaNet heads split over the ranks
     "qwen3_next": "pipeline",  # mlx-lm pipelines it (no tensor parallelism)
     "qwen3+dspark": "tensor",  # a DSpark drafter whole on each rank
+    "deepseek_v41": "tensor",  # its own DSpark drafter whole on each rank
+    "qwen3_next+dspark": "pipeline",  # the drafter's taps summed over the ranks
 }
+DRAFTERS = {"qwen3+dspark", "deepseek_v41", "qwen3_next+dspark"}
+GREEDY_SAMPLERS = {"qwen3+dspark", "deepseek_v41"}  # sample as they decode
 
 
 @pytest.fixture(scope="module")
 def folders(checkpoint, tmp_path_factory):
     """``folders(family)``: the predictable checkpoint of a `SHARDED` family; for
-    "qwen3+dspark", a Qwen3 target with a DSpark drafter grafted beside it."""
+    "qwen3+dspark" and "qwen3_next+dspark", a Qwen3 (tensor-parallel) or
+    Qwen3-Next (pipelined) target with a DSpark drafter grafted beside it; V4.1's
+    carries its own."""
 
     def get(family):
-        if family != "qwen3+dspark":
+        if family == "deepseek_v41":
+            from mlx_mtp.testing.fixtures_v41 import write_deepseek_v41
+
+            root = tmp_path_factory.mktemp("v41-ranks")
+            return write_deepseek_v41(root / "m", predictable=True, agree=0.8)
+        if not family.endswith("+dspark"):
             return checkpoint(family, predictable=True)
         from mlx_mtp.convert.drafter import graft_drafter
         from mlx_mtp.testing.dspark import write_dspark, write_qwen3_target
 
         root = tmp_path_factory.mktemp("dspark-ranks")
-        target = write_qwen3_target(root / "target", predictable=True)
-        drafter = write_dspark(root / "drafter", target, predictable=True)
+        if family == "qwen3+dspark":
+            target = write_qwen3_target(root / "target", predictable=True)
+            drafter = write_dspark(root / "drafter", target, predictable=True)
+        else:  # a random drafter: the predictable one is built for a Qwen3 target
+            target = write_checkpoint("qwen3_next", root / "target", predictable=True)
+            drafter = write_dspark(root / "drafter", target)
         return graft_drafter(str(drafter), str(target))
 
     return get
@@ -108,17 +124,19 @@ def test_two_ranks_decode_as_one_process(family, two_ranks, folders):
     tokens (every decision is rank 0's), and the same as one process with the whole
     model (the sharded sums round differently, which these fixtures do not feel);
     a DSpark drafter too, whole on each rank, drafting from the taps the sharded
-    trunk gives every rank."""
+    trunk gives every rank whole, or a pipelined one sums over its ranks (seeded
+    sampling with the drafter reads its draft distribution: a tap off by a layer
+    changes its tokens)."""
     rank0, rank1 = two_ranks[family]
     assert rank0 == rank1
     assert rank0.pop("sharding") == SHARDED[family] and rank0.pop("ranks") == 2
-    assert rank0.pop("drafter") == (family == "qwen3+dspark")
+    assert rank0.pop("drafter") == (family in DRAFTERS)
     model, tokenizer = load(str(folders(family)))
     expected = single_process(model, tokenizer)
     assert rank0 == expected
     assert expected["accepted-3"] > 0  # drafts accepted, and rejected ones rolled back
     tokens = [v for name, v in expected.items() if not name.startswith("accepted")]
-    if family != "qwen3+dspark":  # its predictable target samples as it decodes
+    if family not in GREEDY_SAMPLERS:
         assert len(set(map(tuple, tokens))) > 1  # greedy and sampled differ
 
 

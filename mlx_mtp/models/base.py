@@ -144,7 +144,10 @@ class Model(nn.Module):
         trunk's layers it reads record what it reads (its ``TAPS``) from now on."""
         self.drafter, self.drafter_source = drafter, source
         ids = drafter.spec.target_layer_ids
-        self.taps = install_taps(self.trunk.layers, ids, drafter.TAPS)
+        layers = self.trunk.layers
+        if self.sharding == "pipeline":  # those are this rank's: index them all
+            layers = self.trunk.model.layers
+        self.taps = install_taps(layers, ids, drafter.TAPS)
         self.mtp = MTPStack([])
         self.round_costs = None
 
@@ -187,7 +190,9 @@ class Model(nn.Module):
         h = self.family.hidden(self.trunk, inputs, cache)
         if self.taps is None:
             return h
-        return mx.concatenate([self.taps.collect(), h], axis=-1)  # (B, L, n H + H)
+        group = self.group if self.sharding == "pipeline" else None
+        taps = self.taps.collect(h, group)
+        return mx.concatenate([taps, h], axis=-1)  # (B, L, n H + H)
 
     def logits(self, h: mx.array) -> mx.array:
         if self.taps is not None:

@@ -316,11 +316,19 @@ class Taps:
         if index in self.ids:
             self.values[index] = out
 
-    def collect(self) -> mx.array:
+    def collect(self, like: mx.array, group=None) -> mx.array:
         """``(B, L, n * H)``: the last pass's taps concatenated in ``ids`` order
-        (and forgotten, so they hold no memory past the pass)."""
+        (and forgotten, so they hold no memory past the pass). ``group``: the
+        ranks of a pipelined trunk, each of which recorded the taps of the layers
+        it runs: summed over them (the others' zeros, the shape and dtype of the
+        pass's output ``like``), so every rank has every tap; the sum runs after
+        ``like``, whose pass ends on every rank with the same collective."""
         values, self.values = self.values, {}
-        return mx.concatenate([values[i] for i in self.ids], axis=-1)
+        if group is None:
+            return mx.concatenate([values[i] for i in self.ids], axis=-1)
+        mine = [values.get(i, mx.zeros_like(like)) for i in self.ids]
+        mine = mx.depends(mx.concatenate(mine, axis=-1), like)
+        return mx.distributed.all_sum(mine, group=group)
 
 
 class StreamInputTaps(Taps):
@@ -354,11 +362,14 @@ _TAPPED = {}
 def install_taps(layers, ids, kind=Taps) -> Taps:
     """Make the trunk ``layers`` that ``ids`` tap record into a new ``kind`` of
     `Taps` (only the class changes, as `install_capture` does; the layers compute
-    as before)."""
+    as before). On a pipelined trunk, only the layers this rank runs (the others
+    are None or gone: their taps come from their ranks, `Taps.collect`)."""
     taps = kind(ids)
     wanted = {taps.layer_of(i) for i in ids}
     for index in sorted(wanted):
-        layer = layers[index]
+        layer = layers[index] if index < len(layers) else None
+        if layer is None:  # a pipelined trunk's layer another rank runs
+            continue
         cls = type(layer)
         if not issubclass(cls, TappedLayer):
             if cls not in _TAPPED:
