@@ -69,7 +69,8 @@ class Rows:
             self.pad(left_padding)
 
     def finalize(self) -> None:
-        """Nothing: the pass that follows `prepare` takes its padding."""
+        """The padded pass is over: no padding left (the pass took it already,
+        `take_padding`)."""
         self.padding = None
 
     # -- rollback: each row by its own count ---------------------------------------
@@ -182,8 +183,7 @@ def each_row(
     its one-stream caches. Returns the rows' outputs ``(1, L_b, ...)`` left-padded
     with zeros to ``(B, L, ...)`` (a row that is padding only runs nothing), or None
     when ``fn`` returns None."""
-    paddings = [c.take_padding() for c in caches]
-    padding = paddings[0]
+    padding = [c.take_padding() for c in caches][0]  # the same in every cache
     L = x.shape[1]
     outs: List[Optional[mx.array]] = []
     for b, pad in enumerate(padding):

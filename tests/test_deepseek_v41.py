@@ -131,17 +131,14 @@ def post(server, body):
     return reply.status, json.loads(reply.read())
 
 
-def test_served_with_its_drafter_and_lookup(v41, loaded, monkeypatch):
+def test_served_with_its_drafter_and_lookup(v41, loaded):
     """The server starts (its round costs timed with the drafter) and replies as
-    `stream_generate`, with the drafter and with prompt lookup; three requests at
-    once decode in one batch (`mlx_mtp.rows`), each as alone."""
-    from .test_server_batch import at_once, gathered
-
+    `stream_generate`, with the drafter and with prompt lookup."""
     model, tokenizer = loaded
     messages = [{"role": "user", "content": PROMPT}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     expected = [r.token for r in stream_generate(model, tokenizer, prompt, 8)]
-    server = Server(server_args(model=str(v41), port=0)).start()
+    server = Server(server_args(model=str(v41), port=0, max_batch=1)).start()
     try:
         for extra in ({}, {"draft_source": "lookup"}):
             body = {"messages": messages, "max_tokens": 8, **extra}
@@ -149,7 +146,20 @@ def test_served_with_its_drafter_and_lookup(v41, loaded, monkeypatch):
             assert status == 200, reply
             text = reply["choices"][0]["message"]["content"]
             assert text == tokenizer.decode(expected)
-        gathered(server.generator, 3, monkeypatch)  # decoded together, apart
+    finally:
+        server.close()
+
+
+@pytest.mark.slow  # about 40 s: the server measures V4.1's batch costs first
+def test_requests_at_once_are_served_together(v41, loaded, monkeypatch):
+    """Three chat requests at once decode in one batch (`mlx_mtp.rows`: each row's
+    passes its own), each reply equal to `stream_generate`'s alone."""
+    from .test_server_batch import at_once, gathered
+
+    model, tokenizer = loaded
+    server = Server(server_args(model=str(v41), port=0, max_batch=3)).start()
+    try:
+        gathered(server.generator, 3, monkeypatch)
         bodies = [{"messages": [m], "max_tokens": 8} for m in CONVERSATIONS]
         replies = at_once(lambda i: post(server, bodies[i]), 3)
         for (status, reply), message in zip(replies, CONVERSATIONS):

@@ -335,9 +335,9 @@ def test_batched_rows_decode_as_alone(model):
     different rounds, prefilled alone or together: greedy rows equal plain
     decoding, token for token and in their log-probabilities (the predictable
     fixture's tokens alone would miss a stale cache row), seeded sampled rows
-    their lone runs, ``auto`` rows too; rounds accept drafts in one row while
-    rejecting in another."""
-    from mlx_mtp.batch import Batch, run_batch
+    their lone runs; rounds accept drafts in one row while rejecting in
+    another."""
+    from mlx_mtp.batch import Batch
     from mlx_mtp.batch_cache import batch_support
     from mlx_mtp.options import DecodeOptions
     from mlx_mtp.rows import Rows
@@ -349,9 +349,8 @@ def test_batched_rows_decode_as_alone(model):
     for opts in (
         DecodeOptions(num_draft_tokens=GAMMA, max_tokens=16),
         DecodeOptions(num_draft_tokens=3, max_tokens=12, temp=0.9, seed=7),
-        DecodeOptions(max_tokens=12),  # auto: the batch costs timed with the drafter
     ):
-        batch = Batch(model, opts)
+        batch = Batch(model, opts, max_batch=4)
         tokens, logprobs, accepted, rnd = {}, {}, [], 0
         while rnd == 0 or len(batch):
             if rnd in (0, 2):
@@ -378,10 +377,21 @@ def test_batched_rows_decode_as_alone(model):
             assert any(len(set(r)) > 1 and max(r) for r in accepted), accepted
     opts = DecodeOptions(num_draft_tokens=2, prefill_step_size=5)
     assert_together_exact(model, prompts[1:], opts, [9, 7, 8])
+
+
+@pytest.mark.slow  # about 30 s: the batch costs are measured with the drafter first
+def test_batched_auto_rows_decode_as_alone(model):
+    """``-k auto`` rows batched apart (the batch's draft lengths from the costs it
+    measures, `run_batch` joining rows as others finish) equal plain decoding."""
+    from mlx_mtp.batch import run_batch
+    from mlx_mtp.options import DecodeOptions
+
+    prompts = [[5, 17, 30], list(range(10, 40)), [9, 8], list(range(40, 51))]
+    opts = DecodeOptions(max_tokens=12)
     outs = {}
-    for o in run_batch(model, prompts[:3], [opts.replace(max_tokens=10)] * 3):
+    for o in run_batch(model, prompts, [opts] * 4, max_batch=3):
         outs.setdefault(o.uid, []).extend(o.tokens)
-    assert all(outs[i] == plain(model, p, 10) for i, p in enumerate(prompts[:3]))
+    assert all(outs[i] == plain(model, p, 12) for i, p in enumerate(prompts))
 
 
 def test_the_servers_cache_cost_bounds_v41_rows(model):
