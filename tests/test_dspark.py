@@ -481,6 +481,7 @@ def test_the_cut_shortens_blocks_and_decodes_greedy_exactly(pairs, monkeypatch):
     assert uncut.rounds - uncut.rounds_by_k[BLOCK_SIZE] <= BLOCK_SIZE, uncut
 
 
+@pytest.mark.slow  # 16 s; the cut's greedy exactness stays in the default suite
 def test_sampling_is_exact_with_the_cut(smalls, monkeypatch):
     model = smalls(tau=TAU)
     seen = recorded_cuts(model, monkeypatch)
