@@ -44,7 +44,7 @@ from .batch_costs import BatchLength, model_batch_costs
 from .cache import Caches, check_rollback, keep_below, make_caches
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError, one_line
-from .options import DecodeOptions
+from .options import DecodeOptions, longest_draft
 from .resolve import drafting
 from .round import DecodeState, Round, commit, draft, launch, plan
 from .speculative import Run, Session, append, extend_mtp, kept_state, prefill
@@ -551,7 +551,7 @@ def filled_batch(model, rows: int, context: int) -> "Batch":
 def depth_for(model, options: DecodeOptions) -> int:
     """MTP layers in use for ``options``: as many as their longest draft needs."""
     k = options.num_draft_tokens
-    longest = options.max_draft_tokens if k == "auto" else k
+    longest = longest_draft(model, options.max_draft_tokens) if k == "auto" else k
     return min(longest, model.num_mtp_layers)
 
 

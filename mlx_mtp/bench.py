@@ -27,9 +27,9 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from . import draft_vocab
-from .defaults import DEFAULT_MAX_DRAFT_TOKENS
 from .draft_length import time_round
 from .errors import MTPError
+from .options import longest_draft
 from .speculative import mtp_generate_step
 
 EDITED_FUNCTION = '''def merge_intervals(intervals):
@@ -182,7 +182,7 @@ def bench(
     ks = [k for k in ks if k == 0 or model.num_mtp_layers]
     all_prompts = prompts(tokenizer, model, seed)
     names = list(workloads or all_prompts)
-    max_k = max(DEFAULT_MAX_DRAFT_TOKENS if k == "auto" else k for k in ks)
+    max_k = max(longest_draft(model, None) if k == "auto" else k for k in ks)
     sizes = _sizes(model, vocabs)
     if sizes and draft_vocab.ranking_for(model, tokenizer) is None:
         raise MTPError("no ranking of the vocabulary for draft vocabularies")

@@ -11,6 +11,7 @@ import click
 
 from .defaults import (
     DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_DRAFT_TOKENS,
     MAX_DRAFT_TOKENS,
     MIN_KV_SIZE,
     SERVER_MAX_TOKENS,
@@ -459,8 +460,8 @@ SAMPLING_OPTIONS = [
         "--max-draft-tokens",
         type=click.IntRange(0, MAX_DRAFT_TOKENS),
         default=DEFAULTS.max_draft_tokens,
-        show_default=True,
-        help="The largest k that auto picks.",
+        help="The largest k that auto picks.  [default: a block drafter's whole "
+        f"block, else {DEFAULT_MAX_DRAFT_TOKENS}]",
     ),
     temp_option(),
     click.option(

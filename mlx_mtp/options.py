@@ -35,7 +35,8 @@ class DecodeOptions:
     - ``num_draft_tokens``: drafts per round, k (0 runs plain decoding, the
       baseline); "auto" picks k in 0..``max_draft_tokens`` each round from
       the measured costs and the recent acceptance (`mlx_mtp.draft_length`);
-      ``max_draft_tokens`` is the largest k "auto" picks.
+      ``max_draft_tokens`` is the largest k "auto" picks (None: `longest_draft`,
+      a block drafter's whole block, else `DEFAULT_MAX_DRAFT_TOKENS`).
     - ``temp``, ``top_p``, ``top_k``, ``min_p``, ``min_tokens_to_keep``:
       sampling, as in mlx-lm; ``temp == 0`` is greedy. ``seed``: the seed of
       the sampling keys (None draws one at random).
@@ -76,7 +77,7 @@ class DecodeOptions:
 
     max_tokens: int = 256
     num_draft_tokens: Union[int, str] = "auto"
-    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
+    max_draft_tokens: Optional[int] = None
     draft_source: str = "auto"
     lookup_tokens: int = DEFAULT_LOOKUP_TOKENS
     draft_vocab: Union[int, str, None] = "auto"
@@ -165,7 +166,8 @@ class DecodeOptions:
         other than the defaults, which are valid: the defaults load no MLX."""
         _check_max_tokens(self.max_tokens)
         check_draft_count("num_draft_tokens", self.num_draft_tokens, auto=True)
-        check_draft_count("max_draft_tokens", self.max_draft_tokens)
+        if self.max_draft_tokens is not None:
+            check_draft_count("max_draft_tokens", self.max_draft_tokens)
         if self.draft_source not in DRAFT_SOURCES:
             raise MTPError(
                 f"draft_source must be one of {', '.join(DRAFT_SOURCES)}, got "
@@ -273,6 +275,16 @@ def _check_max_tokens(value) -> None:
         raise MTPError(f"max_tokens must be an integer, got {value!r}")
     if value == 0 or value < -1:
         raise MTPError(f"max_tokens must be positive, or -1 for no limit (got {value})")
+
+
+def longest_draft(model, max_draft_tokens: Optional[int]) -> int:
+    """The largest k "auto" picks for ``model``: ``max_draft_tokens``, or when it is
+    None a block drafter's whole block (its one pass proposes every k up to it, so
+    a longer draft costs only a wider verify), else `DEFAULT_MAX_DRAFT_TOKENS`
+    (each further head step costs a pass of its own)."""
+    if max_draft_tokens is not None:
+        return max_draft_tokens
+    return model.max_draft or DEFAULT_MAX_DRAFT_TOKENS
 
 
 def check_draft_count(name: str, value, low: int = 0, auto: bool = False) -> None:

@@ -17,7 +17,7 @@ from .draft_length import (
 )
 from .errors import MTPError, RollbackError
 from .history import DEFAULT_PRIOR, learn, learns, model_key, priors, shares
-from .options import DecodeOptions, check_draft_count
+from .options import DecodeOptions, check_draft_count, longest_draft
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def draft_vocabs(model, value: Union[int, str], history: Optional[str] = None):
 def draft_policy(
     model,
     num_draft_tokens: Union[int, str],
-    max_k: int,
+    max_k: Optional[int],
     vocabs=(None,),
     coverage: Optional[Coverage] = None,
     history: Optional[str] = None,
@@ -189,9 +189,11 @@ def draft_policy(
     adaptive one starts from the acceptance in the model's ``history`` (a
     `mlx_mtp.history` key; None: the constant prior).
 
-    "auto" chooses among 0 and depth..max_k, depth being the model's MTP layers in use:
-    a round drafting fewer tokens than that would leave deeper layers' caches behind.
+    "auto" chooses among 0 and depth..max_k (None: `longest_draft`), depth being the
+    model's MTP layers in use: a round drafting fewer tokens than that would leave
+    deeper layers' caches behind.
     """
+    max_k = longest_draft(model, max_k)
     check_draft_count("max_draft_tokens", max_k)
     check_draft_count("num_draft_tokens", num_draft_tokens, auto=True)
     limit = model.max_draft

@@ -84,6 +84,7 @@ non-successor part (``coverage_non_successor``) and of the sampled tokens (``sam
 """
 
 import argparse
+import importlib
 import json
 import sys
 from dataclasses import dataclass
@@ -129,6 +130,21 @@ def llama_config(params: float, vocab: int, hidden: int = 1024) -> dict:
         "num_nextn_predict_layers": 1,
         "torch_dtype": "float32",
     }
+
+
+def qwen3_config(params: float, vocab: int, hidden: int = 1024) -> dict:
+    """The llama shapes as a Qwen3 checkpoint (``q_norm``/``k_norm`` in every layer,
+    built as ones: a Qwen3 trunk whose norms are those of its initialisation)."""
+    config = llama_config(params, vocab, hidden)
+    config.update(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        hidden_act="silu",
+        attention_bias=False,
+    )
+    return config
 
 
 def qwen3_5_config(params: float, vocab: int, hidden: int = 1024) -> dict:
@@ -285,20 +301,18 @@ class Arch:
 
     def trunk(self, config: dict):
         """A fresh mlx-lm trunk (random weights, from MLX's global generator)."""
-        if self.model_type == "llama":
-            from mlx_lm.models import llama
-
-            return llama.Model(llama.ModelArgs.from_dict(config))
+        if self.model_type in ("llama", "qwen3"):
+            module = importlib.import_module(f"mlx_lm.models.{self.model_type}")
+            return module.Model(module.ModelArgs.from_dict(config))
         from mlx_lm.models import qwen3_5
 
         return qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
 
     def block(self, config: dict):
         """A fresh MTP block: the family's full-attention decoder layer."""
-        if self.model_type == "llama":
-            from mlx_lm.models import llama
-
-            return llama.TransformerBlock(llama.ModelArgs.from_dict(config))
+        if self.model_type in ("llama", "qwen3"):
+            module = importlib.import_module(f"mlx_lm.models.{self.model_type}")
+            return module.TransformerBlock(module.ModelArgs.from_dict(config))
         from mlx_lm.models import qwen3_5
 
         text = qwen3_5.TextModelArgs.from_dict(config["text_config"])
@@ -313,6 +327,14 @@ ARCHS = {
         "lm_head.weight",
         "model.norm.weight",
         lambda config: ARCHS["llama"].layout.prefix(config, 0),  # DeepSeek-style
+    ),
+    "qwen3": Arch(
+        "qwen3",
+        qwen3_config,
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        lambda config: ARCHS["qwen3"].layout.prefix(config, 0),  # DeepSeek-style
     ),
     "qwen3_5": Arch(
         "qwen3_5",
@@ -345,8 +367,9 @@ DAMPED = (
 
 def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0):
     """The weights (``lm_head`` zero with ``zipf``: `zipf_head` writes it once the
-    hidden states are measured), the emitted tokens, and with ``zipf`` the parts
-    `zipf_head` needs (None without)."""
+    hidden states are measured), the emitted tokens, with ``zipf`` the parts
+    `zipf_head` needs (None without), and pi (without ``zipf``: None with, where
+    the successor is the parts' ``succ``) as an array: token x's successor."""
     from mlx.utils import tree_flatten
 
     mx.random.seed(seed)
@@ -365,7 +388,7 @@ def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0)
     order = rng.permutation(V)[: cycle or V]  # the tokens the trunk emits
     inverse = np.zeros(V, dtype=np.int64)  # lm_head row pi(x) = direction of x
     inverse[order] = np.roll(order, 1)  # pi(order[i]) = order[i + 1]
-    parts = None
+    parts = successor = None
     if zipf:
         parts = zipf_parts(embed, order, rng, zipf)
         w[arch.embed] = parts.pop("embed")
@@ -375,6 +398,8 @@ def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0)
         emitted = np.zeros((V, 1), dtype=np.float32)
         emitted[order] = 4.0
         w[arch.lm_head] = unit[mx.array(inverse)] * mx.array(emitted)
+        successor = np.zeros(V, dtype=np.int64)
+        successor[inverse[order]] = order  # row pi(x) of lm_head is x's direction
     prefix = arch.block_prefix(config)
     if arch.weights is None:  # else the block came with them (and is damped)
         for k, v in tree_flatten(arch.block(config).parameters()):  # after embed
@@ -384,7 +409,7 @@ def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0)
         w[layout.key(config, 0, name)] = mx.ones((H,))
     w[layout.key(config, 0, "norm")] = mx.array(w[arch.final_norm])
     w["_noise"] = mx.random.normal((H, H)) / np.sqrt(H)
-    return w, np.sort(order), parts
+    return w, np.sort(order), parts, successor
 
 
 def zipf_parts(embed: mx.array, order, rng, zipf: float) -> dict:
@@ -667,7 +692,7 @@ def main():
         "--layout",
         choices=sorted(ARCHS),
         default="llama",
-        help="llama (dense), qwen3_5 (Gated-DeltaNet and full attention, 3:1) or "
+        help="llama or qwen3 (dense), qwen3_5 (Gated-DeltaNet and full attention, 3:1) or "
         "deepseek_v4 (V4-Flash's release layout)",
     )
     p.add_argument(
@@ -688,7 +713,30 @@ def main():
         default=0.7,
         help="with --zipf: the trunk's mean probability of its successor token",
     )
+    p.add_argument(
+        "--dspark",
+        type=Path,
+        default=None,
+        help="also write a predictable DSpark drafter folder for the model here "
+        "(--layout llama or qwen3, not with --zipf or --draft-vocab-size)",
+    )
+    p.add_argument(
+        "--dspark-acceptance",
+        type=float,
+        default=None,
+        help="the drafter's first-slot acceptance (default: --acceptance)",
+    )
+    p.add_argument("--block-size", type=int, default=8, help="the drafter's block")
+    p.add_argument("--dspark-layers", type=int, default=1)
+    p.add_argument("--markov-rank", type=int, default=64)
     args = p.parse_args()
+    if args.dspark and (
+        args.layout not in ("llama", "qwen3") or args.zipf or args.draft_vocab_size
+    ):
+        p.error(
+            "--dspark needs --layout llama or qwen3, without --zipf or "
+            "--draft-vocab-size"
+        )
     if args.layout == "deepseek_v4" and args.zipf:
         p.error("--zipf is not built for --layout deepseek_v4")
     if args.zipf and args.draft_vocab_size:
@@ -709,7 +757,7 @@ def main():
     arch = ARCHS[args.layout]
     config = arch.config(args.params, args.vocab, args.hidden)
     hidden = config.get("text_config", config)["hidden_size"]
-    w, emitted, parts = build_weights(
+    w, emitted, parts, successor = build_weights(
         arch, config, args.seed, args.draft_vocab_size, args.zipf
     )
     vocab = mx.array(emitted, dtype=mx.int32) if args.draft_vocab_size else None
@@ -794,8 +842,56 @@ def main():
         info = {**info, "sampled_acceptance": measured, **zipf}
     if args.draft_vocab_size:
         write_conversion(args.out, arch, config, w, emitted, info)
+    if args.dspark:
+        info["dspark"] = write_drafter(args, config, features, successor)
     (args.out / "synthetic.json").write_text(json.dumps(info, indent=2))
     print(json.dumps(info))
+
+
+def write_drafter(args, config: dict, features, successor) -> dict:
+    """--dspark: a DSpark drafter folder for the target in ``args.out``, in DeepSpec's
+    layout (`mlx_mtp.testing.dspark.write_dspark`, predictable): its Markov head
+    carries pi for a share ``agree`` of the tokens, set so that the first slot's
+    expected acceptance, ``agree`` times the share of positions at which the trunk's
+    greedy token is pi of the current one, is --dspark-acceptance."""
+    from mlx_mtp.testing.dspark import write_dspark
+
+    hits = total = 0
+    for seq, _, greedy in features:
+        hits += (greedy == mx.array(successor)[seq[0]]).sum().item()
+        total += greedy.shape[0]
+    follows = hits / total
+    acceptance = args.dspark_acceptance or args.acceptance
+    agree = min(1.0, acceptance / follows)
+    layers = config["num_hidden_layers"]
+    taps = sorted({1, layers // 2, layers - 2})  # spread, never the last layer
+    hidden = config["hidden_size"]
+    write_dspark(
+        args.dspark,
+        args.out,
+        predictable=True,
+        agree=agree,
+        block_size=args.block_size,
+        weight_std=1.0 / np.sqrt(hidden),
+        layers=args.dspark_layers,
+        markov_rank=args.markov_rank,
+        target_layer_ids=taps,
+        successor=successor,
+    )
+    weights = mx.load(str(args.dspark / "model.safetensors"))
+    shared = ("embed_tokens.weight", "lm_head.weight")  # the target's own copies
+    params = sum(v.size for k, v in weights.items() if k not in shared)
+    return {
+        "path": str(args.dspark),
+        "trunk_follows_pi": follows,
+        "agree": agree,
+        "expected_first_slot_acceptance": agree * follows,
+        "block_size": args.block_size,
+        "layers": args.dspark_layers,
+        "markov_rank": args.markov_rank,
+        "target_layer_ids": taps,
+        "parameters": params,
+    }
 
 
 if __name__ == "__main__":

@@ -255,6 +255,27 @@ def test_auto_prices_a_block_round_as_one_pass(model, monkeypatch):
     assert measured
 
 
+def test_auto_reaches_the_whole_block_by_default(target):
+    """One pass proposes every k up to the block for the same cost, so ``-k auto``
+    may pick any of them unless ``max_draft_tokens`` says otherwise; heads stay at
+    `DEFAULT_MAX_DRAFT_TOKENS`, each of their steps a pass of its own. Greedy
+    decoding with the whole block allowed is plain decoding's."""
+    from mlx_mtp.defaults import DEFAULT_MAX_DRAFT_TOKENS
+    from mlx_mtp.options import longest_draft
+    from mlx_mtp.resolve import draft_policy
+
+    from .test_window import greedy_identity
+
+    wide = BLOCK_SIZE + 2
+    path = drafter(target, "wide", block_size=wide)
+    model = load_model(str(target), draft_model=str(path))[0]
+    assert DecodeOptions().max_draft_tokens is None
+    assert draft_policy(model, "auto", None).max_k == wide
+    assert draft_policy(model, "auto", 3).max_k == 3
+    assert longest_draft(load_model(str(target))[0], None) == DEFAULT_MAX_DRAFT_TOKENS
+    greedy_identity(model, PROMPTS[1:], n=24, ks=(wide,), policies=("auto",))
+
+
 def fresh_context(model, tokens):
     """The drafter's context rows of ``tokens`` from one trunk pass."""
     caches = mtp_caches(model)

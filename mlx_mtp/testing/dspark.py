@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -169,34 +169,43 @@ def write_dspark(
     weight_std: float = 0.2,
     markov: str = "vanilla",
     confidence_threshold: Optional[float] = None,
+    layers: int = DRAFT_LAYERS,
+    markov_rank: int = MARKOV_RANK,
+    target_layer_ids: Optional[List[int]] = None,
+    successor: Optional[np.ndarray] = None,
 ) -> pathlib.Path:
-    """A tiny DSpark drafter for the target in ``target_dir`` (see the module
-    docstring)."""
+    """A DSpark drafter for the target in ``target_dir`` (see the module
+    docstring): tiny by default, or of ``layers`` decoder layers of the target's
+    shapes, a Markov head of rank ``markov_rank`` and the taps
+    ``target_layer_ids``. ``successor`` (predictable only): the target's greedy
+    next token after each token, where it is known by construction (else it is
+    measured, one pass per token)."""
     if layout not in ("deepspec", "nested"):
         raise ValueError(f"unknown layout {layout!r}")
     target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
     V, H = target["vocab_size"], target["hidden_size"]
-    config = _drafter_config(target, layout, block_size, markov)
+    taps = list(TARGET_LAYER_IDS if target_layer_ids is None else target_layer_ids)
+    shape = {"layers": layers, "markov_rank": markov_rank, "taps": taps}
+    config = _drafter_config(target, layout, block_size, markov, **shape)
     if confidence_threshold is not None:
         config["confidence_threshold"] = confidence_threshold
     init = _Init(seed, weight_std)
     t = {}
-    for i in range(DRAFT_LAYERS):
+    for i in range(layers):
         t.update(_layer(init, f"layers.{i}.", config))
-    n = len(TARGET_LAYER_IDS)
-    t["fc.weight"] = init.normal(H, n * H)
+    t["fc.weight"] = init.normal(H, len(taps) * H)
     t["hidden_norm.weight"] = init.norm(H)
     t["norm.weight"] = init.norm(H)
-    t["markov_head.markov_w1.weight"] = init.normal(V, MARKOV_RANK, std=0.5)
-    t["markov_head.markov_w2.weight"] = init.normal(V, MARKOV_RANK, std=0.5)
-    t.update(_markov_extras(init, markov, H))
-    t["confidence_head.proj.weight"] = init.normal(1, H + MARKOV_RANK)
+    t["markov_head.markov_w1.weight"] = init.normal(V, markov_rank, std=0.5)
+    t["markov_head.markov_w2.weight"] = init.normal(V, markov_rank, std=0.5)
+    t.update(_markov_extras(init, markov, H, markov_rank))
+    t["confidence_head.proj.weight"] = init.normal(1, H + markov_rank)
     t["confidence_head.proj.bias"] = init.normal(1)
     weights = mx.load(str(pathlib.Path(target_dir) / "model.safetensors"))
     embed = np.array(weights["model.embed_tokens.weight"], np.float32)
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     if predictable:
-        _predictable(t, target_dir, init, agree, markov)
+        _predictable(t, target_dir, init, agree, markov, successor)
     if embeddings and layout == "deepspec":
         t["embed_tokens.weight"] = embed
         t["lm_head.weight"] = np.array(head, np.float32)  # the target's head
@@ -205,10 +214,10 @@ def write_dspark(
     return _write(out_dir, config, t)
 
 
-def _markov_extras(init: _Init, markov: str, H: int) -> Tensors:
-    """The tensors a ``gated`` or ``rnn`` Markov head adds (DeepSpec's names and
-    shapes: ``gate_proj`` [r, H + r], ``joint_proj`` [3 r, 2 r + H], with biases)."""
-    r = MARKOV_RANK
+def _markov_extras(init: _Init, markov: str, H: int, r: int) -> Tensors:
+    """The tensors a ``gated`` or ``rnn`` Markov head of rank ``r`` adds (DeepSpec's
+    names and shapes: ``gate_proj`` [r, H + r], ``joint_proj`` [3 r, 2 r + H], with
+    biases)."""
     if markov == "gated":
         p = "markov_head.gate_proj."
         return {f"{p}weight": init.normal(r, H + r), f"{p}bias": init.normal(r)}
@@ -223,20 +232,22 @@ def _markov_extras(init: _Init, markov: str, H: int) -> Tensors:
     return {}
 
 
-def _drafter_config(target: dict, layout: str, block_size: int, markov: str) -> dict:
+def _drafter_config(
+    target: dict, layout: str, block_size: int, markov: str, layers, markov_rank, taps
+) -> dict:
     """The target's config with the drafter keys (spec §1a), in ``layout``."""
-    config = {**target, "num_hidden_layers": DRAFT_LAYERS, "block_size": block_size}
+    config = {**target, "num_hidden_layers": layers, "block_size": block_size}
     config.update(
-        layer_types=["full_attention"] * DRAFT_LAYERS,
+        layer_types=["full_attention"] * layers,
         tie_word_embeddings=False,
-        markov_rank=MARKOV_RANK,
+        markov_rank=markov_rank,
         markov_head_type=markov,
         enable_confidence_head=True,
         confidence_head_with_markov=True,
     )
     taps = {
         "mask_token_id": target["vocab_size"] - 1,
-        "target_layer_ids": list(TARGET_LAYER_IDS),
+        "target_layer_ids": list(taps),
     }
     if layout == "deepspec":
         config.update(
@@ -254,17 +265,22 @@ def _drafter_config(target: dict, layout: str, block_size: int, markov: str) -> 
     return config
 
 
-def _predictable(t: Tensors, target_dir, init: _Init, agree: float, markov) -> None:
-    """Give the Markov head the target's greedy bigram for a share ``agree`` of
-    the previous tokens (random successors for the rest), and damp the block's
-    own logits (see the module docstring)."""
-    from mlx_mtp.loading import load_model
+def _predictable(
+    t: Tensors, target_dir, init: _Init, agree: float, markov, successor=None
+) -> None:
+    """Give the Markov head the target's greedy bigram (``successor``, else
+    measured) for a share ``agree`` of the previous tokens (random successors for
+    the rest), and damp the block's own logits (see the module docstring)."""
+    f = successor
+    if f is None:
+        from mlx_mtp.loading import load_model
 
-    model = load_model(str(target_dir))[0]
-    V = model.args.vocab_size
-    f = np.array(mx.argmax(model(mx.arange(V)[:, None])[:, -1], axis=-1))
+        model = load_model(str(target_dir))[0]
+        V = model.args.vocab_size
+        f = np.array(mx.argmax(model(mx.arange(V)[:, None])[:, -1], axis=-1))
+    V, r = len(f), t["markov_head.markov_w1.weight"].shape[1]
     follow = np.where(init.rng.random(V) < agree, f, init.rng.integers(0, V, V))
-    w1 = init.normal(V, MARKOV_RANK, std=1.0)
+    w1 = init.normal(V, r, std=1.0)
     w1 /= np.linalg.norm(w1, axis=1, keepdims=True)
     w2 = np.zeros_like(w1)
     np.add.at(w2, follow, w1)  # W2[v] . W1[u] is largest where v = follow(u)
@@ -272,9 +288,9 @@ def _predictable(t: Tensors, target_dir, init: _Init, agree: float, markov) -> N
     t["markov_head.markov_w2.weight"] = MARKOV_SCALE * w2
     t["norm.weight"] = t["norm.weight"] * np.float32(BLOCK_DAMPING)
     if markov == "gated":  # a gate about sigmoid(1) on every rank dimension
-        t["markov_head.gate_proj.bias"] = np.ones(MARKOV_RANK, np.float32)
+        t["markov_head.gate_proj.bias"] = np.ones(r, np.float32)
     if markov == "rnn":  # the output gate o reads e = W1[prev] as it is
-        r, joint = MARKOV_RANK, t["markov_head.joint_proj.weight"]
+        joint = t["markov_head.joint_proj.weight"]
         joint[2 * r :, r : 2 * r] = np.eye(r, dtype=np.float32)
         t["markov_head.markov_w2.weight"] *= np.float32(RNN_GAIN)
 
