@@ -250,7 +250,7 @@ def _sizes(model, vocabs) -> List[int]:
             out.update(draft_vocab.auto_sizes(V))
         elif isinstance(v, int) and v < V:
             out.add(v)
-    heads = model.assistant is None and model.drafter is None
+    heads = model.assistant is None and (model.drafter is None or model.block_vocab_ok)
     return sorted(out) if model.num_mtp_layers and heads else []
 
 

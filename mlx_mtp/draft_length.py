@@ -54,8 +54,9 @@ class RoundCosts:
 
     ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens; ``draft`` one MTP
     step; ``drafts[n]`` one MTP step drafting from a draft vocabulary of n tokens
-    (`mlx_mtp.draft_vocab`); ``block`` a block drafter's pass (0: none), which
-    a round drafting any k > 0 pays once, whatever k.
+    (`mlx_mtp.draft_vocab`), or a block drafter's pass drafting from one; ``block``
+    a block drafter's pass (0: none), which a round drafting any k > 0 pays once,
+    whatever k.
     """
 
     verify: List[float]
@@ -69,7 +70,8 @@ class RoundCosts:
     def round(self, k: int, vocab: Optional[int] = None) -> float:
         """A round drafting k tokens (from ``vocab`` tokens; None: the heads' own)."""
         if self.block:
-            return self.verify[k] + (self.block if k else 0.0)
+            block = self.block if vocab is None else self.drafts.get(vocab, self.block)
+            return self.verify[k] + (block if k else 0.0)
         step = self.draft if vocab is None else self.drafts.get(vocab, self.draft)
         return self.verify[k] + k * step
 
@@ -125,7 +127,7 @@ def _draft_steps(model, caches, ids: mx.array, vocabs: Sequence[int]) -> list:
     whole head), then the first MTP layer's from each draft vocabulary in ``vocabs``
     (none for a model without heads)."""
     if model.drafter is not None:
-        return [_block_step(model, ids)]
+        return [_block_step(model, ids)] + [_block_step(model, ids, n) for n in vocabs]
     if model.assistant is not None:
         h = model.hidden(ids[None, -1:])
         kv = assistant_kv(model, caches.trunk)
@@ -148,9 +150,10 @@ def _draft_steps(model, caches, ids: mx.array, vocabs: Sequence[int]) -> list:
     return [step] + [partial(step, n) for n in vocabs]
 
 
-def _block_step(model, ids: mx.array):
-    """A block drafter's pass after the context ``ids`` (its gamma slots' logits),
-    which a round pays once whatever its k (`RoundCosts.block`)."""
+def _block_step(model, ids: mx.array, vocab: Optional[int] = None):
+    """A block drafter's pass after the context ``ids`` (its gamma slots' logits,
+    from the draft vocabulary ``vocab``), which a round pays once whatever its k
+    (`RoundCosts.block`, ``drafts[vocab]``)."""
     drafter_caches = mtp_caches(model)
     h = model.hidden(ids[None, :-1], make_caches(model).trunk)
     model.draft_context(h, drafter_caches)
@@ -159,7 +162,7 @@ def _block_step(model, ids: mx.array):
     anchor = ids[-1:]
 
     def step():
-        z, _ = model.draft_block(anchor, context, len(ids) - 1)
+        z, _ = model.draft_block(anchor, context, len(ids) - 1, vocab)
         mx.eval(mx.argmax(z, axis=-1))
 
     return step

@@ -1,11 +1,13 @@
-"""Draft vocabularies for native MTP heads: draft from the rows of the shared head
-that the model's next token is most likely to be in.
+"""Draft vocabularies for native MTP heads and block drafters: draft from the rows of
+the shared head that the model's next token is most likely to be in.
 
 A native head's draft step ends with the full output projection (V rows), often the
-largest part of its cost. Restricted to the N rows of the tokens the model emits most,
-a step reads N rows; a draft is then never a token outside them, so acceptance drops by
-about the share of the target's tokens outside them. The target distribution is never
-restricted: the output stays exact whatever the rows.
+largest part of its cost; a block drafter's pass (DSpark) projects every slot with it
+and adds a Markov bias per slot through its own ``(V, r)`` projection. Restricted to
+the N rows of the tokens the model emits most, a step or a pass reads N rows of each;
+a draft is then never a token outside them, so acceptance drops by about the share of
+the target's tokens outside them. The target distribution is never restricted: the
+output stays exact whatever the rows.
 
 The rows come from a ranking of the whole vocabulary, measured once per model
 (`rank_tokens`): each token's expected count as the model's next token over a
@@ -214,10 +216,12 @@ def _cache_path(model) -> Optional[Path]:
 def wants_ranking(model) -> bool:
     """Whether the model's heads can draft from a draft vocabulary of a ranking:
     native MTP heads (not an assistant, not heads trained with their own draft
-    vocabulary) on a trunk that is not sharded, whose head is a plain projection."""
+    vocabulary) or a block drafter, on a trunk that is not sharded, whose head is a
+    plain projection."""
     return (
         model.num_mtp_layers > 0
         and model.assistant is None
+        and (model.drafter is None or model.block_vocab_ok)
         and "draft_vocab" not in model.mtp
         and model.group is None
         and not (model.family.head is None and model.family.own_logits)
@@ -234,7 +238,8 @@ def ranking_for(model, tokenizer=None) -> Optional[Ranking]:
     """The model's ranking: the one its conversion stores, else the one computed for
     it earlier, else computed now from the calibration text (with ``tokenizer``, or
     the one in the model's folder) and kept. None when it cannot be had (no tokenizer,
-    or a trunk sharded over several ranks, whose head is not whole on each)."""
+    or one that reads the calibration text as less than two tokens, or a trunk
+    sharded over several ranks, whose head is not whole on each)."""
     ranking = getattr(model, "vocab_ranking", None)
     if ranking is not None or model.group is not None:
         return ranking
@@ -247,9 +252,10 @@ def ranking_for(model, tokenizer=None) -> Optional[Ranking]:
     if ranking is None:
         if tokenizer is None and model.source is not None:
             tokenizer = _tokenizer_of(model.source)
-        if tokenizer is None:
+        ids = [] if tokenizer is None else calibration_ids(tokenizer)
+        if len(ids) < 2:  # no tokenizer, or one that does not read the text
             return None
-        ranking = rank_tokens(model, calibration_ids(tokenizer))
+        ranking = rank_tokens(model, ids)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)

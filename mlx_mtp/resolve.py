@@ -145,7 +145,9 @@ def draft_vocabs(model, value: Union[int, str], history: Optional[str] = None):
     value = draft_vocab.parse(value)
     V = model.args.vocab_size
     trained = "draft_vocab" in model.mtp
-    own = model.assistant is not None or model.drafter is not None
+    own = model.assistant is not None or (
+        model.drafter is not None and not model.block_vocab_ok
+    )
     if own or not model.num_mtp_layers:
         if isinstance(value, int) and own:
             raise MTPError("draft_vocab: a separate drafter drafts from its own head")

@@ -362,14 +362,17 @@ def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
     context = [ops(c).read_kv(n, window) for c in caches.mtp]
     position = n[0] if len(runs) == 1 else mx.array(n, dtype=mx.int32)
     anchor = mx.array([r.state.tokens[-1] for r in runs], dtype=mx.int32)  # (B,)
-    z, g = model.draft_block(anchor, context, position)  # (B, gamma, V), (B, gamma, H)
+    vocabs = [v for v, k in zip(rp.vocabs, ks) if k] or [None]
+    z, g = model.draft_block(anchor, context, position, vocabs[0])  # (B, gamma, H) g
+    z = {vocabs[0]: z}  # per draft vocabulary, (B, gamma, V or its size)
+    for v in set(vocabs) - {vocabs[0]}:
+        z[v] = model.block_logits(g, v)
     d = model.drafter
     keys = _step_keys(rp, ks, K)
     tokens, logprobs, prev = [], [], anchor
     state = d.markov_start(len(runs), g.dtype)
     for j in range(K):
-        bias, state = d.markov(prev, g[:, j], state)
-        logits = z[:, j] if bias is None else z[:, j] + bias  # (B, V)
+        logits, state = _slot_logits(model, rp.vocabs, z, prev, g[:, j], state, j)
         logits = _ruled_logits(model, runs, logits, None, tokens, ks)
         prev, lp = _pick(runs, logits, keys[j])
         _push(runs, prev, ks, j)
@@ -377,6 +380,22 @@ def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
         logprobs.append(lp)
     drafts = mx.stack(tokens, axis=1)  # (B, K)
     return _cut(model, rp, g, anchor, drafts), _stack_q(logprobs)
+
+
+def _slot_logits(model, vocabs, z: dict, prev, g, state, j: int):
+    """``(B, V)`` logits of block slot j after the tokens ``prev`` ``(B,)``: each
+    row's slot logits from its draft vocabulary (``z``: `Model.block_logits` by
+    vocabulary) plus the Markov bias over the same rows, -inf outside them; and the
+    Markov head's state after the slot (the same whatever the rows)."""
+    out = None
+    for v, zv in z.items():
+        logits, after = model.slot_logits(zv[:, j], prev, g, state, v)
+        if out is None:
+            out = logits
+        else:
+            mine = mx.array([x == v for x in vocabs])[:, None]
+            out = mx.where(mine, logits, out)
+    return out, after
 
 
 def _cut(model, rp: RoundPlan, g, anchor, drafts: mx.array) -> mx.array:

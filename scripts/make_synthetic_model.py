@@ -398,8 +398,10 @@ def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0)
         emitted = np.zeros((V, 1), dtype=np.float32)
         emitted[order] = 4.0
         w[arch.lm_head] = unit[mx.array(inverse)] * mx.array(emitted)
-        successor = np.zeros(V, dtype=np.int64)
-        successor[inverse[order]] = order  # row pi(x) of lm_head is x's direction
+        # row pi(x) of lm_head is x's direction; a token the trunk never emits has
+        # no pi (a random successor: a drafter then knows nothing of it)
+        successor = rng.integers(0, V, V)
+        successor[inverse[order]] = order
     prefix = arch.block_prefix(config)
     if arch.weights is None:  # else the block came with them (and is damped)
         for k, v in tree_flatten(arch.block(config).parameters()):  # after embed
@@ -718,7 +720,7 @@ def main():
         type=Path,
         default=None,
         help="also write a predictable DSpark drafter folder for the model here "
-        "(--layout llama or qwen3, not with --zipf or --draft-vocab-size)",
+        "(--layout llama or qwen3, not with --zipf)",
     )
     p.add_argument(
         "--dspark-acceptance",
@@ -730,13 +732,8 @@ def main():
     p.add_argument("--dspark-layers", type=int, default=1)
     p.add_argument("--markov-rank", type=int, default=64)
     args = p.parse_args()
-    if args.dspark and (
-        args.layout not in ("llama", "qwen3") or args.zipf or args.draft_vocab_size
-    ):
-        p.error(
-            "--dspark needs --layout llama or qwen3, without --zipf or "
-            "--draft-vocab-size"
-        )
+    if args.dspark and (args.layout not in ("llama", "qwen3") or args.zipf):
+        p.error("--dspark needs --layout llama or qwen3, without --zipf")
     if args.layout == "deepseek_v4" and args.zipf:
         p.error("--zipf is not built for --layout deepseek_v4")
     if args.zipf and args.draft_vocab_size:
@@ -853,13 +850,14 @@ def write_drafter(args, config: dict, features, successor) -> dict:
     layout (`mlx_mtp.testing.dspark.write_dspark`, predictable): its Markov head
     carries pi for a share ``agree`` of the tokens, set so that the first slot's
     expected acceptance, ``agree`` times the share of positions at which the trunk's
-    greedy token is pi of the current one, is --dspark-acceptance."""
+    greedy token is pi of the current one (on the greedy continuations the head's
+    gamma was set on), is --dspark-acceptance."""
     from mlx_mtp.testing.dspark import write_dspark
 
     hits = total = 0
-    for seq, _, greedy in features:
-        hits += (greedy == mx.array(successor)[seq[0]]).sum().item()
-        total += greedy.shape[0]
+    for seq, _, greedy in features:  # past the 8-token random prompts: emitted tokens
+        hits += (greedy[8:] == mx.array(successor)[seq[0, 8:]]).sum().item()
+        total += greedy.shape[0] - 8
     follows = hits / total
     acceptance = args.dspark_acceptance or args.acceptance
     agree = min(1.0, acceptance / follows)

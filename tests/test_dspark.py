@@ -267,7 +267,7 @@ def test_auto_reaches_the_whole_block_by_default(target):
     from .test_window import greedy_identity
 
     wide = BLOCK_SIZE + 2
-    path = drafter(target, "wide", block_size=wide)
+    path = drafter(target, "longer-block", block_size=wide)
     model = load_model(str(target), draft_model=str(path))[0]
     assert DecodeOptions().max_draft_tokens is None
     assert draft_policy(model, "auto", None).max_k == wide
@@ -418,11 +418,12 @@ def smalls(tmp_path_factory):
     return get
 
 
-def sampling_fails(model, k, n=600) -> bool:
-    """The chi-square test of `tests/test_sampling.py` on the first three tokens."""
+def sampling_fails(model, k, n=600, **options) -> bool:
+    """The chi-square test of `tests/test_sampling.py` on the first three tokens
+    (``options``: more `mtp_generate_step` arguments)."""
     from .test_sampling import sampling_after_prompt_fails
 
-    return sampling_after_prompt_fails(model, SAMPLE_PROMPT, V, k, n)
+    return sampling_after_prompt_fails(model, SAMPLE_PROMPT, V, k, n, **options)
 
 
 @pytest.mark.parametrize("markov", SAMPLED_MARKOV)
@@ -446,8 +447,8 @@ def fails_with_q_without_the_markov_correction(model, monkeypatch) -> bool:
     same test. Returns whether it failed."""
     markov_bias, pick, last = model.drafter.markov, rounds._pick, {}
 
-    def recording(prev, g, state):
-        last["bias"], state = markov_bias(prev, g, state)
+    def recording(prev, g, state, w2=None):
+        last["bias"], state = markov_bias(prev, g, state, w2)
         return last["bias"], state
 
     def uncorrected(runs, logits, keys):
@@ -459,6 +460,80 @@ def fails_with_q_without_the_markov_correction(model, monkeypatch) -> bool:
     monkeypatch.setattr(model.drafter, "markov", recording)
     monkeypatch.setattr(rounds, "_pick", uncorrected)
     return sampling_fails(model, model.drafter.block_size)
+
+
+# --- draft vocabularies -------------------------------------------------------------
+
+
+@pytest.fixture
+def ranked(smalls):
+    """The 16-token pair, its ranking set by hand (it has no tokenizer)."""
+    from mlx_mtp import draft_vocab
+
+    model = smalls()
+    ids = np.random.default_rng(0).integers(0, V, 96).tolist()
+    model.vocab_ranking = draft_vocab.rank_tokens(model, ids)
+    yield model
+    model.vocab_ranking = None
+    model.__dict__.pop("_block_vocabs", None)
+
+
+def test_a_block_drafts_from_a_draft_vocabulary(ranked):
+    """A block's slots from a quarter of the vocabulary: its logits are the full
+    head's at the ranking's first rows (Markov bias included) and -inf elsewhere;
+    greedy decoding from it at k = 1, gamma and auto is plain decoding."""
+    from mlx_mtp.cache import mtp_caches, ops
+
+    model, n = ranked, V // 4
+    rows = np.array(model.vocab_ranking.rows(n))
+    caches = mtp_caches(model)
+    prompt = [3, 7, 5, 3, 7, 1]
+    h = model.hidden(mx.array(prompt[:-1])[None])
+    model.draft_context(h, caches)
+    context = [ops(c).read_kv([len(prompt) - 1]) for c in caches]
+    anchor, at = mx.array(prompt[-1:]), len(prompt) - 1
+    full, g = model.draft_block(anchor, context, at)
+    some, _ = model.draft_block(anchor, context, at, n)
+    assert some.shape[-1] == n
+    state = model.drafter.markov_start(1, g.dtype)
+    whole, _ = model.slot_logits(full[:, 0], anchor, g[:, 0], state)
+    part, _ = model.slot_logits(some[:, 0], anchor, g[:, 0], state, n)
+    whole, part = np.array(whole)[0], np.array(part)[0]
+    assert np.allclose(part[rows], whole[rows], atol=1e-5)
+    assert np.isinf(np.delete(part, rows)).all()
+    for k in (1, BLOCK_SIZE, "auto"):
+        steps = list(
+            mtp_generate_step(
+                prompt, model, num_draft_tokens=k, max_tokens=24, draft_vocab=n
+            )
+        )
+        assert [o.token for o in steps] == plain(model, prompt, 24), k
+        drafted = set(steps[-1].stats.drafted_by_vocab)
+        assert drafted == {str(n)} if k != "auto" else drafted <= {str(n)}, drafted
+
+
+def test_batched_rows_with_different_draft_vocabularies(ranked):
+    """Rows drafting from different draft vocabularies (a quarter, half, the whole
+    head) verify together, each equal to its lone run: greedy, and seeded
+    sampling."""
+    from mlx_mtp.batch import Batch
+
+    from .test_batch import drive
+
+    prompts = [[3, 7, 5, 3], [1, 2, 3, 4, 5, 6], [9, 8]]
+    for base in (
+        HEADS.replace(num_draft_tokens=BLOCK_SIZE, max_tokens=16),
+        DecodeOptions(num_draft_tokens=3, max_tokens=12, temp=0.9, seed=3),
+    ):
+        opts = [base.replace(draft_vocab=v) for v in (V // 4, V // 2, "full")]
+        joins = {0: [(i, p, o) for i, (p, o) in enumerate(zip(prompts, opts))]}
+        out, _ = drive(Batch(ranked, base), joins)
+        for i, (p, o) in enumerate(zip(prompts, opts)):
+            assert out[i] == [t.token for t in mtp_generate_step(p, ranked, o)], i
+
+
+def test_sampling_from_a_draft_vocabulary_is_exact(ranked):
+    assert not sampling_fails(ranked, BLOCK_SIZE, draft_vocab=V // 4)
 
 
 # --- the confidence cut ------------------------------------------------------------

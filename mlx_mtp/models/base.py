@@ -207,17 +207,24 @@ class Model(nn.Module):
             return
         self.drafter.context(h[..., : self.drafter.tap_width], caches)
 
-    def draft_block(self, anchor: mx.array, context: List[Any], position):
+    def draft_block(
+        self,
+        anchor: mx.array,
+        context: List[Any],
+        position,
+        vocab: Optional[int] = None,
+    ):
         """A block drafter's pass after the anchors ``anchor`` ``(B,)`` at
         ``position`` (int, or ``(B,)``), reading ``context`` (per drafter layer,
-        its cache's ``read_kv``): ``(B, gamma, V)`` logits before the Markov head,
+        its cache's ``read_kv``): the slots' logits before the Markov head
+        (`block_logits`: ``(B, gamma, V)``, or over a draft vocabulary's rows),
         and the ``(B, gamma, H)`` outputs (`mlx_mtp.models.dspark.DSpark.block`'s,
         which its confidence head reads; ``head_input`` of them is the head's).
         Read from `mlx_mtp.rows.Rows` caches (`RowReads`), each row's pass is its
         own, at its own position."""
         if context and isinstance(context[0], RowReads):
             passes = [
-                self.draft_block(anchor[b : b + 1], [c[b] for c in context], n)
+                self.draft_block(anchor[b : b + 1], [c[b] for c in context], n, vocab)
                 for b, n in enumerate(context[0].positions)
             ]
             logits, g = zip(*passes)
@@ -226,9 +233,64 @@ class Model(nn.Module):
         ids = d.block_ids(anchor)
         x = d.embed_tokens(ids) if "embed_tokens" in d else self.embed(ids)
         g = d.block(x, context, position)
+        return self.block_logits(g, vocab), g
+
+    def block_logits(self, g: mx.array, vocab: Optional[int] = None) -> mx.array:
+        """The block drafter's slot logits before the Markov head, of its outputs
+        ``g`` ``(B, gamma, H)``: ``(B, gamma, V)``, or with ``vocab`` (fewer than V
+        tokens) ``(B, gamma, vocab)`` over the token ids `block_rows` (the rows of
+        the ``vocab`` tokens ranked first, `mlx_mtp.draft_vocab`), whose pass reads
+        those rows of the head only."""
+        d = self.drafter
         h = d.head_input(g)
-        logits = d.lm_head(h) if "lm_head" in d else self.family.logits(self.trunk, h)
-        return logits, g
+        if vocab is not None and vocab < self.args.vocab_size:
+            return self._block_vocab(vocab)[1](h)
+        if "lm_head" in d:
+            return d.lm_head(h)
+        return self.family.logits(self.trunk, h)
+
+    def block_rows(self, vocab: Optional[int]) -> Optional[mx.array]:
+        """The token ids of `block_logits`' columns with ``vocab`` (None: all)."""
+        if vocab is None or vocab >= self.args.vocab_size:
+            return None
+        return self._block_vocab(vocab)[0]
+
+    def slot_logits(self, z: mx.array, prev: mx.array, g: mx.array, state, vocab=None):
+        """``(B, V)`` logits of a block slot and the Markov head's state after it:
+        the slot's `block_logits` ``z`` (``vocab``'s columns) plus the Markov bias
+        after the tokens ``prev`` (`mlx_mtp.models.dspark.DSpark.markov`, over the
+        same rows), -inf outside `block_rows`; ``g`` ``(B, H)`` its outputs."""
+        rows = self.block_rows(vocab)
+        w2 = None if rows is None else self._block_vocab(vocab)[2]
+        bias, state = self.drafter.markov(prev, g, state, w2)
+        logits = z if bias is None else z + bias
+        if rows is not None:
+            logits = expand(logits, rows, self.args.vocab_size)
+        return logits, state
+
+    @property
+    def block_vocab_ok(self) -> bool:
+        """Whether the block drafter can draft from a draft vocabulary: its head
+        (its own, or the target's) is a plain projection whose rows can be read
+        alone."""
+        d = self.drafter
+        return d is not None and (
+            "lm_head" in d or self.family.output_head(self.trunk) is not None
+        )
+
+    def _block_vocab(self, vocab: int):
+        """(rows, head of those rows, ``markov_w2`` of those rows or None), made
+        once per draft vocabulary size."""
+        made = self.__dict__.setdefault("_block_vocabs", {})
+        if vocab not in made:
+            d = self.drafter
+            rows = self.vocab_ranking.rows(vocab)
+            head = d.lm_head if "lm_head" in d else self.family.output_head(self.trunk)
+            w2 = None
+            if "markov_head" in d:
+                w2 = RowsHead(d.markov_head.markov_w2, rows)
+            made[vocab] = rows, RowsHead(head, rows), w2
+        return made[vocab]
 
     def draft_logits(self, h: mx.array, vocab: Optional[int] = None) -> mx.array:
         """``(..., V)`` logits an MTP output drafts from (-inf outside the rows drafted

@@ -165,7 +165,13 @@ class MarkovHead(nn.Module):
     def __call__(self, prev: mx.array, g: mx.array, state):
         """``(B,)`` previous tokens and ``(B, H)`` the slot's normed outputs ->
         ``(B, V)`` logit biases and the state after the slot."""
-        return self.markov_w2(self.markov_w1(prev)), state
+        u, state = self.features(prev, g, state)
+        return self.markov_w2(u), state
+
+    def features(self, prev: mx.array, g: mx.array, state):
+        """The ``(B, r)`` input of ``markov_w2`` for a slot (see `__call__`), and
+        the state after the slot."""
+        return self.markov_w1(prev), state
 
 
 class GatedMarkovHead(MarkovHead):
@@ -176,10 +182,10 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(vocab_size, rank, hidden_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def __call__(self, prev: mx.array, g: mx.array, state):
+    def features(self, prev: mx.array, g: mx.array, state):
         e = self.markov_w1(prev)  # (B, r)
         gate = mx.sigmoid(self.gate_proj(mx.concatenate([g, e], axis=-1)))
-        return self.markov_w2(gate * e), state
+        return gate * e, state
 
 
 class RecurrentMarkovHead(MarkovHead):
@@ -194,13 +200,13 @@ class RecurrentMarkovHead(MarkovHead):
     def start(self, batch: int, dtype) -> mx.array:
         return mx.zeros((batch, self.markov_w1.weight.shape[-1]), dtype=dtype)
 
-    def __call__(self, prev: mx.array, g: mx.array, state: mx.array):
+    def features(self, prev: mx.array, g: mx.array, state: mx.array):
         e = self.markov_w1(prev)  # (B, r)
         joint = self.joint_proj(mx.concatenate([state, e, g], axis=-1))  # (B, 3 r)
         u, c, o = mx.split(joint, 3, axis=-1)
         u = mx.sigmoid(u)
         state = u * state + (1.0 - u) * mx.tanh(c)
-        return self.markov_w2(mx.tanh(o)), state
+        return mx.tanh(o), state
 
 
 MARKOV_HEADS = {
@@ -338,14 +344,17 @@ class DSpark(nn.Module):
         """The Markov head's state before a block's first slot (None: no state)."""
         return self.markov_head.start(batch, dtype) if "markov_head" in self else None
 
-    def markov(self, prev: mx.array, g: mx.array, state):
+    def markov(self, prev: mx.array, g: mx.array, state, w2=None):
         """``(B, V)`` Markov bias of a slot after the tokens ``prev`` ``(B,)``, its
         normed outputs ``g`` ``(B, H)`` and the head's ``state`` (`markov_start`,
         then what the slot before returned), and the state after it; the bias is
-        None without a Markov head (``markov_rank`` 0: slots are independent)."""
+        None without a Markov head (``markov_rank`` 0: slots are independent).
+        ``w2``: a projection that replaces ``markov_w2`` (some of its rows: a draft
+        vocabulary's, `mlx_mtp.models.base.Model.block_logits`)."""
         if "markov_head" not in self:
             return None, state
-        return self.markov_head(prev, g, state)
+        u, state = self.markov_head.features(prev, g, state)
+        return (self.markov_head.markov_w2 if w2 is None else w2)(u), state
 
     def confidence(self, g: mx.array, prev: mx.array) -> mx.array:
         """``(...)`` float32 confidence logits c of slot outputs ``g`` ``(..., H)``
