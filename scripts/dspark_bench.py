@@ -3,7 +3,9 @@ a one-layer MTP head, and two peer runtimes' DSpark loops (mlx-dspark, mlx-vlm),
 same files, interleaved in one process (one BLAS for all: scripts/fast_blas.py).
 
     python scripts/dspark_bench.py --target T --drafter D [--tokens 96] [--reps 3]
-        [--trunk TRUNK] [--k auto 7] [--vlm VLM --vlmdeps VLMDEPS --dspark DSPARK] [--json out.json]
+        [--trunk TRUNK] [--k auto 7] [--vlm VLM --vlmdeps VLMDEPS --dspark DSPARK]
+        [--dspark-settings defaults auto full 4] [--vlm-settings defaults full 4]
+        [--json out.json]
 
 Made for the synthetic pair of ``make_synthetic_model.py --layout qwen3 --dspark D``
 (a ~300M Qwen3 target with a DSpark drafter of 6% of its parameters and a one-layer

@@ -694,7 +694,8 @@ def main():
         "--layout",
         choices=sorted(ARCHS),
         default="llama",
-        help="llama or qwen3 (dense), qwen3_5 (Gated-DeltaNet and full attention, 3:1) or "
+        help="llama or qwen3 (dense), qwen3_5 (Gated-DeltaNet and full attention, "
+        "3:1) or "
         "deepseek_v4 (V4-Flash's release layout)",
     )
     p.add_argument(

@@ -431,8 +431,7 @@ def test_sampling_is_exact_with_each_markov_head(smalls, markov):
     assert not sampling_fails(smalls(markov, tau=0.0), BLOCK_SIZE)
 
 
-@pytest.mark.slow  # a negative control: the check it guards runs by default
-@pytest.mark.parametrize("markov", MARKOV)
+@pytest.mark.parametrize("markov", SAMPLED_MARKOV)  # gated, rnn: with -m slow
 def test_sampling_test_catches_q_without_the_markov_correction(
     smalls, markov, monkeypatch
 ):
