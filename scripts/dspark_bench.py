@@ -337,4 +337,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from mlx_mtp.errors import MTPError
+
+    try:
+        main()
+    except MTPError as e:  # a bad folder or option: one line, as the CLI says it
+        sys.exit(f"dspark_bench.py: {e}")
