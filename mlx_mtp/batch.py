@@ -394,7 +394,7 @@ class Batch:
         `mlx_mtp.batch_costs`); no round may be launched."""
         rp = plan(self.runs)
         rp.ks, rp.lookups = [1] * len(self.rows), [None] * len(self.rows)
-        drafts, _ = draft(self.model, self.caches, self.runs, rp, self.depth)
+        drafts, _, _ = draft(self.model, self.caches, self.runs, rp, self.depth)
         mx.eval(drafts)
         keep_below(self.caches.mtp, [r.state.frontier for r in self.rows])
 
@@ -490,7 +490,7 @@ class Batch:
         k, source, vocab = rp.ks[b], rp.source(b), rp.vocab(b)
         row.stats.record(k, a, source, vocab)
         row.stats.emitted += len(new) - len(made)
-        row.run.observe(k, a, source, vocab, made)
+        row.run.observe(k, a, source, vocab, made, rnd.tail(b, a))
         if row.run.rules is not None:
             row.run.rule("commit", new)
         B = len(self.rows)

@@ -52,7 +52,10 @@ MIN_EVIDENCE = 4.0  # judged drafts at a position before its estimate is trusted
 class RoundCosts:
     """Round costs relative to one plain decode step t(1).
 
-    ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens; ``draft`` one MTP
+    ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens (as measured;
+    rounds are priced with ``fitted``, its least-squares fit that does not fall
+    with n: a wider pass does no less work, and a measurement that says it does
+    is noise that would make k + 1 look cheaper than k); ``draft`` one MTP
     step; ``drafts[n]`` one MTP step drafting from a draft vocabulary of n tokens
     (`mlx_mtp.draft_vocab`), or a block drafter's pass drafting from one; ``block``
     a block drafter's pass (0: none), which a round drafting any k > 0 pays once,
@@ -66,14 +69,28 @@ class RoundCosts:
 
     def __post_init__(self):
         self.drafts = {int(n): c for n, c in self.drafts.items()}  # JSON keys
+        self.fitted = nondecreasing(self.verify)
 
     def round(self, k: int, vocab: Optional[int] = None) -> float:
         """A round drafting k tokens (from ``vocab`` tokens; None: the heads' own)."""
         if self.block:
             block = self.block if vocab is None else self.drafts.get(vocab, self.block)
-            return self.verify[k] + (block if k else 0.0)
+            return self.fitted[k] + (block if k else 0.0)
         step = self.draft if vocab is None else self.drafts.get(vocab, self.draft)
-        return self.verify[k] + k * step
+        return self.fitted[k] + k * step
+
+
+def nondecreasing(xs: Sequence[float]) -> List[float]:
+    """The nondecreasing sequence nearest ``xs`` in least squares (pool adjacent
+    violators: a run that falls is replaced by its mean)."""
+    pools: List[Tuple[float, int]] = []  # (sum, count)
+    for x in xs:
+        total, count = x, 1
+        while pools and pools[-1][0] / pools[-1][1] > total / count:
+            s, n = pools.pop()
+            total, count = total + s, count + n
+        pools.append((total, count))
+    return [s / n for s, n in pools for _ in range(n)]
 
 
 def measure_costs(
@@ -343,6 +360,7 @@ class DraftPolicy:
 
     max_k: int = 0
     vocab: Optional[int] = None
+    judges: bool = False  # whether it learns from `judge` (it chooses among ks)
 
     def next(self) -> int:
         """The next round's k, from 0 to ``max_k``."""
@@ -351,6 +369,10 @@ class DraftPolicy:
     def observe(self, k: int, accepted: int, missed: bool = False) -> None:
         """A round drafted k and ``accepted`` were accepted; ``missed``: the target's
         token at the first rejected draft was outside the rows drafted from."""
+
+    def judge(self, j: int, accepted: bool) -> None:
+        """A draft at position j (0-based) that no round verified was judged later
+        (`Unverified`): ``accepted``, whether a round would have accepted it."""
 
 
 class FixedLength(DraftPolicy):
@@ -467,6 +489,7 @@ class AdaptiveLength(DraftPolicy):
         self.idle = 0  # rounds since the last draft
         self.interval = probe_every  # rounds between probes now
         self.shallow = 0  # drafting rounds since the last one drafted deeper
+        self.judges = len(self.allowed) > 1
 
     def alphas(self) -> List[float]:
         """Acceptance at each position given the previous one was accepted (with the
@@ -510,9 +533,10 @@ class AdaptiveLength(DraftPolicy):
         return k
 
     def _deeper(self, k: int) -> int:
-        """``k``, or the next allowed length when it is time to probe the position
+        """``k``, or a longer allowed length when it is time to probe the position
         after k: every ``probe_every`` drafting rounds while it has fewer than
-        `MIN_EVIDENCE` judged drafts."""
+        `MIN_EVIDENCE` judged drafts. Heads probe one position deeper (each costs
+        a draft step); a block drafter the longest (its pass proposed them all)."""
         longer = [x for x in self.allowed if x > k]
         self.shallow += 1
         if not longer or self.reached[k] >= MIN_EVIDENCE:
@@ -520,19 +544,63 @@ class AdaptiveLength(DraftPolicy):
         if self.shallow < self.probe_every:
             return k
         self.shallow = 0
-        return longer[0]
+        return longer[-1] if self.costs.block else longer[0]
 
     def observe(self, k: int, accepted: int, missed: bool = False) -> None:
         """Each position's acceptance is forgotten over its own judged drafts (a
         position seldom drafted keeps what its rare drafts showed)."""
-        if k == 0:
-            return
         for j in range(min(k, accepted + int(not missed))):
-            self.reached[j] = self.reached[j] * self.decay + 1.0
-            self.hits[j] *= self.decay
-            self.hits[j] += float(j < accepted)
-            self.seen.reached[j] += 1.0
-            self.seen.hits[j] += float(j < accepted)
+            self.judge(j, j < accepted)
+
+    def judge(self, j: int, accepted: bool) -> None:
+        self.reached[j] = self.reached[j] * self.decay + 1.0
+        self.hits[j] = self.hits[j] * self.decay + float(accepted)
+        self.seen.reached[j] += 1.0
+        self.seen.hits[j] += float(accepted)
+
+
+class Unverified:
+    """A greedy stream's drafts that no round verified: a block drafter's slots past
+    a round's k, which its one pass proposes anyway (`mlx_mtp.round.draft_block`).
+
+    Greedy, the token committed at a position is the target's whatever later rounds
+    draft, so each such draft is judged against the tokens committed after it, up to
+    its block's first miss, as a round drafting the whole block would have judged
+    it: the policy learns the acceptance of positions it seldom drafts at no verify
+    cost (probing them costs a wider verify pass). A token outside the rows drafted
+    from stops its block unjudged, as it does a round (``missed``).
+    """
+
+    def __init__(self):
+        self.committed = 0  # tokens committed since the stream began
+        # per block: stream index of its next draft, its position, drafts, vocabulary
+        self.pending: List[Tuple[int, int, List[int], Optional[int]]] = []
+
+    def add(self, k: int, tail: Sequence[int], vocab: Optional[int]) -> None:
+        """The drafts past k of a round whose k drafts were all accepted (its
+        committed tokens, next to `judge`, follow them)."""
+        if tail:
+            self.pending.append((self.committed + k, k, list(tail), vocab))
+
+    def judge(
+        self, new: Sequence[int], inside: Callable[[int, Optional[int]], bool]
+    ) -> List[Tuple[int, bool]]:
+        """``(position, accepted)`` of each pending draft the committed tokens
+        ``new`` reach; ``inside(token, vocab)``: whether ``token`` is among the
+        rows of the draft vocabulary ``vocab``."""
+        judged, kept, end = [], [], self.committed + len(new)
+        for at, j, tokens, vocab in self.pending:
+            i, go = 0, True
+            while go and i < len(tokens) and at + i < end:
+                token = new[at + i - self.committed]
+                go = inside(token, vocab) and token == tokens[i]
+                if inside(token, vocab):
+                    judged.append((j + i, go))
+                i += 1
+            if go and i < len(tokens):
+                kept.append((at + i, j + i, tokens[i:], vocab))
+        self.committed, self.pending = end, kept
+        return judged
 
 
 class SourceChoice:
@@ -578,7 +646,7 @@ class SourceChoice:
     def rate(self, source: str, k: int) -> float:
         """Expected tokens per unit of cost of a round drafting k from ``source``."""
         if source == "lookup":
-            return self.lookup.expected_tokens(k) / self.costs.verify[k]
+            return self.lookup.expected_tokens(k) / self.costs.fitted[k]
         return self.heads.rate(k, self.heads.best_vocab(k))
 
     def lookup_length(self, found: int, heads_k: int) -> int:

@@ -128,10 +128,21 @@ class Round:
     accepted: mx.array  # (B,)
     next_tokens: mx.array  # (B,)
     marks: list
+    # (B, gamma): a block drafter's whole block when rows judge their unverified
+    # drafts (`tail`), else None
+    proposed: Optional[mx.array] = None
 
     @property
     def K(self) -> int:
         return self.drafts.shape[1]
+
+    def tail(self, b: int, a: int) -> List[int]:
+        """Row b's drafts past its k that its drafter proposed (`draft_block`), when
+        its k drafts were all accepted (``a == k``; else none: its block missed)."""
+        k = self.plan.ks[b]
+        if self.proposed is None or a < k or self.plan.lookups[b] or not k:
+            return []
+        return self.proposed[b, k:].tolist()
 
     def select(self, rows: List[int]) -> "Round":
         """The round of ``rows`` only (rows that left the batch dropped)."""
@@ -145,6 +156,7 @@ class Round:
             self.accepted[idx],
             self.next_tokens[idx],
             [filter_mark(m, idx) for m in self.marks],
+            None if self.proposed is None else self.proposed[idx],
         )
 
 
@@ -234,7 +246,7 @@ def launch(
     # whether the drafter runs (every row's frontier then moves), decided before a
     # block drafter's confidence cut may leave no row any draft
     heads = max(rp.heads, default=0) > 0 and depth > 0
-    drafts, q = draft(model, caches, runs, rp, depth)
+    drafts, q, proposed = draft(model, caches, runs, rp, depth)
     for b, r in enumerate(runs):
         for token in rp.lookups[b] or ():
             if r.ruled:
@@ -255,29 +267,38 @@ def launch(
     if sync.group is not None:
         accepted, next_tokens = sync.share(accepted), sync.share(next_tokens)
     mx.async_eval(accepted, next_tokens, drafts, hidden, logprobs)
-    return Round(rp, heads, drafts, hidden, logprobs, accepted, next_tokens, marks)
+    rnd = Round(rp, heads, drafts, hidden, logprobs, accepted, next_tokens, marks)
+    if proposed is not None:
+        rnd.proposed = proposed
+        mx.async_eval(proposed)
+    return rnd
 
 
 def draft(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
     """``(B, K)`` drafts: the heads' (or an assistant's, or a block drafter's) for
     heads rows, each lookup row's own tokens, zeros past a row's k_b. Returns them
     and per row its ``(K, V)`` draft log-probabilities (None for a greedy or lookup
-    row; None for all when no row has any). A block drafter's confidence cut may
-    lower the heads rows' ``rp.ks`` (K is the longest after it)."""
-    source = draft_heads if model.drafter is None else draft_block
-    tokens, q = source(model, caches, runs, rp, depth)
+    row; None for all when no row has any), and a block drafter's whole block
+    ``(B, gamma)`` when rows judge their unverified drafts (`draft_block`; else
+    None). A block drafter's confidence cut may lower the heads rows' ``rp.ks`` (K
+    is the longest after it)."""
+    proposed = None
+    if model.drafter is None:
+        tokens, q = draft_heads(model, caches, runs, rp, depth)
+    else:
+        tokens, q, proposed = draft_block(model, caches, runs, rp, depth)
     B, K = len(runs), rp.K
     if tokens.shape[1] < K:
         fill = mx.zeros((B, K - tokens.shape[1]), dtype=mx.int32)
         tokens = mx.concatenate([tokens, fill], axis=1)
     if not any(rp.lookups):
-        return tokens, q
+        return tokens, q, proposed
     found = [(look or []) + [0] * (K - len(look or ())) for look in rp.lookups]
     is_lookup = mx.array([bool(look) for look in rp.lookups])[:, None]
     tokens = mx.where(is_lookup, mx.array(found, dtype=mx.int32), tokens)
     if q is not None:
         q = [None if rp.lookups[b] else x for b, x in enumerate(q)]
-    return tokens, q
+    return tokens, q, proposed
 
 
 def draft_heads(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
@@ -351,11 +372,16 @@ def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
     slot k-1, so q_k is the distribution of the token actually drawn
     (``/work/notes/dspark_spec.md`` §3); the confidence head cuts each row's
     block (`_cut`). Afterwards the context caches hold positions 0..n-1 of each
-    row, as `commit` expects of a round with heads (frontier n)."""
+    row, as `commit` expects of a round with heads (frontier n).
+
+    When a row judges its unverified drafts (``run.judges_tail``: greedy, see
+    `mlx_mtp.draft_length.Unverified`), the Markov head also runs over the slots
+    past K (a few ``(B, r) x (r, V)`` products; the pass already made them), and
+    the whole block ``(B, gamma)`` is returned too (else None)."""
     ks = rp.heads
     K = max(ks, default=0)
     if K == 0 or depth == 0:
-        return mx.zeros((len(runs), 0), dtype=mx.int32), None
+        return mx.zeros((len(runs), 0), dtype=mx.int32), None, None
     _write_context(model, caches.mtp, runs)
     n = [len(r.state.tokens) - 1 for r in runs]
     window = model.drafter.context_window  # None: every context row
@@ -371,15 +397,21 @@ def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
     keys = _step_keys(rp, ks, K)
     tokens, logprobs, prev = [], [], anchor
     state = d.markov_start(len(runs), g.dtype)
-    for j in range(K):
+    judged = any(getattr(r, "judges_tail", False) for r in runs)
+    for j in range(g.shape[1] if judged else K):
         logits, state = _slot_logits(model, rp.vocabs, z, prev, g[:, j], state, j)
+        if j >= K:  # unverified: for the greedy rows' policies only
+            prev = mx.argmax(logits, axis=-1).astype(mx.int32)
+            tokens.append(prev)
+            continue
         logits = _ruled_logits(model, runs, logits, None, tokens, ks)
         prev, lp = _pick(runs, logits, keys[j])
         _push(runs, prev, ks, j)
         tokens.append(prev)
         logprobs.append(lp)
-    drafts = mx.stack(tokens, axis=1)  # (B, K)
-    return _cut(model, rp, g, anchor, drafts), _stack_q(logprobs)
+    block = mx.stack(tokens, axis=1)  # (B, K), or (B, gamma) when judged
+    drafts = _cut(model, rp, g, anchor, block[:, :K])
+    return drafts, _stack_q(logprobs), block if judged else None
 
 
 def _slot_logits(model, vocabs, z: dict, prev, g, state, j: int):

@@ -28,7 +28,7 @@ from .cache import (
 )
 from .defaults import MAX_DRAFT_TOKENS
 from .distributed import Sync
-from .draft_length import DraftPolicy
+from .draft_length import DraftPolicy, Unverified
 from .errors import MTPError
 from .lookup import continuation
 from .options import DecodeOptions
@@ -305,6 +305,7 @@ class Run:
     rules: Optional[Rules] = None  # processors and grammar; None: there are none
     failure: Optional[Exception] = None
     planned: Optional[RoundPlan] = None  # the next round's, planned ahead
+    unverified: Optional[Unverified] = None  # drafts no round verified, to judge
 
     def __post_init__(self):
         self.params = self.options.sampling
@@ -354,6 +355,20 @@ class Run:
         self.rules = make_rules(self.options, vocab_size, self.tokenizer)
         if self.rules is not None:
             self.rules.observe(self.state.tokens)
+        self.unverified = Unverified() if self.judges_tail else None
+
+    @property
+    def judges_tail(self) -> bool:
+        """Whether its block drafter's slots past k are drafted too and judged
+        later (`mlx_mtp.draft_length.Unverified`): a greedy stream without rules
+        (its tokens then do not depend on what was drafted, and no processor or
+        grammar shapes the drafts) whose policy chooses among draft lengths."""
+        return (
+            self.model.drafter is not None
+            and self.params.greedy
+            and self.rules is None
+            and self.policy.judges
+        )
 
     def wanted(self, emitted: int) -> bool:
         """Whether a round after ``emitted`` tokens is still wanted."""
@@ -386,15 +401,27 @@ class Run:
         )
         self.queued.append(rnd)
 
-    def observe(self, k: int, a: int, source: str, vocab, new: List[int]) -> None:
+    def observe(
+        self, k: int, a: int, source: str, vocab, new: List[int], tail=()
+    ) -> None:
         """Tell the policies how a committed round went: k drafts from ``source``
-        (draft vocabulary ``vocab``), a accepted, ``new`` its tokens."""
+        (draft vocabulary ``vocab``), a accepted, ``new`` its tokens; ``tail``: the
+        drafts its block drafter proposed past k (`Round.tail`), judged against
+        ``new`` and the tokens committed later."""
         cov = self.drafting.coverage
         missed = cov is not None and a < k and not cov.contains(new[a], vocab)
         if source == "heads":  # the policy sizes the heads' drafts
             self.policy.observe(k, a, missed)
         if self.drafting.sources is not None and k:
             self.drafting.sources.observe(source, k, a, missed)
+        if self.unverified is not None:
+            self.unverified.add(k, tail, vocab)
+            inside = cov.contains if cov is not None else lambda t, v: True
+            sources = self.drafting.sources
+            for j, hit in self.unverified.judge(new, inside):
+                self.policy.judge(j, hit)
+                if sources is not None:
+                    sources.heads.judge(j, hit)
         if cov is not None:
             cov.observe(new)
 
@@ -457,7 +484,7 @@ def _generate(run: Run, prompt: List[int], on_prefill=None):
             run.kv.apply(run.caches.trunk)
             k, source, vocab = rnd.plan.ks[0], rnd.plan.source(0), rnd.plan.vocab(0)
             stats.record(k, a, source, vocab)
-            run.observe(k, a, source, vocab, new)
+            run.observe(k, a, source, vocab, new, rnd.tail(0, a))
             if not run.queued and run.wanted(stats.emitted):
                 run.launch()
             for i, token in enumerate(new):

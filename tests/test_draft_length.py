@@ -10,7 +10,9 @@ from mlx_mtp.draft_length import (
     AdaptiveLength,
     DraftPolicy,
     RoundCosts,
+    Unverified,
     model_costs,
+    nondecreasing,
 )
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load_model
@@ -239,3 +241,35 @@ def test_a_new_measurement_keeps_what_the_stored_one_covered(tmp_path, monkeypat
     costs(12, [200])
     assert calls == [(8, [100]), (8, [100, 200]), (12, [100, 200])]
     assert set(costs(4, [100]).drafts) == {100, 200} and len(calls) == 3
+
+
+def test_verify_costs_are_priced_nondecreasing():
+    """A measured verify cost that falls with n is noise; rounds are priced with the
+    least-squares nondecreasing fit (a falling run pooled into its mean)."""
+    assert nondecreasing([1.0, 1.2, 1.1, 1.3]) == pytest.approx([1.0, 1.15, 1.15, 1.3])
+    assert nondecreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+    assert nondecreasing([1.0, 2.0]) == [1.0, 2.0] and nondecreasing([]) == []
+    costs = RoundCosts([1.0, 1.3, 1.1, 1.4], 0.0, block=0.5)
+    assert costs.verify == [1.0, 1.3, 1.1, 1.4]  # stored as measured
+    assert costs.round(2) == pytest.approx(1.2 + 0.5) and costs.round(0) == 1.0
+
+
+def test_unverified_drafts_are_judged_against_later_tokens():
+    """A block's drafts past k wait for the tokens committed after them, across
+    rounds, up to their first miss; a token outside the rows drafted from stops a
+    block unjudged."""
+    everywhere = lambda token, vocab: True  # noqa: E731
+    u = Unverified()
+    assert u.judge([9, 9], everywhere) == []  # nothing pending
+    u.add(2, [5, 6, 7, 8], None)  # k = 2 accepted: drafts 3..6 follow them
+    assert u.judge([1, 2, 5], everywhere) == [(2, True)]  # 2 drafts + next token
+    assert u.judge([6], everywhere) == [(3, True)]
+    u.add(0, [4], None)  # a round that drafted nothing judged: the next one's
+    assert u.judge([7, 0], everywhere) == [(4, True), (5, False), (0, False)]
+    assert u.pending == []
+    u.add(1, [3, 3], 10)  # from a 10-token draft vocabulary
+    assert u.judge([1, 42, 3], lambda t, v: t < v) == []  # 42: outside, unjudged
+    assert u.pending == []
+    u.add(3, [1, 2], None)
+    assert u.judge([0, 0, 0, 1], everywhere) == [(3, True)]
+    assert u.pending == [(u.committed, 4, [2], None)]

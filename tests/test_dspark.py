@@ -224,16 +224,18 @@ def test_random_drafters_decode_exactly(target):
 
 def test_auto_prices_a_block_round_as_one_pass(model, monkeypatch):
     """``-k auto``'s costs with a block drafter: a round drafting any k > 0 pays
-    one block pass (measured, stored and read back as such); an entry stored
-    without a pass (before block costs) is measured again."""
+    one block pass (measured, stored and read back as such) and its verify pass
+    (the measured costs' nondecreasing fit); an entry stored without a pass
+    (before block costs) is measured again."""
     from mlx_mtp import draft_length
     from mlx_mtp.files import write_table
 
     costs = draft_length.model_costs(model, BLOCK_SIZE)
     assert costs.block > 0 and costs.draft == 0
-    assert costs.round(0) == costs.verify[0]
+    assert costs.fitted == draft_length.nondecreasing(costs.verify)
+    assert costs.round(0) == costs.fitted[0]
     for k in range(1, BLOCK_SIZE + 1):
-        assert costs.round(k) == costs.verify[k] + costs.block
+        assert costs.round(k) == costs.fitted[k] + costs.block
 
     def reload():
         paths = str(model.source), str(model.drafter_source)
@@ -274,6 +276,73 @@ def test_auto_reaches_the_whole_block_by_default(target):
     assert draft_policy(model, "auto", 3).max_k == 3
     assert longest_draft(load_model(str(target))[0], None) == DEFAULT_MAX_DRAFT_TOKENS
     greedy_identity(model, PROMPTS[1:], n=24, ks=(wide,), policies=("auto",))
+
+
+def test_unverified_drafts_are_judged_as_a_whole_block_round_would(model, monkeypatch):
+    """A greedy ``-k auto`` stream that drafts k = 2 still learns every position of
+    the block: each round's drafts past k (the Markov head run over the pass's
+    other slots) are judged against the tokens committed after them. Its policy's
+    counts equal, position by position, those of rounds drafting the whole block,
+    worked out from plain decoding's tokens; the output is plain decoding's."""
+    from mlx_mtp.draft_length import AdaptiveLength, RoundCosts
+
+    class TwoAtATime(AdaptiveLength):
+        def next(self) -> int:
+            return 2
+
+    blocks = []  # (n, the block) per drafting round
+
+    def recording(model, caches, runs, rp, depth):
+        out = draft_block(model, caches, runs, rp, depth)
+        if rp.K:  # (the last rounds draft nothing: no room)
+            assert out[2].shape == (1, BLOCK_SIZE)
+            blocks.append((len(runs[0].state.tokens) - 1, out[2][0].tolist()))
+        return out
+
+    draft_block = rounds.draft_block
+    monkeypatch.setattr(rounds, "draft_block", recording)
+    costs = RoundCosts([1.0] * (BLOCK_SIZE + 1), 0.0, block=0.1)
+    for prompt in PROMPTS:
+        blocks.clear()
+        policy = TwoAtATime(costs, range(BLOCK_SIZE + 1))
+        steps = mtp_generate_step(prompt, model, HEADS, policy=policy, max_tokens=60)
+        tokens = [o.token for o in steps]
+        assert tokens == plain(model, prompt, 60)
+        stream = prompt + tokens
+        hits, reached = [0.0] * BLOCK_SIZE, [0.0] * BLOCK_SIZE
+        for n, block in blocks:
+            for j, d in enumerate(block):
+                if n + 1 + j >= len(stream):
+                    break  # committed after the generation ended: never judged
+                reached[j] += 1
+                if d != stream[n + 1 + j]:
+                    break
+                hits[j] += 1
+        assert policy.seen.reached == reached and policy.seen.hits == hits
+        assert sum(reached[2:]) > 10 and sum(hits[2:]) > 0, (reached, hits)
+
+
+def test_only_greedy_streams_draft_past_k(model, monkeypatch):
+    """Sampled rows, rows with a processor and fixed k draft no further than k
+    (a sampled row's later tokens depend on its draws: nothing to judge)."""
+    proposed = []
+
+    def recording(model, caches, runs, rp, depth):
+        out = draft_block(model, caches, runs, rp, depth)
+        if rp.K:
+            proposed.append(out[2])
+        return out
+
+    draft_block = rounds.draft_block
+    monkeypatch.setattr(rounds, "draft_block", recording)
+    for options in (
+        dict(num_draft_tokens=2),
+        dict(temp=1.0, seed=1),
+        dict(repetition_penalty=1.1),
+    ):
+        proposed.clear()
+        list(mtp_generate_step(PROMPTS[1], model, HEADS, max_tokens=12, **options))
+        assert proposed and all(p is None for p in proposed), options
 
 
 def fresh_context(model, tokens):
