@@ -65,6 +65,7 @@ FAMILIES = (
     "qwen3_5_moe",
     "qwen3_next",
     "step3p5",
+    "step3p7",
 )
 
 # Families whose reference is a module of its own (same functions as here, or its
@@ -79,6 +80,7 @@ SEPARATE = {
     "mimo_v2_flash": "numpy_mimo_v2_flash",
     "nemotron_h": "numpy_nemotron_h",
     "step3p5": "numpy_step3p5",
+    "step3p7": "numpy_step3p7",
 }
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use a fixed eps in mlx-lm and HF;

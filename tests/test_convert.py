@@ -111,6 +111,7 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
         "mimo_v2_flash",
         "nemotron_h",
         "step3p5",
+        "step3p7",
     ],
 )
 def test_graft_onto_conversion_without_heads(family, checkpoint, tmp_path, caplog):

@@ -255,6 +255,7 @@ def test_broken_recurrent_rollback_fails_the_test(small_hybrid, monkeypatch):
         "glm4_moe_lite",
         "nemotron_h",
         "step3p5",
+        "step3p7",
         "mimo_v2_flash",
         "deepseek_v32",
         "deepseek_v4",

@@ -38,6 +38,7 @@ FAMILIES = (
     "qwen3_5_moe",
     "qwen3_next",
     "step3p5",
+    "step3p7",
 )
 
 # Model types that share another's module.

@@ -48,7 +48,9 @@ Families and where their MTP tensors live:
   MLP, ``pre_mlp_layernorm``, ``final_layernorm``), not counted by the config.
 - ``step3p5``: sliding / full attention with zero-centred norms and a head-wise gate,
   MoE under ``moe.`` (3-D experts); two MTP layers at ``model.layers.{3,4}.`` (DeepSeek
-  names, ``shared_head.output``, the decoder layer under ``.transformer.``).
+  names, ``shared_head.output``, the decoder layer under ``.transformer.``);
+- ``step3p7``: the ``step3p5`` text model and MTP layers under ``text_config``, beside a
+  sample of a vision tower (``vision_model.*``) and projector.
 
 Qwen norms are stored zero-centred, as Hugging Face's ``x * (1 + w)`` convention has
 them (except the Gated-DeltaNet output norm); convolution weights are ``(C, 1, K)``.
@@ -1063,6 +1065,28 @@ def _step3p5(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+def _step3p7(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """Step-3.7-Flash (step3p7): the Step-3.5 fixture's text model and MTP layers
+    under ``text_config`` (its ``model_type`` step3p5), beside a sample of the vision
+    tower and projector, named as the release keeps them beside the text tensors
+    (``vision_model.*``, ``vit_large_projector.*``)."""
+    text, t = _step3p5(init, vocab_size)
+    cfg = {
+        "architectures": ["Step3p7ForConditionalGeneration"],
+        "model_type": "step3p7",
+        "text_config": text,
+        "vision_config": {"model_type": "perception_encoder", "width": 32},
+        "image_token_id": vocab_size - 1,
+        "understand_projector_stride": 2,
+        "projector_bias": False,
+        "tie_word_embeddings": False,
+    }
+    t["vision_model.conv1.weight"] = init.normal((32, 3, 14, 14), 0.02)
+    t["vision_model.ln_pre.weight"] = np.ones(32, dtype=np.float32)
+    t["vit_large_projector.weight"] = init.linear(HIDDEN, 4 * 32)
+    return cfg, t
+
+
 MIMO_V2_PATTERN = [0, 1, 1]  # full, sliding, sliding attention
 MIMO_V2_MTP = 2
 
@@ -1837,6 +1861,7 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
     "qwen3_5_moe": functools.partial(_qwen3_5, moe=True),
     "qwen3_next": _qwen3_next,
     "step3p5": _step3p5,
+    "step3p7": _step3p7,
 }
 FAMILIES = tuple(_SPECS)  # the families with a fixture (llama's is `write_llama`)
 
