@@ -43,3 +43,37 @@ def test_caches_are_lists_and_sessions_go_on(loaded):
         assert out == plain_greedy(model, history + ids, 20)
         history += ids + out
     mx.eval([c.state for c in session.caches.trunk])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"indexer_types": ["full", "full", "shared"]},
+        {"index_topk_freq": 4, "index_skip_topk_offset": 3},
+    ],
+)
+def test_shared_indexers_are_refused_in_one_line(checkpoint, tmp_path, edit):
+    """GLM-5.2 / 5.3 configs (indexers shared across layers) are refused by load
+    and convert with one line, as the CLI prints it, not on the missing tensors."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from mlx_mtp import load
+    from mlx_mtp.cli import main
+    from mlx_mtp.errors import UnsupportedModelError
+
+    path = tmp_path / "glm52"
+    shutil.copytree(checkpoint("glm_moe_dsa"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(UnsupportedModelError, match="share a sparse-attention indexer"):
+        load(str(path))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main, ["convert", "--hf-path", str(path), "--mlx-path", str(out)]
+    )
+    assert result.exit_code != 0 and not out.exists()
+    assert "share a sparse-attention indexer" in result.output
+    assert "Traceback" not in result.output
