@@ -292,8 +292,11 @@ def moe(W, prefix, cfg, x):
 # Attention variants
 
 
-def mla_attention(W, prefix, cfg, x, positions):
-    """DeepSeek-V3 multi-head latent attention (no cache, causal)."""
+def mla_attention(W, prefix, cfg, x, positions, shared=None):
+    """DeepSeek-V3 multi-head latent attention (no cache, causal). With the DSA
+    indexer, a layer that has none (GLM-5.2's "shared" layers) attends to the keys
+    the last layer with one selected (``shared["last"]``, which a layer with one
+    sets)."""
     n, n_heads = x.shape[0], cfg["num_attention_heads"]
     norm_eps = cfg["rms_norm_eps"] if cfg["model_type"] == "glm4_moe_lite" else None
     norm_eps = norm_eps or MLA_NORM_EPS
@@ -331,6 +334,10 @@ def mla_attention(W, prefix, cfg, x, positions):
     allowed = None
     if prefix + ".indexer.wk.weight" in W:
         allowed = dsa_selection(W, prefix + ".indexer", cfg, x, q_a, positions)
+        if shared is not None:
+            shared["last"] = allowed
+    elif "index_topk" in cfg and shared is not None:
+        allowed = shared["last"]
     out = causal_attention(q_full, k_full, v, scale, allowed)
     return linear(W, prefix + ".o_proj", out)
 
@@ -435,12 +442,13 @@ def is_moe_layer(cfg, family, layer_idx):
     return True
 
 
-def decoder_layer(W, prefix, cfg, family, layer_idx, x, positions):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+def decoder_layer(W, prefix, cfg, family, layer_idx, x, positions, shared=None):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)); ``shared``:
+    the trunk's DSA selection state (`mla_attention`)."""
     eps = cfg["rms_norm_eps"]
     a_in = rmsnorm(x, W[prefix + ".input_layernorm.weight"], eps)
     if family in MLA_FAMILIES:
-        attn = mla_attention(W, prefix + ".self_attn", cfg, a_in, positions)
+        attn = mla_attention(W, prefix + ".self_attn", cfg, a_in, positions, shared)
     else:
         attn = gqa_attention(W, prefix + ".self_attn", cfg, a_in, positions, family)
     h = x + attn
@@ -468,9 +476,10 @@ def lm_head_weight(W, cfg, family):
 def trunk_hidden(W, cfg, family, tokens):
     """Hidden states (n, D) after the trunk's final norm (model.norm)."""
     x = W["model.embed_tokens.weight"][np.asarray(tokens)]
-    positions = np.arange(len(tokens))
+    positions, shared = np.arange(len(tokens)), {}
     for layer in range(cfg["num_hidden_layers"]):
-        x = decoder_layer(W, f"model.layers.{layer}", cfg, family, layer, x, positions)
+        prefix = f"model.layers.{layer}"
+        x = decoder_layer(W, prefix, cfg, family, layer, x, positions, shared)
     return rmsnorm(x, W["model.norm.weight"], cfg["rms_norm_eps"])
 
 

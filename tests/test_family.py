@@ -96,7 +96,7 @@ def test_no_family_takes_hooks_but_through_its_family():
 # What each derived family changes of the one it derives from: anything else it
 # inherits, and a change to either list is a deliberate one.
 DERIVED = {
-    ("deepseek_v32", "deepseek_v3"): {"make_layer"},
+    ("deepseek_v32", "deepseek_v3"): {"make_layer", "trunk_classes"},
     ("glm4_moe", "deepseek_v3"): {"make_layer", "MASK_AS_ARRAY"},
     ("glm4_moe_lite", "deepseek_v3"): {"make_layer"},
     ("llama", "deepseek_v3"): {"make_layer", "MASK_FIRST_POSITION", "MASK_AS_ARRAY"},
@@ -111,6 +111,13 @@ DERIVED = {
         "make_layer",
     },
     ("qwen3_5_moe", "qwen3_5"): {"split_weights"},
+    ("step3p7", "step3p5"): {
+        "LAYOUT",
+        "mtp_layer_of",
+        "split_weights",
+        "sanitize",
+        "trunk_classes",
+    },
     ("bailing_moe_v3", "bailing_hybrid"): {
         "sanitize",
         "make_layer",
