@@ -52,10 +52,9 @@ MIN_EVIDENCE = 4.0  # judged drafts at a position before its estimate is trusted
 class RoundCosts:
     """Round costs relative to one plain decode step t(1).
 
-    ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens (as measured;
-    rounds are priced with ``fitted``, its least-squares fit that does not fall
-    with n: a wider pass does no less work, and a measurement that says it does
-    is noise that would make k + 1 look cheaper than k); ``draft`` one MTP
+    ``verify[n - 1]`` is t(n) / t(1), a trunk pass over n tokens (as measured: it
+    need not rise with n, a matrix kernel may run 8 rows faster than 7, and a
+    round then drafts the longer k at the lower cost); ``draft`` one MTP
     step; ``drafts[n]`` one MTP step drafting from a draft vocabulary of n tokens
     (`mlx_mtp.draft_vocab`), or a block drafter's pass drafting from one; ``block``
     a block drafter's pass (0: none), which a round drafting any k > 0 pays once,
@@ -69,28 +68,14 @@ class RoundCosts:
 
     def __post_init__(self):
         self.drafts = {int(n): c for n, c in self.drafts.items()}  # JSON keys
-        self.fitted = nondecreasing(self.verify)
 
     def round(self, k: int, vocab: Optional[int] = None) -> float:
         """A round drafting k tokens (from ``vocab`` tokens; None: the heads' own)."""
         if self.block:
             block = self.block if vocab is None else self.drafts.get(vocab, self.block)
-            return self.fitted[k] + (block if k else 0.0)
+            return self.verify[k] + (block if k else 0.0)
         step = self.draft if vocab is None else self.drafts.get(vocab, self.draft)
-        return self.fitted[k] + k * step
-
-
-def nondecreasing(xs: Sequence[float]) -> List[float]:
-    """The nondecreasing sequence nearest ``xs`` in least squares (pool adjacent
-    violators: a run that falls is replaced by its mean)."""
-    pools: List[Tuple[float, int]] = []  # (sum, count)
-    for x in xs:
-        total, count = x, 1
-        while pools and pools[-1][0] / pools[-1][1] > total / count:
-            s, n = pools.pop()
-            total, count = total + s, count + n
-        pools.append((total, count))
-    return [s / n for s, n in pools for _ in range(n)]
+        return self.verify[k] + k * step
 
 
 def measure_costs(
@@ -646,7 +631,7 @@ class SourceChoice:
     def rate(self, source: str, k: int) -> float:
         """Expected tokens per unit of cost of a round drafting k from ``source``."""
         if source == "lookup":
-            return self.lookup.expected_tokens(k) / self.costs.fitted[k]
+            return self.lookup.expected_tokens(k) / self.costs.verify[k]
         return self.heads.rate(k, self.heads.best_vocab(k))
 
     def lookup_length(self, found: int, heads_k: int) -> int:

@@ -362,9 +362,11 @@ class Run:
         """Whether its block drafter's slots past k are drafted too and judged
         later (`mlx_mtp.draft_length.Unverified`): a greedy stream without rules
         (its tokens then do not depend on what was drafted, and no processor or
-        grammar shapes the drafts) whose policy chooses among draft lengths."""
+        grammar shapes the drafts) whose policy chooses among draft lengths, on one
+        rank (several ranks pick their ks from rank 0's shared values only)."""
         return (
             self.model.drafter is not None
+            and self.model.group is None
             and self.params.greedy
             and self.rules is None
             and self.policy.judges

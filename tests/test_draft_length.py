@@ -12,7 +12,6 @@ from mlx_mtp.draft_length import (
     RoundCosts,
     Unverified,
     model_costs,
-    nondecreasing,
 )
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load_model
@@ -241,17 +240,6 @@ def test_a_new_measurement_keeps_what_the_stored_one_covered(tmp_path, monkeypat
     costs(12, [200])
     assert calls == [(8, [100]), (8, [100, 200]), (12, [100, 200])]
     assert set(costs(4, [100]).drafts) == {100, 200} and len(calls) == 3
-
-
-def test_verify_costs_are_priced_nondecreasing():
-    """A measured verify cost that falls with n is noise; rounds are priced with the
-    least-squares nondecreasing fit (a falling run pooled into its mean)."""
-    assert nondecreasing([1.0, 1.2, 1.1, 1.3]) == pytest.approx([1.0, 1.15, 1.15, 1.3])
-    assert nondecreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
-    assert nondecreasing([1.0, 2.0]) == [1.0, 2.0] and nondecreasing([]) == []
-    costs = RoundCosts([1.0, 1.3, 1.1, 1.4], 0.0, block=0.5)
-    assert costs.verify == [1.0, 1.3, 1.1, 1.4]  # stored as measured
-    assert costs.round(2) == pytest.approx(1.2 + 0.5) and costs.round(0) == 1.0
 
 
 def test_unverified_drafts_are_judged_against_later_tokens():
