@@ -578,8 +578,9 @@ class Unverified:
             i, go = 0, True
             while go and i < len(tokens) and at + i < end:
                 token = new[at + i - self.committed]
-                go = inside(token, vocab) and token == tokens[i]
-                if inside(token, vocab):
+                counted = inside(token, vocab)  # else unjudged, as a round's miss
+                go = counted and token == tokens[i]
+                if counted:
                     judged.append((j + i, go))
                 i += 1
             if go and i < len(tokens):
