@@ -276,18 +276,25 @@ def test_auto_reaches_the_whole_block_by_default(target):
     greedy_identity(model, PROMPTS[1:], n=24, ks=(wide,), policies=("auto",))
 
 
-def test_unverified_drafts_are_judged_as_a_whole_block_round_would(model, monkeypatch):
-    """A greedy ``-k auto`` stream that drafts k = 2 still learns every position of
-    the block: each round's drafts past k (the Markov head run over the pass's
-    other slots) are judged against the tokens committed after them. Its policy's
-    counts equal, position by position, those of rounds drafting the whole block,
-    worked out from plain decoding's tokens; the output is plain decoding's."""
+def two_at_a_time():
+    """An adaptive policy (one that judges drafts past k) drafting 2 every round."""
     from mlx_mtp.draft_length import AdaptiveLength, RoundCosts
 
     class TwoAtATime(AdaptiveLength):
         def next(self) -> int:
             return 2
 
+    return TwoAtATime(
+        RoundCosts([1.0] * (BLOCK_SIZE + 1), 0.0, block=0.1), range(BLOCK_SIZE + 1)
+    )
+
+
+def test_unverified_drafts_are_judged_as_a_whole_block_round_would(model, monkeypatch):
+    """A greedy ``-k auto`` stream that drafts k = 2 still learns every position of
+    the block: each round's drafts past k (the Markov head run over the pass's
+    other slots) are judged against the tokens committed after them. Its policy's
+    counts equal, position by position, those of rounds drafting the whole block,
+    worked out from plain decoding's tokens; the output is plain decoding's."""
     blocks = []  # (n, the block) per drafting round
 
     def recording(model, caches, runs, rp, depth):
@@ -299,10 +306,9 @@ def test_unverified_drafts_are_judged_as_a_whole_block_round_would(model, monkey
 
     draft_block = rounds.draft_block
     monkeypatch.setattr(rounds, "draft_block", recording)
-    costs = RoundCosts([1.0] * (BLOCK_SIZE + 1), 0.0, block=0.1)
     for prompt in PROMPTS:
         blocks.clear()
-        policy = TwoAtATime(costs, range(BLOCK_SIZE + 1))
+        policy = two_at_a_time()
         steps = mtp_generate_step(prompt, model, HEADS, policy=policy, max_tokens=60)
         tokens = [o.token for o in steps]
         assert tokens == plain(model, prompt, 60)
@@ -322,7 +328,8 @@ def test_unverified_drafts_are_judged_as_a_whole_block_round_would(model, monkey
 
 def test_only_greedy_streams_draft_past_k(model, monkeypatch):
     """Sampled rows, rows with a processor and fixed k draft no further than k
-    (a sampled row's later tokens depend on its draws: nothing to judge)."""
+    (a sampled row's later tokens depend on its draws: nothing to judge), under a
+    policy that would judge (two drafts every round, whatever the history says)."""
     proposed = []
 
     def recording(model, caches, runs, rp, depth):
@@ -335,12 +342,18 @@ def test_only_greedy_streams_draft_past_k(model, monkeypatch):
     monkeypatch.setattr(rounds, "draft_block", recording)
     for options in (
         dict(num_draft_tokens=2),
-        dict(temp=1.0, seed=1),
-        dict(repetition_penalty=1.1),
+        dict(temp=1.0, seed=1, policy=two_at_a_time()),
+        dict(repetition_penalty=1.1, policy=two_at_a_time()),
     ):
         proposed.clear()
         list(mtp_generate_step(PROMPTS[1], model, HEADS, max_tokens=12, **options))
         assert proposed and all(p is None for p in proposed), options
+    list(
+        mtp_generate_step(
+            PROMPTS[1], model, HEADS, max_tokens=12, policy=two_at_a_time()
+        )
+    )
+    assert proposed[-1] is not None  # the control: greedy, it does
 
 
 def fresh_context(model, tokens):
