@@ -3,7 +3,7 @@ declares the members it uses with their parameters, and an mlx-lm that lacks one
 changed it is refused in one line (instead of a traceback mid-generation)."""
 
 import inspect
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import mlx_lm
 
@@ -25,12 +25,18 @@ def parameters(fn) -> str:
 
 
 def check_private(
-    module, declared: Sequence[Tuple[str, str]], where: str, needs: str
+    module,
+    declared: Sequence[Tuple[str, str]],
+    where: str,
+    needs: str,
+    package: str = "mlx-lm",
+    version: Optional[str] = None,
 ) -> None:
     """Refuse, in one `MTPError` line, a ``module`` that lacks one of ``declared``
     (dotted names within it, with their parameters) or has it with other
     parameters; ``where`` is the module's dotted name, ``needs`` what needs it
-    ("mlx-mtp serve needs mlx-lm 0.32.x")."""
+    ("mlx-mtp serve needs mlx-lm 0.32.x"), ``package`` and ``version`` the
+    installed release it comes from (mlx-lm's by default)."""
     for name, expected in declared:
         member = module
         for part in name.split("."):
@@ -46,7 +52,8 @@ def check_private(
             if found is None
             else f"has changed (its parameters are ({found}), not ({expected}))"
         )
-        version = getattr(mlx_lm, "__version__", "?")
+        if version is None:
+            version = getattr(mlx_lm, "__version__", "?")
         raise MTPError(
-            f"{needs}: {where}.{name} {change} in the installed mlx-lm {version}"
+            f"{needs}: {where}.{name} {change} in the installed {package} {version}"
         )

@@ -26,6 +26,7 @@ FAMILIES = (
     "glm4_moe_lite",
     "glm_moe_dsa",
     "gpt_oss",
+    "hy_v4",
     "llama",
     "longcat_flash",
     "mimo",

@@ -391,10 +391,11 @@ class Model(nn.Module):
 
 
 def mlx_lm_sanitize(trunk: nn.Module, weights: dict) -> dict:
-    """Run the sanitize of the mlx-lm class the trunk was built from (not a
-    subclass's)."""
+    """Run the sanitize of the mlx-lm (or mlx-vlm) class the trunk was built from
+    (not a subclass's)."""
     for cls in type(trunk).__mro__:
-        if cls.__module__.startswith("mlx_lm.") and "sanitize" in vars(cls):
+        library = cls.__module__.startswith(("mlx_lm.", "mlx_vlm."))
+        if library and "sanitize" in vars(cls):
             return cls.sanitize(trunk, weights)
     return weights
 

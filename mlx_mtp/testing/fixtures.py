@@ -1838,6 +1838,94 @@ def _nextn_layers(
     return t
 
 
+# Hy4's identity hyper-connections: HF-style small mixes, with noise on the bases and
+# scales so that each stream's pre / post weights differ.
+HY_HC_FN_STD = 0.05
+HY_HC_NOISE_STD = 0.3
+HY_SINK_STD = 0.5  # per-head attention sink logits
+
+
+def _hy_hc(init: _Init, prefix: str, cfg: dict, head: bool = False) -> Tensors:
+    """An identity hyper-connection: ``hc_fn`` (2 hc, hc * D), ``hc_base`` (2 hc),
+    ``hc_scale`` (2); the head's ``hc_head_*`` mixes hc streams with one scale."""
+    hc, width = cfg["hc_mult"], cfg["hc_mult"] * cfg["hidden_size"]
+    name, mixes, scales = ("hc_head", hc, 1) if head else ("hc", 2 * hc, 2)
+    return {
+        f"{prefix}{name}_fn": init.normal((mixes, width), HY_HC_FN_STD),
+        f"{prefix}{name}_base": init.normal((mixes,), HY_HC_NOISE_STD),
+        f"{prefix}{name}_scale": 1.0 + init.normal((scales,), HY_HC_NOISE_STD),
+    }
+
+
+def _hy_v4_layer(init: _Init, prefix: str, cfg: dict, idx: int, mtp: bool) -> Tensors:
+    """A Hy4 decoder layer: MLA (an indexer unless the layer is "shared") with an
+    output gate and sinks, a dense MLP below ``first_k_dense_replace`` else MoE, and
+    (in the trunk) its two hyper-connections."""
+    full = mtp or cfg["indexer_types"][idx] == "full"
+    heads, v_dim = cfg["num_attention_heads"], cfg["v_head_dim"]
+
+    def attention(p: str) -> Tensors:
+        t = _mla_attention(init, p, cfg)
+        if not full:
+            t = {k: v for k, v in t.items() if not k.startswith(f"{p}indexer.")}
+        t[f"{p}linear_gate.weight"] = init.linear(heads * v_dim, HIDDEN)
+        t[f"{p}learnable_sink_param"] = init.normal((heads,), HY_SINK_STD)
+        return t
+
+    dense = not mtp and idx < cfg["first_k_dense_replace"]
+    t = _decoder_layer(
+        init,
+        prefix,
+        HIDDEN,
+        attention,
+        lambda p: (
+            _dense_mlp(init, p, HIDDEN, INTERMEDIATE)
+            if dense
+            else _moe_mlp(init, p, cfg)
+        ),
+    )
+    if not mtp:
+        t.update(_hy_hc(init, f"{prefix}hc_attn_layer.hc_pre.", cfg))
+        t.update(_hy_hc(init, f"{prefix}hc_mlp_layer.hc_pre.", cfg))
+    return t
+
+
+def _hy_v4(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """Hy4 (hy_v4): 4 layers in 4 hyper-connection streams (0 dense, then MoE;
+    indexers on layers 0 and 2, layers 1 and 3 sharing their selections) and one MTP
+    layer at ``model.mtp_layers.0`` (``enorm``, ``hnorm``, ``eh_proj``,
+    ``final_layernorm``, an MoE decoder layer with its own indexer, no streams)."""
+    cfg = _deepseek_v3_config(vocab_size)
+    cfg.update(DSA_INDEXER)
+    cfg.update(
+        architectures=["HYV4ForCausalLM"],
+        model_type="hy_v4",
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        indexer_types=["full", "shared", "full", "shared"],
+        hc_mult=4,
+        hc_eps=1e-6,
+        hc_magnitude=2.0,
+        rms_norm_eps=1e-5,
+    )
+    t = _trunk(init, cfg, lambda p, i: _hy_v4_layer(init, p, cfg, i, mtp=False))
+    t.update(_hy_hc(init, "model.hc_head.", cfg, head=True))
+    prefix = "model.mtp_layers.0."
+    t.update(
+        {
+            f"{prefix}enorm.weight": init.norm(HIDDEN),
+            f"{prefix}hnorm.weight": init.norm(HIDDEN),
+            f"{prefix}eh_proj.weight": init.linear(HIDDEN, 2 * HIDDEN),
+            f"{prefix}final_layernorm.weight": init.norm(HIDDEN),
+        }
+    )
+    t.update(_hy_v4_layer(init, prefix, cfg, 0, mtp=True))
+    return cfg, t
+
+
 # How the fixture builds each family's config and tensors: ``build(init, vocab_size,
 # **options) -> (config, tensors)``. Everything else the fixture needs of a family
 # (where its MTP tensors, embedding and final norm sit, its norms' convention) is the
@@ -1853,6 +1941,7 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
     "glm4_moe": _glm4_moe,
     "glm4_moe_lite": _glm4_moe_lite,
     "glm_moe_dsa": _glm_moe_dsa,
+    "hy_v4": _hy_v4,
     "longcat_flash": _longcat_flash,
     "mimo": _mimo,
     "mimo_v2_flash": _mimo_v2_flash,
@@ -1951,7 +2040,7 @@ def _make_predictable(
 
 # Kept in float32 whatever the checkpoint dtype, as the releases store them: router
 # correction biases; DeepSeek-V4's mHC tensors (``hc_*``), compressor ``ape``,
-# attention sinks and router ``gate.bias``.
+# attention sinks and router ``gate.bias``; Hy4's hyper-connections and sinks.
 _FLOAT32_SUFFIXES = (
     "e_score_correction_bias",
     "router_bias",
@@ -1959,6 +2048,7 @@ _FLOAT32_SUFFIXES = (
     ".ape",
     ".attn_sink",
     ".gate.bias",
+    ".learnable_sink_param",
 )
 
 

@@ -1,0 +1,125 @@
+"""Hy4 (hy_v4) specifics: the trunk is mlx-vlm's, used through the extra
+``mlx-mtp[vlm]`` with its indexers made exact; without the extra, or with another
+mlx-vlm release, a load fails in one line. (Numerics against the numpy reference,
+greedy identity, batching, sampling and conversion run in the suites over every
+fixture family.)"""
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_mtp.errors import MTPError
+from mlx_mtp.models import hy_v4, vlm
+from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
+
+from .test_errors import assert_one_line_error, run_cli
+from .test_greedy import plain_greedy
+from .test_numerics import SEQ, teacher_forced
+
+
+def test_the_indexers_select(loaded, monkeypatch):
+    """Past ``index_topk`` positions the logits depend on the selection (of the full
+    layers, which the shared ones reuse, and of the MTP layer's own): with every
+    indexer keeping all keys, rows past the first topk change, so the numpy
+    comparison checks the sparse path."""
+    model, _ = loaded("hy_v4")
+    sparse = teacher_forced(model, SEQ)
+    blocks = [*model.trunk.layers, model.mtp.layers[0].block]
+    indexers = [b.self_attn.indexer for b in blocks if b.self_attn.indexer]
+    assert len(indexers) == 3  # layers 0 and 2, and the MTP layer's
+    for indexer in indexers:
+        monkeypatch.setattr(indexer, "index_topk", 1000)
+    dense = teacher_forced(model, SEQ)
+    np.testing.assert_allclose(sparse[0][:4], dense[0][:4], atol=1e-5)
+    assert not np.allclose(sparse[0][4:], dense[0][4:], atol=1e-2)
+    assert not np.allclose(sparse[1][0][4:], dense[1][0][4:], atol=1e-2)
+
+
+def _top_keys(indexer, x, qr, mask) -> list:
+    """Per query with at least ``index_topk`` keys before it, the keys kept."""
+    picked = indexer(x, qr, mask)  # (B, 1, L, topk)
+    return [sorted(row) for row in np.array(picked)[0, 0, 3:].tolist()]
+
+
+def test_mlx_vlms_indexer_misselects_and_ours_does_not(loaded):
+    """mlx-vlm 0.7.10's ``HyV4Indexer`` compiles its top-k shapeless, fixing
+    ``kth`` to the first call's key count: at another count it keeps other keys.
+    Ours (the same parameters) keeps the top ``index_topk`` by score at every count.
+    """
+    from mlx_vlm.models.hy_v4.indexer import HyV4Indexer
+
+    model, _ = loaded("hy_v4")
+    ours = model.trunk.layers[0].self_attn.indexer
+    theirs = HyV4Indexer(model.trunk.args)
+    theirs.update(ours.parameters())
+    rng = np.random.default_rng(0)
+    wrong = 0
+    for n in (14, 9, 11):
+        x = mx.array(rng.standard_normal((1, n, 64)).astype(np.float32))
+        qr = mx.array(rng.standard_normal((1, n, 32)).astype(np.float32))
+        mask = mx.tril(mx.ones((n, n), dtype=mx.bool_))
+        scores = _index_scores(ours, x, qr, mask)  # (n, n)
+        best = [sorted(np.argsort(-row)[:4].tolist()) for row in scores[3:]]
+        assert _top_keys(ours, x, qr, mask) == best
+        wrong += _top_keys(theirs, x, qr, mask) != best
+    assert wrong  # if mlx-vlm fixes this, `hy_v4._indexer` can go
+
+
+def _index_scores(indexer, x, qr, mask) -> np.ndarray:
+    """The indexer's scores of query i for key j, -inf above the diagonal."""
+    b, n, _ = x.shape
+    q = indexer.wq_b(qr).reshape(b, n, indexer.n_heads, -1).swapaxes(1, 2)
+    k = indexer.k_norm(indexer.wk(x)).reshape(b, 1, n, -1)
+    q, k = indexer.rope(q), indexer.rope(k)
+    w = indexer.weights_proj(x) * (indexer.n_heads**-0.5 * indexer.softmax_scale)
+    s = (mx.maximum(q @ k.swapaxes(-1, -2), 0) * w.swapaxes(-1, -2)[..., None]).sum(1)
+    return np.where(np.array(mask), np.array(s[0]), -np.inf)
+
+
+def test_greedy_identity_and_sessions(loaded):
+    """Drafts at k = 1 and 3 on the predictable fixture; a session goes on."""
+    model, tokenizer = loaded("hy_v4", predictable=True)
+    prompt = SEQ[:6]
+    for k in (1, 3):
+        steps = mtp_generate_step(
+            prompt, model, HEADS, num_draft_tokens=k, max_tokens=30
+        )
+        assert [o.token for o in steps] == plain_greedy(model, prompt, 30)
+
+
+def test_without_mlx_vlm_a_load_fails_in_one_line(checkpoint, monkeypatch):
+    path = checkpoint("hy_v4")
+    cached = (hy_v4._language, hy_v4._drafter, hy_v4._indexer, hy_v4._trunk_class)
+    for name in [m for m in sys.modules if m.split(".")[0] == "mlx_vlm"]:
+        monkeypatch.setitem(sys.modules, name, None)  # "not installed"
+    for function in cached:
+        function.cache_clear()
+    try:
+        result = run_cli("generate", "--model", str(path), "-p", "hi", "-m", "4")
+    finally:
+        for function in cached:
+            function.cache_clear()
+    assert_one_line_error(
+        result, "Hy4 (hy_v4) needs mlx-vlm: pip install 'mlx-mtp[vlm]'"
+    )
+
+
+def test_another_mlx_vlm_release_is_refused(monkeypatch):
+    hy_v4._language.cache_clear()
+    monkeypatch.setattr(vlm, "_version", lambda: "0.8.0")
+    try:
+        with pytest.raises(MTPError, match="needs mlx-vlm 0.7.10, not 0.8.0"):
+            hy_v4._language()
+    finally:
+        hy_v4._language.cache_clear()
+
+
+def test_a_changed_member_is_refused(monkeypatch):
+    """A declared member with other parameters: one line naming it."""
+    with pytest.raises(MTPError, match=r"HyV4Model.__call__ has changed"):
+        vlm.need(
+            "models.hy_v4.language", "Hy4", [("HyV4Model.__call__", "self, x, cache")]
+        )
