@@ -79,15 +79,17 @@ def _index_scores(indexer, x, qr, mask) -> np.ndarray:
     return np.where(np.array(mask), np.array(s[0]), -np.inf)
 
 
-def test_greedy_identity_and_sessions(loaded):
-    """Drafts at k = 1 and 3 on the predictable fixture; a session goes on."""
-    model, tokenizer = loaded("hy_v4", predictable=True)
+def test_greedy_identity(loaded):
+    """Drafts at k = 1 and 3 on the predictable fixture are accepted, and the tokens
+    are plain decoding's (the suites over every family check more paths)."""
+    model, _ = loaded("hy_v4", predictable=True)
     prompt = SEQ[:6]
     for k in (1, 3):
-        steps = mtp_generate_step(
-            prompt, model, HEADS, num_draft_tokens=k, max_tokens=30
+        steps = list(
+            mtp_generate_step(prompt, model, HEADS, num_draft_tokens=k, max_tokens=30)
         )
         assert [o.token for o in steps] == plain_greedy(model, prompt, 30)
+        assert steps[-1].stats.accepted > 0
 
 
 def test_without_mlx_vlm_a_load_fails_in_one_line(checkpoint, monkeypatch):
@@ -123,3 +125,36 @@ def test_a_changed_member_is_refused(monkeypatch):
         vlm.need(
             "models.hy_v4.language", "Hy4", [("HyV4Model.__call__", "self, x, cache")]
         )
+
+
+def test_the_mxfp8_release_loads_packed_and_exactly(checkpoint):
+    """The ModelOpt MXFP8 release form (e4m3 bytes with ``weight_scale``, fused
+    experts): every projection loads packed as mxfp8, trunk and MTP layer, and their
+    teacher-forced logits are the numpy reference's on the same values in float;
+    greedy decoding drafts and equals plain decoding."""
+    from mlx_mtp import load
+
+    from .numpy_reference import reference_logits
+
+    model = load(str(checkpoint("hy_v4", release="mxfp8")))[0]
+    modules = [
+        model.trunk.layers[1].self_attn.q_a_proj,
+        model.trunk.layers[1].self_attn.embed_q,
+        model.trunk.layers[1].mlp.switch_mlp.gate_up_proj,
+        model.mtp.layers[0].block.self_attn.o_proj,
+        model.mtp.layers[0].block.mlp.switch_mlp.down_proj,
+    ]
+    assert all(getattr(m, "mode", None) == "mxfp8" for m in modules)
+    main, mtp = teacher_forced(model, SEQ)
+    ref_main, ref_mtp = reference_logits(
+        checkpoint("hy_v4", release="dequantized"), SEQ
+    )
+    np.testing.assert_allclose(main, ref_main, atol=1e-4)
+    np.testing.assert_allclose(mtp[0], ref_mtp[0], atol=1e-4)
+
+    model = load(str(checkpoint("hy_v4", predictable=True, release="mxfp8")))[0]
+    steps = list(
+        mtp_generate_step(SEQ[:6], model, HEADS, num_draft_tokens=2, max_tokens=30)
+    )
+    assert [o.token for o in steps] == plain_greedy(model, SEQ[:6], 30)
+    assert steps[-1].stats.accepted > 0

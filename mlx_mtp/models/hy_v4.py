@@ -156,6 +156,24 @@ def _trunk_class():
     return Model
 
 
+# The release's dtype: a ModelOpt MXFP8 export (e4m3 bytes with one ue8m0 scale per 32
+# inputs, ``weight_scale``; fused experts ``experts.gate_up_proj`` / ``down_proj`` with
+# ``*_scale``), which mlx-vlm's sanitize packs as MLX ``mxfp8``.
+MXFP8 = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
+
+
+def fix_config(config: dict) -> dict:
+    """A ModelOpt MXFP8 release (no MLX ``quantization``) loads packed: with a
+    ``quantization`` entry, mlx-lm's loader quantizes every layer whose sanitized
+    tensors come with ``scales``, and the MTP layers are quantized alike."""
+    released = config.get("quantization_config") or {}
+    modelopt = released.get("quant_method") == "modelopt"
+    if modelopt and released.get("quant_algo") == "MXFP8":
+        if "quantization" not in config:
+            return {"quantization": dict(MXFP8)}
+    return {}
+
+
 def trunk_classes(config: dict):
     return _trunk_class(), _language().ModelConfig
 
@@ -202,4 +220,5 @@ FAMILY = define(
     sanitize=sanitize,
     make_layer=make_layer,
     trunk_classes=trunk_classes,
+    fix_config=fix_config,
 )

@@ -68,6 +68,7 @@ import functools
 import importlib
 import json
 import pathlib
+import re
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -136,7 +137,8 @@ def write_checkpoint(
     for the byte-level BPE (< 259 tokens; the last id is then the eos token).
     ``dtype`` is one of float32 / bfloat16 / float16; it sets the stored tensor dtype
     and ``config["torch_dtype"]``, except ``e_score_correction_bias``, which stays
-    float32 as in the real DeepSeek/GLM releases. ``options`` go to the family's
+    float32 as in the real DeepSeek/GLM releases; ``release`` (in ``options``, for a
+    family in `_RELEASE_FORMS`) writes its release's dtype instead. ``options`` go to the family's
     builder (``mimo``: ``num_attention_heads``, ``num_key_value_heads``).
     """
     if family not in FAMILIES:
@@ -160,6 +162,8 @@ def write_checkpoint(
     config["torch_dtype"] = dtype
     if predictable:
         _make_predictable(fam, config, tensors, rng)
+    if options.get("release") is not None:
+        tensors = _RELEASE_FORMS[family](config, tensors, options["release"])
 
     mtp_keys = [k for k in tensors if fam.mtp_layer_of(k, config) is not None]
     _write_weights(out, tensors, mtp_keys, _DTYPES[dtype], num_shards)
@@ -1890,13 +1894,20 @@ def _hy_v4_layer(init: _Init, prefix: str, cfg: dict, idx: int, mtp: bool) -> Te
     return t
 
 
-def _hy_v4(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+def _hy_v4(
+    init: _Init, vocab_size: int, release: Optional[str] = None
+) -> Tuple[dict, Tensors]:
     """Hy4 (hy_v4): 4 layers in 4 hyper-connection streams (0 dense, then MoE;
     indexers on layers 0 and 2, layers 1 and 3 sharing their selections) and one MTP
     layer at ``model.mtp_layers.0`` (``enorm``, ``hnorm``, ``eh_proj``,
-    ``final_layernorm``, an MoE decoder layer with its own indexer, no streams)."""
+    ``final_layernorm``, an MoE decoder layer with its own indexer, no streams).
+
+    ``release`` ("mxfp8", or "dequantized" for its float twin): MLA ranks that MXFP8
+    groups of 32 divide, written in the release's form (`_hy_v4_release`)."""
     cfg = _deepseek_v3_config(vocab_size)
     cfg.update(DSA_INDEXER)
+    if release is not None:
+        cfg.update(kv_lora_rank=32, qk_nope_head_dim=32)
     cfg.update(
         architectures=["HYV4ForCausalLM"],
         model_type="hy_v4",
@@ -1926,6 +1937,65 @@ def _hy_v4(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+_HY_QUANTIZED = re.compile(
+    r"model\.(layers|mtp_layers)\.\d+\.(.*(?<!eh)_proj(_with_mqa)?|.*linear_gate)\.weight$"
+)
+_HY_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _mxfp8(value: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``(..., out, in)`` as e4m3 bytes ``(..., out, in)`` and ue8m0 scales
+    ``(..., out, in / 32)`` (MLX's mxfp8, whose packed words are those bytes)."""
+    packed, scales = mx.quantize(mx.array(value), group_size=32, bits=8, mode="mxfp8")
+    return np.array(packed).view(np.uint8), np.array(scales)
+
+
+def _hy_v4_release(config: dict, tensors: Tensors, form: str) -> Tensors:
+    """Hy4's tensors as its ModelOpt MXFP8 export stores them (``form`` "mxfp8"):
+    every decoder-layer projection but the MTP fusion ``eh_proj``, and the output
+    gate, as e4m3 bytes with ``weight_scale``; each layer's experts fused
+    (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I), with
+    ``*_scale``). Norms, router, embedding, head, hyper-connections and sinks stay
+    float. ``form`` "dequantized": the same values in float, as the fixture lays
+    them out (the twin an independent reference reads)."""
+    out, experts = {}, {}
+    for key, value in tensors.items():
+        match = _HY_EXPERT.match(key)
+        if match and form == "mxfp8":
+            prefix, e, name = match[1], int(match[2]), match[3]
+            experts.setdefault(prefix, {}).setdefault(e, {})[name] = value
+        elif _HY_QUANTIZED.match(key) or match:
+            packed, scales = _mxfp8(value)
+            if form == "mxfp8":
+                out[key], out[key + "_scale"] = packed, scales
+            else:
+                out[key] = _dequantized(packed, scales)
+        else:
+            out[key] = value
+    for prefix, by_expert in experts.items():
+        ordered = [by_expert[e] for e in sorted(by_expert)]
+        fused = {
+            "gate_up_proj": np.stack(
+                [np.concatenate([x["gate"], x["up"]]) for x in ordered]
+            ),
+            "down_proj": np.stack([x["down"] for x in ordered]),
+        }
+        for name, value in fused.items():
+            out[f"{prefix}.{name}"], out[f"{prefix}.{name}_scale"] = _mxfp8(value)
+    if form == "mxfp8":
+        config["quantization_config"] = {
+            "quant_method": "modelopt",
+            "quant_algo": "MXFP8",
+        }
+    return out
+
+
+def _dequantized(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    words = mx.array(packed).view(mx.uint32)
+    value = mx.dequantize(words, mx.array(scales), group_size=32, bits=8, mode="mxfp8")
+    return np.array(value.astype(mx.float32))
+
+
 # How the fixture builds each family's config and tensors: ``build(init, vocab_size,
 # **options) -> (config, tensors)``. Everything else the fixture needs of a family
 # (where its MTP tensors, embedding and final norm sit, its norms' convention) is the
@@ -1952,6 +2022,9 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
     "step3p5": _step3p5,
     "step3p7": _step3p7,
 }
+# A family's release dtype (``release=`` of `write_checkpoint`): ``(config, tensors,
+# form) -> tensors``, after ``predictable``'s rewiring (the release stores its result).
+_RELEASE_FORMS = {"hy_v4": _hy_v4_release}
 FAMILIES = tuple(_SPECS)  # the families with a fixture (llama's is `write_llama`)
 
 
@@ -2056,6 +2129,8 @@ def _to_mx(name: str, value: np.ndarray, dtype) -> mx.array:
     """Cast to the checkpoint dtype, except the float32 tensors above; V4's hash
     routing table ``tid2eid`` stays int32."""
     arr = mx.array(value)
+    if value.dtype == np.uint8:  # a release's fp8 bytes and scales
+        return arr
     if name.endswith(".tid2eid"):
         return arr.astype(mx.int32)
     if name.endswith(_FLOAT32_SUFFIXES) or name.rsplit(".", 1)[-1].startswith("hc_"):
