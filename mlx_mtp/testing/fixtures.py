@@ -138,8 +138,8 @@ def write_checkpoint(
     ``dtype`` is one of float32 / bfloat16 / float16; it sets the stored tensor dtype
     and ``config["torch_dtype"]``, except ``e_score_correction_bias``, which stays
     float32 as in the real DeepSeek/GLM releases; ``release`` (in ``options``, for a
-    family in `_RELEASE_FORMS`) writes its release's dtype instead. ``options`` go to the family's
-    builder (``mimo``: ``num_attention_heads``, ``num_key_value_heads``).
+    family in `_RELEASE_FORMS`) writes its release's dtype instead. ``options`` go to
+    the family's builder (``mimo``: ``num_attention_heads``, ``num_key_value_heads``).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -1938,7 +1938,8 @@ def _hy_v4(
 
 
 _HY_QUANTIZED = re.compile(
-    r"model\.(layers|mtp_layers)\.\d+\.(.*(?<!eh)_proj(_with_mqa)?|.*linear_gate)\.weight$"
+    r"model\.(layers|mtp_layers)\.\d+\."
+    r"(.*(?<!eh)_proj(_with_mqa)?|.*linear_gate)\.weight$"
 )
 _HY_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
