@@ -1,0 +1,103 @@
+"""Hy4 (hy_v4) against mlx-vlm's own runtime: teacher-forced trunk and MTP logits of
+mlx-mtp and of mlx-vlm 0.7.10's ``hy_v4`` model with its ``hy_v4_mtp`` drafter, on
+tiny fixtures in the release's form (ModelOpt MXFP8; mlx-vlm's sanitize cannot read
+a float ``kv_b_proj``), random and predictable.
+
+    python scripts/peer_hy_v4.py
+
+mlx-vlm loads the checkpoint with its ``load_model`` and the drafter with its
+``HyV4MTPSplitter().load`` (the in-memory split), and runs the drafter's
+``_forward_hidden`` over the trunk's hidden states, as its decoding loop does. Two
+comparisons per fixture, both printed:
+
+- mlx-vlm as shipped: its ``HyV4Indexer`` selects in a function compiled
+  ``shapeless``, which fixes ``argpartition``'s ``kth`` to the key count of its first
+  call; the MTP pass (one row fewer than the trunk's) then keeps the wrong keys, so
+  its logits differ on the rows past ``index_topk``;
+- mlx-vlm with each indexer selecting as its DeepSeek-V3.2 parent does (mlx-mtp's
+  fix, `mlx_mtp.models.hy_v4._indexer`): logits within 1e-4 and argmax equal on
+  every row, trunk and MTP layer. The script exits 1 otherwise.
+
+Needs the extra ``mlx-mtp[vlm]``; no network.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+SEQ = [5, 77, 301, 12, 9, 140, 88, 2, 250, 31, 64, 411, 17, 99]
+ATOL = 1e-4
+
+
+def ours(path: Path):
+    """mlx-mtp's ``(trunk (n, V), mtp (n - 1, V))`` teacher-forced logits."""
+    from mlx_mtp import load
+
+    model = load(str(path))[0]
+    seq = mx.array(SEQ)[None]
+    h = model.hidden(seq)
+    z = model.mtp_forward(0, h[:, :-1], seq[:, 1:])
+    return np.array(model.logits(h)[0]), np.array(model.logits(z)[0])
+
+
+def theirs(path: Path, exact: bool):
+    """mlx-vlm's, its indexers swapped for exact ones when ``exact``."""
+    from mlx_vlm.speculative.drafters.hy_v4_mtp.split import HyV4MTPSplitter
+    from mlx_vlm.utils import load_model
+
+    from mlx_mtp.models.hy_v4 import _indexer
+
+    target = load_model(path)
+    drafter = HyV4MTPSplitter().load(path)
+    if exact:
+        for layer in [*target.language_model.layers, drafter.decoder]:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.__class__ = _indexer()
+    lm = target.language_model
+    seq = mx.array(SEQ)[None]
+    out = lm(seq, return_hidden=True)
+    h = out.hidden_states[0]
+    z = drafter._forward_hidden(
+        lm.model.embed_tokens(seq[:, 1:]), h[:, :-1], None, None
+    )
+    return np.array(out.logits[0]), np.array(lm.lm_head(z)[0])
+
+
+def compare(name: str, mine, peer) -> bool:
+    ok = True
+    for part, a, b in zip(("trunk", "MTP"), mine, peer):
+        diff = np.abs(a - b).max(axis=-1)
+        same = a.argmax(-1) == b.argmax(-1)
+        bad = [i for i in range(len(diff)) if diff[i] > ATOL or not same[i]]
+        print(
+            f"  {name:<24} {part:<5} max |diff| {diff.max():.2e}, argmax equal on "
+            f"{same.sum()}/{len(same)} rows" + (f"; rows off: {bad}" if bad else "")
+        )
+        ok = ok and not bad
+    return ok
+
+
+def main() -> int:
+    from mlx_mtp.testing.fixtures import write_checkpoint
+
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for predictable in (False, True):
+            path = Path(tmp) / f"hy_v4-{predictable}"
+            write_checkpoint("hy_v4", path, predictable=predictable, release="mxfp8")
+            print(f"hy_v4 fixture, MXFP8 release form, predictable={predictable}")
+            mine = ours(path)
+            compare("mlx-vlm as shipped", mine, theirs(path, exact=False))
+            ok = (
+                compare("mlx-vlm, exact indexers", mine, theirs(path, exact=True))
+                and ok
+            )
+    print("agree" if ok else "DISAGREE")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
