@@ -1,6 +1,7 @@
 """Independent float64 numpy reference for Hy4 (``hy_v4``), written from mlx-vlm
-0.7.10's ``models/hy_v4`` and ``speculative/drafters/hy_v4_mtp`` (the readable
-references of the format).
+0.7.10's ``models/hy_v4`` and ``speculative/drafters/hy_v4_mtp``, with the release's
+conventions where vLLM, SGLang and transformers agree and mlx-vlm does not (the
+indexer's RoPE dimensions, the experts' clamp, the MTP's position 0).
 
 Trunk: the token embedding copied into ``hc_mult`` streams; per layer, an identity
 hyper-connection collapses the streams into the attention's input and spreads its
@@ -14,16 +15,21 @@ and ``model.norm`` normalizes.
   ``S_s += post_s y``. The head: ``pre = sigmoid(m * hc_head_scale + hc_head_base)
   + hc_eps`` over ``hc_head_fn``'s hc mixes.
 - Attention: DeepSeek-V3's MLA (interleaved RoPE, ``q_a``/``kv_a`` norms at 1e-6),
-  restricted, past ``index_topk`` keys, to the keys its DSA indexer selects
-  (interleaved indexer RoPE); a layer whose ``indexer_types`` entry is "shared" has
+  restricted, past ``index_topk`` keys, to the keys its DSA indexer selects (each
+  index head ``[nope | rope]``: interleaved RoPE on its last ``qk_rope_head_dim``
+  dimensions); a layer whose ``indexer_types`` entry is "shared" has
   no indexer and uses the last full layer's selection. Each head's softmax has a
   sink: ``learnable_sink_param[h]`` joins the denominator (no value). The output is
   gated per head and channel by ``sigmoid(linear_gate(x))`` before ``o_proj``.
-- MLP: dense below ``first_k_dense_replace``, else DeepSeek's sigmoid-routed MoE.
+- MLP: dense below ``first_k_dense_replace``, else DeepSeek's sigmoid-routed MoE
+  whose routed experts (fused: ``experts.gate_up_proj`` (E, 2I, H), gate rows
+  first; ``experts.down_proj``) clamp ``gate`` above and ``up`` both ways at
+  ``swiglu_limit``; the shared expert does not.
 
 MTP layer j (``model.mtp_layers.{j}``): ``x = eh_proj([enorm(e), hnorm(h)])`` with h
-the trunk's post-norm hidden state (no embedding is zeroed), one decoder layer of the
-same kind without streams (its own indexer), ``final_layernorm``.
+the trunk's post-norm hidden state and the embedding of position 0 zeroed (vLLM's
+``mtp.py``), one decoder layer of the same kind without streams (its own indexer),
+``final_layernorm``.
 """
 
 import numpy as np
@@ -31,15 +37,16 @@ import numpy as np
 from .numpy_reference import (
     MLA_NORM_EPS,
     count_mtp_layers,
-    dsa_selection,
+    layer_norm,
     linear,
     load_checkpoint,
     mlp,
-    moe,
     rmsnorm,
     rope_base,
     rope_interleaved,
+    route_tokens,
     sigmoid,
+    silu,
 )
 
 
@@ -74,8 +81,7 @@ def attention(W, prefix, cfg, x, positions, shared):
     k_full = np.concatenate([kv[..., :d_nope], k_pe], axis=-1)
 
     if prefix + ".indexer.wk.weight" in W:
-        icfg = dict(cfg, indexer_rope_interleave=True)
-        shared["last"] = dsa_selection(W, prefix + ".indexer", icfg, x, q_a, positions)
+        shared["last"] = selection(W, prefix + ".indexer", cfg, x, q_a, positions)
     allowed = shared.get("last")
 
     scale = (d_nope + d_rope) ** -0.5
@@ -84,6 +90,33 @@ def attention(W, prefix, cfg, x, positions, shared):
 
     gate = sigmoid(linear(W, prefix + ".linear_gate", x))  # (n, H dv)
     return linear(W, prefix + ".o_proj", out * gate)
+
+
+def selection(W, prefix, cfg, x, q_a, positions):
+    """The indexer's kept keys per query, (n, n) booleans (None: at most
+    ``index_topk`` keys, all kept): score ``sum_h relu(q_h . k) * w_h`` with
+    ``w = weights_proj(x) / sqrt(heads * head_dim)``, ``q = wq_b(q_a)``,
+    ``k = LayerNorm(wk(x))``, RoPE on the last ``qk_rope_head_dim`` dims of each."""
+    n, heads, d = x.shape[0], cfg["index_n_heads"], cfg["index_head_dim"]
+    if n <= cfg["index_topk"]:
+        return None
+    rope, base = cfg["qk_rope_head_dim"], rope_base(cfg)
+    q = linear(W, prefix + ".wq_b", q_a).reshape(n, heads, d).transpose(1, 0, 2)
+    k = linear(W, prefix + ".wk", x)
+    k = layer_norm(k, W[prefix + ".k_norm.weight"], W[prefix + ".k_norm.bias"], 1e-6)
+
+    def rotate_tail(t):
+        tail = rope_interleaved(t[..., d - rope :], positions, rope, base)
+        return np.concatenate([t[..., : d - rope], tail], axis=-1)
+
+    q, k = rotate_tail(q), rotate_tail(k[None])[0]
+    w = linear(W, prefix + ".weights_proj", x) * (heads**-0.5 * d**-0.5)
+    scores = (np.maximum(q @ k.T, 0) * w.T[..., None]).sum(axis=0)  # (n, n)
+    scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
+    keep = np.argsort(-scores, axis=-1, kind="stable")[:, : cfg["index_topk"]]
+    allowed = np.zeros((n, n), dtype=bool)
+    np.put_along_axis(allowed, keep, True, axis=-1)
+    return allowed
 
 
 def attend_with_sinks(q, k, v, scale, sinks, allowed):
@@ -132,7 +165,27 @@ def feed_forward(W, prefix, cfg, idx, x, mtp=False):
     dense = not mtp and (
         idx < cfg["first_k_dense_replace"] or idx % cfg.get("moe_layer_freq", 1)
     )
-    return mlp(W, prefix, x) if dense else moe(W, prefix, cfg, x)
+    return mlp(W, prefix, x) if dense else experts(W, prefix, cfg, x)
+
+
+def experts(W, prefix, cfg, x):
+    """Routed experts (fused, clamped) plus the shared expert (plain)."""
+    logits = x @ W[prefix + ".gate.weight"].T
+    inds, weights = route_tokens(
+        logits, W[prefix + ".gate.e_score_correction_bias"], cfg
+    )
+    gate_up, down = (
+        W[prefix + ".experts.gate_up_proj"],
+        W[prefix + ".experts.down_proj"],
+    )
+    inter, limit = down.shape[-1], cfg.get("swiglu_limit") or np.inf
+    out = np.zeros_like(x)
+    for row in range(x.shape[0]):
+        for e, w in zip(inds[row], weights[row]):
+            h = gate_up[e] @ x[row]
+            gate, up = np.minimum(h[:inter], limit), np.clip(h[inter:], -limit, limit)
+            out[row] += w * (down[e] @ (silu(gate) * up))
+    return out + mlp(W, prefix + ".shared_experts", x)
 
 
 def trunk_hidden(W, cfg, tokens):
@@ -158,7 +211,8 @@ def mtp_layer(W, cfg, j, hidden, next_tokens):
     """MTP layer j over rows 0..m-1 (hidden (m, D) post-norm; next_tokens[i] paired
     with row i): its output after ``final_layernorm``."""
     p, eps = f"model.mtp_layers.{j}", cfg["rms_norm_eps"]
-    emb = W["model.embed_tokens.weight"][np.asarray(next_tokens)]
+    emb = W["model.embed_tokens.weight"][np.asarray(next_tokens)].copy()
+    emb[0] = 0.0  # position 0
     e_n = rmsnorm(emb, W[p + ".enorm.weight"], eps)
     h_n = rmsnorm(hidden, W[p + ".hnorm.weight"], eps)
     x = linear(W, p + ".eh_proj", np.concatenate([e_n, h_n], axis=-1))

@@ -5,6 +5,7 @@ greedy identity, batching, sampling and conversion run in the suites over every
 fixture family.)"""
 
 import sys
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +37,51 @@ def test_the_indexers_select(loaded, monkeypatch):
     np.testing.assert_allclose(sparse[0][:4], dense[0][:4], atol=1e-5)
     assert not np.allclose(sparse[0][4:], dense[0][4:], atol=1e-2)
     assert not np.allclose(sparse[1][0][4:], dense[1][0][4:], atol=1e-2)
+
+
+def test_the_releases_conventions_are_checked(checkpoint, monkeypatch):
+    """Each place mlx-vlm differs from the release's references changes the logits
+    the numpy reference checks (a control for each): the indexer's RoPE on the last
+    dimensions of a head (read as mlx-vlm reads it, the first), the routed experts'
+    clamp (removed), the MTP's zeroed position 0 (kept)."""
+    from mlx_mtp import load
+
+    from .numpy_reference import reference_logits
+
+    path = checkpoint("hy_v4")
+    ref_main, ref_mtp = reference_logits(path, SEQ)
+
+    def off(main, mtp) -> bool:
+        return not (
+            np.allclose(main, ref_main, atol=1e-3)
+            and np.allclose(mtp[0], ref_mtp[0], atol=1e-3)
+        )
+
+    model = load(str(path))[0]
+    assert not off(*teacher_forced(model, SEQ))
+    args = model.trunk.args  # index heads of 16 = 8 + 8: the permutation is its inverse
+    for block in [*model.trunk.layers, model.mtp.layers[0].block]:
+        indexer = block.self_attn.indexer
+        if indexer is not None:
+            for name in ("wq_b", "wk"):
+                module = getattr(indexer, name)
+                module.weight = hy_v4._rope_first(module.weight, f".{name}.", args)
+            norm = indexer.k_norm
+            norm.weight = hy_v4._rope_first(norm.weight, ".k_norm.", args)
+            norm.bias = hy_v4._rope_first(norm.bias, ".k_norm.", args)
+    assert off(*teacher_forced(model, SEQ))
+
+    model = load(str(path))[0]
+    for block in [*model.trunk.layers, model.mtp.layers[0].block]:
+        if hasattr(block.mlp, "switch_mlp"):
+            block.mlp.switch_mlp.activation.limit = float("inf")
+    assert off(*teacher_forced(model, SEQ))
+
+    model = load(str(path))[0]
+    monkeypatch.setattr(
+        model, "family", replace(model.family, MASK_FIRST_POSITION=False)
+    )
+    assert off(*teacher_forced(model, SEQ))  # row 0, and the rows attending to it
 
 
 def _top_keys(indexer, x, qr, mask) -> list:

@@ -3,22 +3,42 @@ indexer on some layers, "shared" layers reusing the last one's selection; a gate
 attention output and per-head attention sinks; sigmoid-routed MoE) carried in four
 identity hyper-connection streams, and one MTP layer at ``model.mtp_layers.0.*``.
 
-The MTP layer (mlx-vlm's ``hy_v4_mtp``, vLLM's ``HYV4MTP``) fuses as DeepSeek's does,
-with MiMo's names for its final norm: ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], then
-a decoder layer of the trunk's kind without hyper-connection streams (MLA with an
-indexer of its own, MoE), then ``final_layernorm``; it reads the trunk's hidden state
-after ``hc_head`` and ``model.norm`` (rank 3: the streams already collapsed) and its
-embedding and head are the trunk's. It keeps two caches, as DeepSeek-V3.2's does (the
-MLA latent and the indexer's keys).
+The MTP layer (vLLM's ``HYV4MTP``, SGLang's ``hunyuan_v4_nextn``, mlx-vlm's
+``hy_v4_mtp``) fuses as DeepSeek's does, with MiMo's name for its final norm:
+``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], a decoder layer of the trunk's kind without
+hyper-connection streams (MLA with an indexer of its own, MoE), ``final_layernorm``;
+it reads the trunk's hidden state after ``hc_head`` and ``model.norm`` (the streams
+collapsed), its embedding and head are the trunk's, and the embedding of position 0
+is zeroed (vLLM's ``mtp.py``). It keeps two caches, as DeepSeek-V3.2's does (the MLA
+latent and the indexer's keys).
+
+The release (tencent/Hy4-preview, `tests/golden/hy_v4.json`) stores each layer's
+routed experts fused (``mlp.experts.gate_up_proj`` (E, 2I, H), ``down_proj``), BF16
+or as a ModelOpt MXFP8 export (e4m3 with ``weight_scale`` / ``*_scale``), and each
+indexer head as ``[nope | rope]``: RoPE (interleaved) on its last
+``qk_rope_head_dim`` dimensions (vLLM, SGLang and transformers agree). The routed
+experts clamp their SwiGLU at ``swiglu_limit`` (transformers' ``_apply_gate``); the
+shared ones do not.
 
 mlx-lm has no Hy4, so the trunk is mlx-vlm's text model (``mlx_vlm.models.hy_v4``,
-the extra ``mlx-mtp[vlm]``) and the MTP block mlx-vlm's ``HyV4MTPDecoderLayer``, both
-used as they are with two changes made by subclassing: the trunk makes mlx-lm's
-caches (which mlx-mtp rolls back and batches; mlx-vlm's ``HyV4KVCache`` only grows its
-buffer differently), and a float ``kv_b_proj`` is split into MLA's ``embed_q`` /
-``unembed_out`` before mlx-vlm's sanitize, which handles only the MXFP8 release form
-of that tensor. Writing the trunk here instead (as for DeepSeek-V4) would copy
-mlx-vlm's 700 lines of attention, routing and expert code for nothing MTP needs.
+the extra ``mlx-mtp[vlm]``) and the MTP block mlx-vlm's ``HyV4MTPDecoderLayer``.
+mlx-vlm 0.7.10 reads only the MXFP8 form and differs from the release's references
+in three places, so they are used with these changes, by subclassing and at load,
+without copying its code:
+
+- its trunk makes mlx-lm's caches (which mlx-mtp rolls back and batches; mlx-vlm's
+  ``HyV4KVCache`` only grows its buffer differently);
+- float tensors it cannot read are put in its form first (`in_mlx_vlm_form`: a
+  float ``kv_b_proj`` split into MLA's ``embed_q`` / ``unembed_out``, float fused
+  experts named as its ``switch_mlp``), and each indexer's ``[nope | rope]`` heads
+  are permuted to the ``[rope | nope]`` its indexer rotates (as SGLang permutes
+  them; the scores are the same dot products);
+- its indexers select exactly (`_indexer`: its ``HyV4Indexer`` fixes the top-k's
+  ``kth`` to its first call's key count), and its routed experts clamp
+  (`ClampedSwiGLU`).
+
+Writing the trunk here instead (as for DeepSeek-V4) would copy mlx-vlm's 700 lines of
+attention, routing and expert code for nothing MTP needs.
 """
 
 import re
@@ -27,6 +47,7 @@ from functools import lru_cache
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache
 
 from . import vlm
@@ -83,12 +104,29 @@ def _indexer():
     return Indexer
 
 
-def exact_indexers(layers, args) -> None:
-    """Give each of ``layers`` (Hy4 decoder layers) that has an indexer `_indexer`'s
-    (same parameters, exact selection)."""
+class ClampedSwiGLU(nn.Module):
+    """The routed experts' activation: ``silu(min(gate, limit)) * clip(up, ±limit)``
+    (called as mlx-vlm's ``SwiGLU``, ``(up, gate)``)."""
+
+    def __init__(self, limit: float):
+        super().__init__()
+        self.limit = limit
+
+    def __call__(self, up: mx.array, gate: mx.array) -> mx.array:
+        gate = mx.minimum(gate, self.limit)
+        return nn.silu(gate) * mx.clip(up, -self.limit, self.limit)
+
+
+def fix_layers(layers, args, limit: Optional[float]) -> None:
+    """Give each of ``layers`` (Hy4 decoder layers) an exact indexer (`_indexer`,
+    same parameters) where it has one, and routed experts clamped at ``limit``
+    (None: unclamped)."""
     for layer in layers:
         if layer.self_attn.indexer is not None:
             layer.self_attn.indexer = _indexer()(args)
+        experts = getattr(layer.mlp, "switch_mlp", None)
+        if experts is not None and limit is not None:
+            experts.activation = ClampedSwiGLU(limit)
 
 
 @lru_cache(maxsize=None)
@@ -106,34 +144,64 @@ def _drafter():
     )
 
 
-def split_kv_b(weights: dict, args) -> dict:
-    """Each float ``self_attn.kv_b_proj.weight`` ``(heads * (nope + v), rank)`` as
-    MLA's per-head ``embed_q`` ``(heads, rank, nope)`` and ``unembed_out``
-    ``(heads, v, rank)``; one with an MXFP8 ``weight_scale`` (the release's) is
-    left to mlx-vlm's sanitize."""
+def in_mlx_vlm_form(weights: dict, args) -> dict:
+    """Raw Hugging Face tensors as mlx-vlm's sanitize reads them.
+
+    - a float ``self_attn.kv_b_proj.weight`` ``(heads * (nope + v), rank)`` as MLA's
+      per-head ``embed_q`` ``(heads, rank, nope)`` and ``unembed_out``
+      ``(heads, v, rank)`` (an MXFP8 one, with ``weight_scale``, is its sanitize's);
+    - float fused experts ``mlp.experts.{gate_up,down}_proj`` as its
+      ``mlp.switch_mlp.*.weight`` (MXFP8 ones, with ``*_scale``, are its sanitize's);
+    - each raw layer's indexer heads (``wq_b``, ``wk`` rows and their scales,
+      ``k_norm``) from the release's ``[nope | rope]`` to the ``[rope | nope]`` its
+      indexer rotates. A layer is raw while it has its ``kv_b_proj``: an MLX
+      conversion (split, permuted) passes unchanged.
+    """
     out = dict(weights)
     for key in [k for k in weights if k.endswith(".self_attn.kv_b_proj.weight")]:
+        prefix = key[: -len("kv_b_proj.weight")]
+        for name in [k for k in weights if k.startswith(prefix + "indexer.")]:
+            out[name] = _rope_first(out[name], name, args)
         if key + "_scale" in weights:
             continue
-        prefix = key[: -len("kv_b_proj.weight")]
         nope = args.qk_nope_head_dim
         kv = out.pop(key).reshape(args.num_attention_heads, nope + args.v_head_dim, -1)
         out[prefix + "embed_q.weight"] = mx.contiguous(kv[:, :nope].swapaxes(-1, -2))
         out[prefix + "unembed_out.weight"] = mx.contiguous(kv[:, nope:])
+    for key in [k for k in weights if re.search(r"\.mlp\.experts\.\w+_proj$", k)]:
+        if key + "_scale" not in weights:
+            prefix, _, name = key.rpartition(".experts.")
+            out[f"{prefix}.switch_mlp.{name}.weight"] = out.pop(key)
     return out
 
 
+def _rope_first(value: mx.array, name: str, args) -> mx.array:
+    """An indexer tensor whose rows (``wq_b``: per head) are ``[nope | rope]``, as
+    ``[rope | nope]``; other tensors unchanged."""
+    if ".wq_b." in name:
+        heads = args.index_n_heads
+    elif ".wk." in name or ".k_norm." in name:
+        heads = 1
+    else:
+        return value
+    rope = args.qk_rope_head_dim
+    rows = value.reshape(heads, args.index_head_dim, *value.shape[1:])
+    return mx.concatenate([rows[:, -rope:], rows[:, :-rope]], axis=1).reshape(
+        value.shape
+    )
+
+
 @lru_cache(maxsize=None)
-def _trunk_class():
+def _trunk_class(limit: Optional[float]):
     language = _language()
 
     class Model(language.LanguageModel):
-        """mlx-vlm's Hy4 text model returning logits, with mlx-lm's caches, float
-        MLA weights and exact indexers."""
+        """mlx-vlm's Hy4 text model returning logits, with mlx-lm's caches, exact
+        indexers, clamped routed experts, and the release's float tensors read."""
 
         def __init__(self, config):
             super().__init__(config)
-            exact_indexers(self.layers, config)
+            fix_layers(self.layers, config, limit)
 
         def __call__(self, inputs, cache=None, **kwargs):
             """Logits ``(B, L, V)``, as mlx-lm's models return them."""
@@ -151,7 +219,7 @@ def _trunk_class():
             ]
 
         def sanitize(self, weights: dict) -> dict:
-            return super().sanitize(split_kv_b(weights, self.args))
+            return super().sanitize(in_mlx_vlm_form(weights, self.args))
 
     return Model
 
@@ -175,7 +243,7 @@ def fix_config(config: dict) -> dict:
 
 
 def trunk_classes(config: dict):
-    return _trunk_class(), _language().ModelConfig
+    return _trunk_class(config.get("swiglu_limit")), _language().ModelConfig
 
 
 def mtp_layer_of(key: str, config: dict) -> Optional[int]:
@@ -188,15 +256,15 @@ def split_weights(weights: dict, config: dict):
 
 
 def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
-    """The MTP layers' tensors through the trunk's own fixes (experts stacked and
-    fused, ``kv_b_proj`` split), in the schema ``layers.{j}.*``."""
-    weights = split_kv_b(weights, trunk.args)
+    """The MTP layers' tensors through the trunk's own fixes (`in_mlx_vlm_form`, then
+    mlx-vlm's sanitize), in the schema ``layers.{j}.*``."""
+    weights = in_mlx_vlm_form(weights, trunk.args)
     return sanitize_layers(trunk, weights, config, mtp_layer_of, LAYOUT)
 
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     """MTP layer j: mlx-vlm's Hy4 MTP block (MoE, a full indexer, no
-    hyper-connections), as its drafter builds it."""
+    hyper-connections), as its drafter builds it, fixed as the trunk's layers."""
     args = replace(
         trunk.args,
         num_hidden_layers=1,
@@ -205,7 +273,7 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
         indexer_types=["full"],
     )
     block = _drafter().HyV4MTPDecoderLayer(args, 0)
-    exact_indexers([block], args)
+    fix_layers([block], args, config.get("swiglu_limit"))
     layer = MTPLayer(args.hidden_size, args.rms_norm_eps, block)
     layer.kv_caches = 2
     return layer
@@ -214,6 +282,7 @@ def make_layer(trunk, j: int, config: dict) -> MTPLayer:
 FAMILY = define(
     LAYOUT=LAYOUT,
     MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
+    MASK_FIRST_POSITION=True,  # vLLM's HYV4 MTP zeroes position 0's embedding
     MASK_AS_ARRAY=True,  # MLA adds the mask into its own scores
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,

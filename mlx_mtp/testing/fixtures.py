@@ -1861,6 +1861,25 @@ def _hy_hc(init: _Init, prefix: str, cfg: dict, head: bool = False) -> Tensors:
     }
 
 
+def _hy_moe(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """Hy4's MoE as released: the router, the routed experts fused
+    (``experts.gate_up_proj`` (E, 2I, H), gate rows first; ``experts.down_proj``
+    (E, H, I)) and a shared expert."""
+    hidden, n_experts = cfg["hidden_size"], cfg["n_routed_experts"]
+    inter = cfg["moe_intermediate_size"]
+    return {
+        f"{prefix}gate.weight": init.linear(n_experts, hidden),
+        f"{prefix}gate.e_score_correction_bias": init.normal((n_experts,), 0.01),
+        f"{prefix}experts.gate_up_proj": init.normal(
+            (n_experts, 2 * inter, hidden), WEIGHT_STD
+        ),
+        f"{prefix}experts.down_proj": init.normal(
+            (n_experts, hidden, inter), WEIGHT_STD
+        ),
+        **_dense_mlp(init, f"{prefix}shared_experts.", hidden, inter),
+    }
+
+
 def _hy_v4_layer(init: _Init, prefix: str, cfg: dict, idx: int, mtp: bool) -> Tensors:
     """A Hy4 decoder layer: MLA (an indexer unless the layer is "shared") with an
     output gate and sinks, a dense MLP below ``first_k_dense_replace`` else MoE, and
@@ -1885,7 +1904,7 @@ def _hy_v4_layer(init: _Init, prefix: str, cfg: dict, idx: int, mtp: bool) -> Te
         lambda p: (
             _dense_mlp(init, p, HIDDEN, INTERMEDIATE)
             if dense
-            else _moe_mlp(init, p, cfg)
+            else _hy_moe(init, p, cfg)
         ),
     )
     if not mtp:
@@ -1921,6 +1940,8 @@ def _hy_v4(
         hc_eps=1e-6,
         hc_magnitude=2.0,
         rms_norm_eps=1e-5,
+        # the release's is 10; at 1 the routed experts' clamp binds in the fixture
+        swiglu_limit=1.0,
     )
     t = _trunk(init, cfg, lambda p, i: _hy_v4_layer(init, p, cfg, i, mtp=False))
     t.update(_hy_hc(init, "model.hc_head.", cfg, head=True))
@@ -1941,7 +1962,7 @@ _HY_QUANTIZED = re.compile(
     r"model\.(layers|mtp_layers)\.\d+\."
     r"(.*(?<!eh)_proj(_with_mqa)?|.*linear_gate)\.weight$"
 )
-_HY_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_HY_EXPERTS = re.compile(r".*\.mlp\.experts\.(gate_up|down)_proj$")
 
 
 def _mxfp8(value: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -1953,36 +1974,22 @@ def _mxfp8(value: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 def _hy_v4_release(config: dict, tensors: Tensors, form: str) -> Tensors:
     """Hy4's tensors as its ModelOpt MXFP8 export stores them (``form`` "mxfp8"):
-    every decoder-layer projection but the MTP fusion ``eh_proj``, and the output
-    gate, as e4m3 bytes with ``weight_scale``; each layer's experts fused
-    (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I), with
+    every decoder-layer projection but the MTP fusion ``eh_proj``, the output gate
+    and the fused experts, as e4m3 bytes with ``weight_scale`` (the experts'
     ``*_scale``). Norms, router, embedding, head, hyper-connections and sinks stay
-    float. ``form`` "dequantized": the same values in float, as the fixture lays
-    them out (the twin an independent reference reads)."""
-    out, experts = {}, {}
+    float. ``form`` "dequantized": the same values in float (the twin an independent
+    reference reads)."""
+    out = {}
     for key, value in tensors.items():
-        match = _HY_EXPERT.match(key)
-        if match and form == "mxfp8":
-            prefix, e, name = match[1], int(match[2]), match[3]
-            experts.setdefault(prefix, {}).setdefault(e, {})[name] = value
-        elif _HY_QUANTIZED.match(key) or match:
-            packed, scales = _mxfp8(value)
-            if form == "mxfp8":
-                out[key], out[key + "_scale"] = packed, scales
-            else:
-                out[key] = _dequantized(packed, scales)
-        else:
+        if not (_HY_QUANTIZED.match(key) or _HY_EXPERTS.match(key)):
             out[key] = value
-    for prefix, by_expert in experts.items():
-        ordered = [by_expert[e] for e in sorted(by_expert)]
-        fused = {
-            "gate_up_proj": np.stack(
-                [np.concatenate([x["gate"], x["up"]]) for x in ordered]
-            ),
-            "down_proj": np.stack([x["down"] for x in ordered]),
-        }
-        for name, value in fused.items():
-            out[f"{prefix}.{name}"], out[f"{prefix}.{name}_scale"] = _mxfp8(value)
+            continue
+        packed, scales = _mxfp8(value)
+        if form != "mxfp8":
+            out[key] = _dequantized(packed, scales)
+            continue
+        out[key] = packed
+        out[key + "_scale"] = scales  # W.weight_scale, experts.*_proj_scale
     if form == "mxfp8":
         config["quantization_config"] = {
             "quant_method": "modelopt",
