@@ -204,3 +204,13 @@ def test_the_mxfp8_release_loads_packed_and_exactly(checkpoint):
     )
     assert [o.token for o in steps] == plain_greedy(model, SEQ[:6], 30)
     assert steps[-1].stats.accepted > 0
+
+
+def test_several_ranks_are_refused_in_one_line(loaded):
+    """mlx-vlm's Hy4 trunk inherits a ``pipeline`` its forward does not follow: a
+    split over ranks is refused, not run on a part of the layers."""
+    from mlx_mtp import distributed
+
+    model, _ = loaded("hy_v4")
+    with pytest.raises(MTPError, match="runs on one machine"):
+        distributed.shard(model.trunk, object())

@@ -50,6 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache
 
+from ..errors import MTPError
 from . import vlm
 from .base import sanitize_layers, split_mtp
 from .family import Layout, define
@@ -202,6 +203,9 @@ def _trunk_class(limit: Optional[float]):
         def __init__(self, config):
             super().__init__(config)
             fix_layers(self.layers, config, limit)
+            # inherited from mlx-vlm's DeepSeek-V3.2 model, which Hy4's forward
+            # does not follow (no sends between ranks): refused, not half-run
+            self.model.pipeline = _no_pipeline
 
         def __call__(self, inputs, cache=None, **kwargs):
             """Logits ``(B, L, V)``, as mlx-lm's models return them."""
@@ -222,6 +226,12 @@ def _trunk_class(limit: Optional[float]):
             return super().sanitize(in_mlx_vlm_form(weights, self.args))
 
     return Model
+
+
+def _no_pipeline(group) -> None:
+    raise MTPError(
+        f"{WHAT} runs on one machine: mlx-vlm's trunk cannot be split over ranks"
+    )
 
 
 # The release's dtype: a ModelOpt MXFP8 export (e4m3 bytes with one ue8m0 scale per 32
