@@ -39,6 +39,7 @@ from .defaults import DEFAULT_MAX_BATCH, SERVER_MAX_TOKENS
 from .errors import MTPError
 from .options import DecodeOptions
 from .private import check_private
+from .responses_api import Kept
 from .server_checks import check_origins, prompt_bytes_per_token
 from .serving.budget import default_budget
 from .serving.generator import MTPResponseGenerator
@@ -194,10 +195,17 @@ class Server:
     def _handler(self):
         fingerprint = lm_server.get_system_fingerprint()
         self._connections = Connections()
+        self.kept = Kept()  # responses kept for previous_response_id
 
         def make(*a, **kw):  # handles the connection, in its thread
             with self._connections:
-                MTPHandler(self.generator, *a, system_fingerprint=fingerprint, **kw)
+                MTPHandler(
+                    self.generator,
+                    *a,
+                    system_fingerprint=fingerprint,
+                    kept=self.kept,
+                    **kw,
+                )
 
         return make
 

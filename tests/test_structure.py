@@ -49,6 +49,7 @@ LAYERS = [
         "replies",
         "server_checks",
         "anthropic_api",
+        "responses_api",
         "server",
         "serving",
         "prompts_file",

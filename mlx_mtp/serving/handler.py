@@ -2,7 +2,8 @@
 checks that keep web pages out (Origin, Host, Content-Type), bounds on bodies and
 time (with `mlx_mtp.serving.http_guard`), the checks of `server_checks` (sampling
 settings, the messages' shape: no image is taken, no URL fetched), OpenAI-style
-error bodies with the right status codes (Anthropic's for the Messages API), one
+error bodies with the right status codes (Anthropic's for the Messages API; the
+Messages and Responses APIs served as the chat requests they translate to), one
 `DecodeOptions` per request (the server's, then the request's fields:
 ``num_draft_tokens`` as an int or "auto", ``draft_source``, ``draft_vocab``,
 sampling), refusals of options the MTP loop does not implement, and an ``mtp`` block
@@ -20,7 +21,7 @@ from typing import Dict, Optional, Tuple
 
 from mlx_lm import server as lm_server
 
-from .. import anthropic_api
+from .. import anthropic_api, responses_api
 from ..errors import MTPError, one_line
 from ..grammar import check_grammar
 from ..options import DecodeOptions
@@ -66,6 +67,12 @@ class MTPHandler(lm_server.APIHandler):
 
     protocol_version = "HTTP/1.0"
 
+    def __init__(self, response_generator, *args, kept=None, **kwargs):
+        # the responses kept for previous_response_id (`responses_api.Kept`): the
+        # server's, shared by its connections; None keeps none
+        self.kept = kept
+        super().__init__(response_generator, *args, **kwargs)
+
     def setup(self):
         self.timeout = self.response_generator.cli_args.request_timeout
         super().setup()
@@ -74,8 +81,13 @@ class MTPHandler(lm_server.APIHandler):
         self._job = None  # a completion request's record, once its fields passed
         self._served = None  # the model and tokenizer its checks use (`Served`)
         self._watched = 0.0  # when `_client_left` last looked
-        self._anthropic = False  # a request of Anthropic's Messages API
-        self._messages = None  # its reply's `anthropic_api.Events`, while it is made
+        # the API a request translated to a chat request is of (`anthropic_api`,
+        # `responses_api`; None: a chat or completion request), its reply's Events
+        # while it is made, and a Responses request's `responses_api.Request`
+        self._api = None
+        self._messages = None
+        self._asked = None
+        self._owner = None
 
     def _received(self) -> None:
         """The request is read: from now on the timeout bounds each idle wait of the
@@ -94,7 +106,7 @@ class MTPHandler(lm_server.APIHandler):
 
     def _fail(self, error: RequestError) -> None:
         self._drain()
-        body = anthropic_api.error_body(error) if self._anthropic else error.body()
+        body = self._api.error_body(error) if self._api else error.body()
         try:
             self.send_response(error.status)
             self.send_header("Content-type", "application/json")
@@ -245,21 +257,21 @@ class MTPHandler(lm_server.APIHandler):
     def do_POST(self):
         """A completion request, checked here before mlx-lm's handler serves it; a
         failure anywhere after is answered here too (`Refusal`). A Messages request
-        (Anthropic's API) is served as the chat request it translates to."""
-        self._anthropic = anthropic_api.under_messages(self.path)
+        (Anthropic's API) or a Responses request (OpenAI's) is served as the chat
+        request it translates to."""
+        self._api = _api_under(self.path)
         try:
             self._admit()
-            owner = self._authorize()
+            owner = self._owner = self._authorize()
             self._route()
             length = self._content_length()
             self._check_media_type()
             self._read_body(length)
-            if self._anthropic:
-                self._body, stream = anthropic_api.chat_request(self._body)
+            stream = self._translate(owner)
             self._while_open(self._check_request, owner)
         except RequestError as e:
             return self._fail(e)
-        if self._anthropic:  # its chat reply streams: `anthropic_api.Reply` reads it
+        if self._api:  # its chat reply streams: the API's `Reply` reads it
             self._job.stream, self.path = stream, "/v1/chat/completions"
         self.rfile = io.BytesIO(self._raw)  # the checked body, for mlx-lm's handler
         self.headers.replace_header("Content-Length", str(len(self._raw)))
@@ -268,6 +280,23 @@ class MTPHandler(lm_server.APIHandler):
         except Refusal as refusal:
             self._answer(refusal)
 
+    def _translate(self, owner: Optional[int]) -> Optional[bool]:
+        """A Messages or Responses request's body as the chat request that serves
+        it; whether its own reply streams (None for a chat request)."""
+        if self._api is anthropic_api:
+            self._body, stream = anthropic_api.chat_request(self._body)
+            return stream
+        if self._api is responses_api:
+
+            def history(response_id):
+                return self.kept.get(response_id, owner) if self.kept else None
+
+            self._body, stream, self._asked = responses_api.chat_request(
+                self._body, history
+            )
+            return stream
+        return None
+
     def _answer(self, refusal: "Refusal") -> None:
         """A request's failure in its API's form: its error reply, or once its stream
         started, an error event (OpenAI's then ``[DONE]``)."""
@@ -275,8 +304,8 @@ class MTPHandler(lm_server.APIHandler):
             return self._fail(refusal.error)
         error = refusal.error
         try:
-            if self._anthropic:
-                self.wfile.write(anthropic_api.error_event(error))
+            if self._api:
+                self.wfile.write(self._api.error_event(error))
             else:
                 self.wfile.write(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
             self.wfile.flush()
@@ -313,7 +342,9 @@ class MTPHandler(lm_server.APIHandler):
         self._check_room()
 
     def _route(self) -> None:
-        if anthropic_api.is_messages(self.path):
+        if anthropic_api.is_messages(self.path) or responses_api.is_responses(
+            self.path
+        ):
             return
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
             if self.path != "/chat/completions":
@@ -566,14 +597,14 @@ class MTPHandler(lm_server.APIHandler):
         """mlx-lm's, serving the request as a `JobRequest`, which carries its `Job` to
         the generator. A failure after the reply started ends the reply (a stream
         with an error event) and the server goes on; the request is counted out
-        once its reply is over. A Messages request's reply is made of the chat
-        reply's chunks (`anthropic_api.Events`, fed by `generate_response` and
-        `completion_usage_response`), what mlx-lm writes of the chat reply going
-        nowhere (`end_headers`)."""
+        once its reply is over. A Messages or Responses request's reply is made of
+        the chat reply's chunks (the API's ``Events``, fed by `generate_response`
+        and `completion_usage_response`), what mlx-lm writes of the chat reply
+        going nowhere (`end_headers`)."""
         job, self._calls = self._job, 0  # _calls: the reply's tool calls so far
         out = self.wfile
-        if self._anthropic:
-            self._messages = anthropic_api.Events(out, job.stream)
+        if self._api:
+            self._messages = self._api.Events(out, job.stream)
         messages = self._messages
         try:
             super().handle_completion(with_job(request, JobRequest, job), stop_words)
@@ -597,34 +628,43 @@ class MTPHandler(lm_server.APIHandler):
             return super().end_headers()
         self._open_message(messages)
 
-    def _open_message(self, messages: anthropic_api.Events) -> None:
-        """The Messages reply starts, as mlx-lm's chat reply does (the request has
-        its context): a stream's headers (mlx-lm's, an event stream) go out, then
-        its first events; a reply not streamed sends nothing now (its message goes
-        whole, `_send_message`). From then on what mlx-lm writes of the chat reply
-        goes nowhere (`_Unsent`): its chunks reach the reply as the handler makes
-        them. Its stop reason is that of the chat reply's finish and the stop
-        sequence that ended it, if one did (`anthropic_api.stop_reason`)."""
+    def _open_message(self, messages) -> None:
+        """A Messages or Responses reply starts, as mlx-lm's chat reply does (the
+        request has its context): a stream's headers (mlx-lm's, an event stream)
+        go out, then its first events; a reply not streamed sends nothing now (it
+        goes whole, `_send_message`). From then on what mlx-lm writes of the chat
+        reply goes nowhere (`_Unsent`): its chunks reach the reply as the handler
+        makes them. A message's stop reason is that of the chat reply's finish and
+        the stop sequence that ended it, if one did (`anthropic_api.stop_reason`)."""
         job = self._job
 
         def stop(finish):
             return anthropic_api.stop_reason(finish, job.stop_sequence)
 
-        if not messages.stream:  # its headers too: the message is sent whole
+        if not messages.stream:  # its headers too: the reply is sent whole
             self.wfile = _Unsent()
         super().end_headers()
         self.wfile = _Unsent()
         ctx, model = job.responses.ctx, self.requested_model
         prompt, cached = len(ctx.prompt), ctx.prompt_cache_count
-        messages.open(anthropic_api.Reply(model, prompt, cached, stop))
+        if self._api is responses_api:
+            reply = responses_api.Reply(model, prompt, cached, self._asked)
+        else:
+            reply = anthropic_api.Reply(model, prompt, cached, stop)
+        messages.open(reply)
 
-    def _send_message(self, messages: anthropic_api.Events, out) -> None:
-        """A Messages reply over: its last events, or the whole message unless it
-        streamed."""
+    def _send_message(self, messages, out) -> None:
+        """A Messages or Responses reply over: its last events, or the whole reply
+        unless it streamed; a response is kept for ``previous_response_id`` unless
+        its request said ``store: false``."""
         self.wfile, self._messages = out, None
         messages.close()
+        reply = messages.reply
+        if self._api is responses_api and self._asked.store and self.kept is not None:
+            self.kept.put(reply.id, reply.conversation(), self._owner)
         if not messages.stream:
-            self._send_json(messages.reply.message())
+            whole = reply.response() if self._api is responses_api else reply.message()
+            self._send_json(whole)
 
     def _end_failed(self, error: RequestError, messages, out) -> None:
         """End a reply that failed after it started: a stream with an error event
@@ -635,7 +675,7 @@ class MTPHandler(lm_server.APIHandler):
         if messages is None and self.stream:
             self.wfile.write(b"data: " + error.body() + b"\n\ndata: [DONE]\n\n")
         elif messages is not None and messages.stream:
-            self.wfile.write(anthropic_api.error_event(error))
+            self.wfile.write(self._api.error_event(error))
         elif messages is not None or getattr(self, "_headers_buffer", None):
             self._headers_buffer = []  # the 200's, not sent
             self._fail(error)
@@ -689,7 +729,8 @@ class MTPHandler(lm_server.APIHandler):
         return self._to_messages(self._add_mtp(response))
 
     def _to_messages(self, chunk: dict) -> dict:
-        """``chunk``, also added to the Messages reply being made, if any."""
+        """``chunk``, also added to the Messages or Responses reply being made, if
+        any."""
         if self._messages is not None:
             self._messages.add(chunk)
         return chunk
@@ -703,8 +744,8 @@ class MTPHandler(lm_server.APIHandler):
 
 
 class _Unsent:
-    """Where mlx-lm's handler writes a Messages request's chat reply: nowhere (the
-    Messages reply is made of its chunks, `MTPHandler._to_messages`)."""
+    """Where mlx-lm's handler writes a Messages or Responses request's chat reply:
+    nowhere (that reply is made of its chunks, `MTPHandler._to_messages`)."""
 
     def write(self, data) -> int:
         return len(data)
@@ -732,3 +773,13 @@ def mtp_block(stats, batch_sizes: Optional[Dict[int, int]] = None) -> dict:
         "drafted_by_vocab": dict(stats.drafted_by_vocab),
         "batch_sizes": dict(batch_sizes),
     }
+
+
+def _api_under(path: str):
+    """The API whose requests a path is under, translated to chat requests
+    (`anthropic_api`, `responses_api`), or None (OpenAI's chat and completions)."""
+    if anthropic_api.under_messages(path):
+        return anthropic_api
+    if responses_api.under_responses(path):
+        return responses_api
+    return None
