@@ -273,6 +273,13 @@ def seed_option(default=None, help="Seed for reproducible sampling."):
     )
 
 
+FORCE = click.option(
+    "--force",
+    is_flag=True,
+    help="Load the model even when its weights exceed the memory MLX can use here "
+    "(set MLX_MTP_MEMORY_LIMIT to choose that bound).",
+)
+
 ALLOW_MISSING_HEADS = click.option(
     "--allow-missing-heads",
     is_flag=True,
@@ -605,6 +612,7 @@ def decode_options(fn):
         *PROCESSOR_OPTIONS,
         click.option("--system-prompt", default=None),
         ALLOW_MISSING_HEADS,
+        FORCE,
         DRAFT_MODEL,
         TRUST_REMOTE_CODE,
         click.option(
@@ -734,6 +742,7 @@ def _load_for_decoding(model, options: dict):
         allow_missing_heads=options["allow_missing_heads"],
         trust_remote_code=options["trust_remote_code"],
         draft_model=options["draft_model"],
+        force=options["force"],
     )
     return mdl, tokenizer
 
@@ -1608,6 +1617,7 @@ def train_heads(model, data, mlx_path, **options):
     "the memory the weights leave].",
 )
 @ALLOW_MISSING_HEADS
+@FORCE
 @click.option(
     "--chat-template-args",
     default="{}",

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import assistant as assistants
-from . import distributed, draft_vocab
+from . import distributed, draft_vocab, memory
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import check_not_mid_update, read_json, safetensors_header
 from .heads import (
@@ -333,6 +333,7 @@ def load_model(
     lazy: bool = False,
     draft_model: Optional[str] = None,
     group: Any = "auto",
+    force: bool = False,
 ) -> Tuple[Model, dict, Path]:
     """Load a model with its MTP heads (no tokenizer).
 
@@ -345,7 +346,13 @@ def load_model(
     loaded, error = None, None
     try:
         loaded = _load_model(
-            path_or_hf_repo, revision, allow_missing_heads, lazy, draft_model, group
+            path_or_hf_repo,
+            revision,
+            allow_missing_heads,
+            lazy,
+            draft_model,
+            group,
+            force,
         )
     except Exception as e:  # every rank must reach the check below, failed or not
         if group is None:
@@ -362,10 +369,17 @@ def _load_model(
     lazy: bool,
     draft_model: Optional[str],
     group,
+    force: bool = False,
 ) -> Tuple[Model, dict, Path]:
     """`load_model` on this rank: the trunk sharded over ``group`` (if any), the MTP
-    heads whole."""
+    heads whole; weights that do not fit the machine refused unless ``force``
+    (`mlx_mtp.memory.check_fits`)."""
     model_path = resolve(path_or_hf_repo, revision)
+    if not force:
+        folders = [model_path]
+        if draft_model is not None and Path(draft_model).is_dir():
+            folders.append(Path(draft_model))
+        memory.check_fits(folders, ranks=1 if group is None else group.size())
     config = read_config(model_path)
     if assistants.is_assistant(config):
         raise MTPError(
@@ -675,6 +689,7 @@ def load(
     trust_remote_code: bool = False,
     draft_model: Optional[str] = None,
     group: Any = "auto",
+    force: bool = False,
 ):
     """Load a model with its MTP heads, and its tokenizer.
 
@@ -695,6 +710,8 @@ def load(
         group: The ranks to shard the trunk over (`mlx_mtp.distributed`): "auto" is
             every rank of an ``mlx.launch`` with several (none otherwise); None loads
             the whole model on this process.
+        force: Load weights larger than the memory MLX can use here
+            (`mlx_mtp.memory.memory_limit`), which are otherwise refused.
 
     Returns:
         ``(model, tokenizer)``: an `mlx_mtp.models.base.Model` and mlx-lm's
@@ -710,6 +727,7 @@ def load(
         lazy=lazy,
         draft_model=draft_model,
         group=group,
+        force=force,
     )
     options = {"trust_remote_code": trust_remote_code, **(tokenizer_config or {})}
     tokenizer, error = None, None

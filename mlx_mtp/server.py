@@ -119,6 +119,7 @@ def server_args(**options) -> argparse.Namespace:
         port=8080,
         allowed_origins=[],  # besides pages of this machine (`local_origin`)
         trust_remote_code=False,
+        force=False,  # load weights larger than the memory MLX can use here
         chat_template="",
         use_default_chat_template=False,
         max_tokens_limit=32768,

@@ -20,6 +20,7 @@ LAYERS = [
         "errors",
         "fast_blas",
         "files",
+        "memory",
         "private",
         "one_row",
         "rows",

@@ -66,10 +66,3 @@ def default_budget(model) -> int:
     batch (the budget counts them once), and the rounds' activations."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return max(0, (device_memory() - weights) // 2)
-
-
-def readable_size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} bytes"

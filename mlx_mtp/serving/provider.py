@@ -48,6 +48,7 @@ class MTPModelProvider(lm_server.ModelProvider):
             draft_model=args.draft_model,
             trust_remote_code=args.trust_remote_code,
             tokenizer_config=tokenizer_config,
+            force=args.force,
         )
         if draft_vocab.wants_ranking(model):
             draft_vocab.ranking_for(model, tokenizer)

@@ -12,8 +12,9 @@ from mlx_lm import server as lm_server
 
 from ..batch import Admission, Batch, Row, RowOutput, prefill_groups, prefill_together
 from ..errors import MTPError
+from ..memory import readable_size
 from ..server_checks import bad_request
-from .budget import cache_cost, default_budget, readable_size
+from .budget import cache_cost, default_budget
 from .jobs import (
     Context,
     Job,
