@@ -1698,6 +1698,7 @@ def _exit_now(code: int) -> None:
 @deprecated_option("--json", "--output", "output")
 @DRAFT_MODEL
 @TRUST_REMOTE_CODE
+@FORCE
 @friendly_errors
 def bench(
     model,
@@ -1711,6 +1712,7 @@ def bench(
     output,
     draft_model,
     trust_remote_code,
+    force,
 ):
     """Speed against mlx-lm plain decoding, interleaved in one process (see
     scripts/bench.py for CPU timing with a fast BLAS)."""
@@ -1734,6 +1736,7 @@ def bench(
         allow_missing_heads=True,
         trust_remote_code=trust_remote_code,
         draft_model=draft_model,
+        force=force,
     )
     result = run(
         mdl,
