@@ -23,7 +23,8 @@ families then runs it: greedy identity, sampling, rollback, conversion, numerics
   pass `tests/test_numerics.py` compares every fixture family with;
 - ``tests/golden/<model_type>.json``, when a release's tensor names and shapes can be
   found (`tests/test_golden_layouts.py` checks every file there);
-- ``README.md``: its row under "Supported checkpoints".
+- ``docs/models.md``: its row under "Supported checkpoints" (and its name in the
+  README's list).
 
 Required:
 
