@@ -1676,6 +1676,40 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+@main.command(short_help="The models on this machine, and whether they fit.")
+@click.argument("folders", nargs=-1, type=click.Path(file_okay=False))
+@click.option(
+    "--hub/--no-hub",
+    default=True,
+    show_default=True,
+    help="Include the Hugging Face cache.",
+)
+@output_option("Also write the list here (JSON).")
+@friendly_errors
+def models(folders, hub, output):
+    """The models in mlx-mtp's folder, the Hugging Face cache and FOLDERS (each a
+    model, or a folder of models): type, size, quantization, what each drafts with,
+    and whether its weights fit the memory MLX can use here
+    ($MLX_MTP_MEMORY_LIMIT, else the machine's). Nothing is loaded.
+
+    \b
+    mlx-mtp models ~/models
+    """
+    from pathlib import Path
+
+    from . import inventory
+    from .memory import memory_limit, readable_size
+
+    if output:
+        _check_writable(output)
+    entries = inventory.scan([Path(f) for f in folders], hub=hub)
+    click.echo(inventory.table(entries))
+    limit, source = memory_limit()
+    click.echo(f"\nMLX can use {readable_size(limit)} here ({source}).")
+    if output:
+        Path(output).write_text(inventory.as_json(entries) + "\n")
+
+
 @main.command(short_help="Speed against mlx-lm plain decoding.")
 @MODEL
 @tokens_option(

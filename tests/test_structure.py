@@ -54,6 +54,7 @@ LAYERS = [
         "server",
         "serving",
         "prompts_file",
+        "inventory",
     ],
     ["convert", "demo", "testing"],
     ["cli", "_entry", "__main__"],
