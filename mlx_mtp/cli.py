@@ -807,9 +807,26 @@ def _rank_vocabulary(model, tokenizer, options: dict, rank: int) -> None:
     help="With --prompts-file: the progress line on stderr also when it is not a "
     "terminal (--quiet: none).",
 )
+@click.option(
+    "--prompt-cache",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Keep the prompt's caches in this file: a later run whose prompt starts "
+    "with the same tokens and goes on (a shared preamble, with "
+    "--ignore-chat-template) runs only the rest. Written after the reply; a file "
+    "of another model, or unreadable, is replaced (with a warning).",
+)
 @decode_options
 @friendly_errors
-def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **options):
+def generate(
+    model,
+    prompt,
+    max_tokens,
+    max_kv_size,
+    ignore_chat_template,
+    prompt_cache,
+    **options,
+):
     """Generate text from a prompt, drafting with the model's MTP heads. Under
     ``mlx.launch`` the model is sharded over the ranks and rank 0 reads the prompt
     and prints.
@@ -841,7 +858,15 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
     _check_batch_flags(batch)
     decode = _decode_options(options, max_tokens=max_tokens, max_kv_size=max_kv_size)
     if batch["prompts_file"] is not None:
+        if prompt_cache is not None:
+            raise click.UsageError("--prompt-cache does not go with --prompts-file")
         return _generate_file(model, decode, ignore_chat_template, batch, options)
+    if prompt_cache is not None:
+        from .distributed import launched
+
+        if launched() is not None:
+            raise click.UsageError("--prompt-cache does not run under mlx.launch")
+        _check_writable(prompt_cache)
     rank = _silence_other_ranks()
     if prompt == "-" and rank == 0:
         prompt = read_prompt_stdin()
@@ -858,15 +883,58 @@ def generate(model, prompt, max_tokens, max_kv_size, ignore_chat_template, **opt
     sync.all_ok(error)
     ids = sync.share_tokens(ids)
     _rank_vocabulary(mdl, tokenizer, options, rank)
+    session, done, prefilled = None, 0, []
+    if prompt_cache is not None:
+        session, done = _cached_session(prompt_cache, mdl, ids, decode)
     response = None
     try:
-        for response in stream_generate(mdl, tokenizer, ids, options=decode):
+        for response in stream_generate(
+            mdl,
+            tokenizer,
+            ids[done:],
+            options=decode,
+            session=session,
+            on_prefill=lambda s: prefilled.append(s.snapshot()),
+        ):
             click.echo(response.text, nl=False)
     finally:
         if response is not None:
             click.echo()
             if options["verbose"] and rank == 0:
-                click.echo(format_stats(response), err=True)
+                cached = f" | prompt cache {done} tok" if prompt_cache else ""
+                click.echo(format_stats(response) + cached, err=True)
+    if prompt_cache is not None and prefilled:  # the prompt's caches, not the reply's
+        from . import session_files
+
+        key = session_files.model_key(mdl)
+        session_files.save(prefilled[0], prompt_cache, key)
+
+
+def _cached_session(path: str, model, ids, decode):
+    """The session ``--prompt-cache`` goes on from, and how many of the prompt's
+    tokens it holds: the file's when the prompt extends its tokens and it drafts
+    with the same MTP layers, else a new one (a file of another model or an
+    unreadable one: a warning)."""
+    import os
+
+    from . import session_files
+    from .resolve import drafting
+    from .speculative import Session
+
+    if not os.path.exists(path):
+        return Session(), 0
+    try:
+        session = session_files.load(path, session_files.model_key(model))
+    except session_files.SessionFileError as e:
+        click.echo(f"mlx-mtp: warning: {e}; starting afresh", err=True)
+        return Session(), 0
+    held = session.tokens
+    depth = drafting(model, decode).depth(model)
+    if session.state.depth != depth or not (
+        len(held) < len(ids) and ids[: len(held)] == held
+    ):
+        return Session(), 0
+    return session, len(held)
 
 
 def _check_batch_flags(batch: dict) -> None:
@@ -1606,6 +1674,20 @@ def train_heads(model, data, mlx_path, **options):
     default=None,
     help="Bound the kept conversations' cache memory [a quarter of the memory the "
     "weights leave].",
+)
+@click.option(
+    "--prompt-cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Keep conversations on disk here too (those the memory drops, and all of "
+    "them when the server stops): a restarted server goes on from them.",
+)
+@click.option(
+    "--prompt-cache-disk-bytes",
+    type=click.IntRange(min=1),
+    default=10 * 10**9,
+    show_default=True,
+    help="Bound the conversations kept on disk (the least recently used go first).",
 )
 @max_batch_option("Requests decoded together at most; others wait for a free row.")
 @click.option(

@@ -28,6 +28,7 @@ and answer a request not started (its grammar still compiling included) with a 5
 
 import argparse
 import gc
+import hashlib
 import os
 import signal
 import threading
@@ -35,6 +36,7 @@ from typing import Optional
 
 from mlx_lm import server as lm_server
 
+from . import session_files
 from .defaults import DEFAULT_MAX_BATCH, SERVER_MAX_TOKENS
 from .errors import MTPError
 from .options import DecodeOptions
@@ -46,7 +48,7 @@ from .serving.generator import MTPResponseGenerator
 from .serving.handler import MTPHandler, mtp_block
 from .serving.http_guard import Connections, HTTPServer, api_keys, env_keys
 from .serving.provider import DEFAULT_MODEL, MTPModelProvider
-from .serving.sessions import Sessions
+from .serving.sessions import DiskTier, Sessions
 
 # --- what the server needs of mlx-lm's server -----------------------------------------
 
@@ -131,6 +133,8 @@ def server_args(**options) -> argparse.Namespace:
         batch_cache_bytes=None,  # their caches' memory (None: `default_budget`)
         prompt_cache_size=8,
         prompt_cache_bytes=None,
+        prompt_cache_dir=None,  # kept sessions on disk too (`DiskTier`)
+        prompt_cache_disk_bytes=10 * 10**9,
         allow_missing_heads=False,
         pipeline=False,
         api_key=env_keys(),  # a key, or a list of keys (one per client)
@@ -188,7 +192,7 @@ class Server:
         kept = args.prompt_cache_bytes
         if kept is None:  # a quarter of what the weights leave (`default_budget`)
             kept = default_budget(provider.model) // 2
-        sessions = Sessions(args.prompt_cache_size, kept)
+        sessions = Sessions(args.prompt_cache_size, kept, _disk_tier(args, provider))
         self.generator = MTPResponseGenerator(provider, sessions)
         self.port = self.httpd.server_address[1]
         self._thread = None
@@ -256,6 +260,7 @@ class Server:
             self.httpd.shutdown()  # the accept loop of `start`
         self.httpd.socket.close()  # not server_close: it waits for idle connections
         self.generator.shutdown()
+        self.generator.sessions.flush()  # to the disk tier, for the next start
         # The connections handled (their replies are over), what their requests
         # left in reference cycles is freed now, in this thread: a connection's
         # thread still freeing MLX arrays at the interpreter's exit, or a collection
@@ -263,6 +268,22 @@ class Server:
         # exception").
         self._connections.wait(CLOSE_WAIT)
         gc.collect()
+
+
+def _disk_tier(args, provider) -> Optional[DiskTier]:
+    """The kept sessions' disk tier, in ``--prompt-cache-dir`` (None without one):
+    a folder per model, each session tagged with a hash of its API key."""
+    if args.prompt_cache_dir is None:
+        return None
+    keys = list(args.api_key or ())
+
+    def tag(owner) -> str:
+        if owner is None:
+            return "-"
+        return hashlib.sha256(keys[owner].encode()).hexdigest()[:16]
+
+    key = session_files.model_key(provider.model)
+    return DiskTier(args.prompt_cache_dir, args.prompt_cache_disk_bytes, key, tag)
 
 
 class _Stopped(BaseException):

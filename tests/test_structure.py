@@ -43,7 +43,7 @@ LAYERS = [
     ],
     ["batch_cache", "batch_costs"],
     ["resolve", "round", "speculative"],
-    ["batch"],
+    ["batch", "session_files"],
     [
         "generate",
         "bench",

@@ -1,13 +1,118 @@
 """Conversations whose caches a request can go on from: `Sessions`, an LRU bounded
-in count and bytes, each session its owner's (the API key its requests presented)."""
+in count and bytes, each session its owner's (the API key its requests presented),
+and below it, when the server has a folder for it, `DiskTier`: the sessions the LRU
+drops (and all it holds when the server closes) as files, bounded in bytes, which a
+restarted server finds again."""
 
+import hashlib
+import logging
+import os
 import threading
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from .. import session_files
 from ..speculative import Session
+
+log = logging.getLogger("mlx_mtp")
+
+
+class DiskTier:
+    """Kept sessions as files in ``folder``/<model key>, at most ``max_bytes`` of
+    them (the least recently used removed first), for `Sessions`. Each file holds
+    one session (`mlx_mtp.session_files`) with its owner's tag (``tag(owner)``: a
+    hash of the API key, which survives a restart, as the key's index need not) and
+    its MTP depth. The files of the model's folder are listed at start from their
+    headers; one that cannot be read, or of another model, is skipped with a
+    warning and never loaded."""
+
+    def __init__(self, folder, max_bytes: int, key: str, tag: Callable = str):
+        self.folder = Path(folder) / key
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.key, self.tag = max_bytes, key, tag
+        self._lock = threading.Lock()
+        # path -> (owner tag, depth, tokens, bytes), oldest use first
+        self._index: "OrderedDict[Path, Tuple[str, int, List[int], int]]" = (
+            OrderedDict()
+        )
+        files = sorted(
+            self.folder.glob("*.safetensors"), key=lambda f: f.stat().st_mtime
+        )
+        for f in files:
+            if f.name.startswith("."):
+                continue
+            try:
+                tokens, fields = session_files.read_meta(f, key)
+            except session_files.SessionFileError as e:
+                log.warning("prompt cache: %s; skipped", e)
+                continue
+            self._index[f] = (
+                fields.get("owner"),
+                fields.get("depth"),
+                tokens,
+                f.stat().st_size,
+            )
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(entry[3] for entry in self._index.values())
+
+    def put(self, session: Session, owner=None) -> None:
+        """Write ``session`` (unless a file holds its tokens already), then remove
+        the least recently used files past ``max_bytes``."""
+        tag, tokens = self.tag(owner), session.tokens
+        name = hashlib.sha256(f"{tag}|{tokens}".encode()).hexdigest()[:32]
+        path = self.folder / f"{name}.safetensors"
+        with self._lock:
+            if path in self._index:
+                self._index.move_to_end(path)
+                return
+        fields = {"owner": tag, "depth": session.state.depth}
+        try:
+            size = session_files.save(session, path, self.key, fields)
+        except (session_files.SessionFileError, OSError) as e:
+            log.warning("prompt cache: cannot write a session to disk: %s", e)
+            return
+        with self._lock:
+            self._index[path] = (tag, session.state.depth, tokens, size)
+            while sum(e[3] for e in self._index.values()) > self.max_bytes:
+                oldest, _ = self._index.popitem(last=False)
+                oldest.unlink(missing_ok=True)
+
+    def best(
+        self, prompt: List[int], owner=None, depth=None
+    ) -> Tuple[int, Optional[Path]]:
+        """The longest of ``owner``'s files whose tokens ``prompt`` extends, for
+        ``depth`` MTP layers: its token count and path (0, None if none)."""
+        tag, best = self.tag(owner), (0, None)
+        with self._lock:
+            for path, (owner_tag, held_depth, tokens, _) in self._index.items():
+                if owner_tag != tag or depth not in (None, held_depth):
+                    continue
+                n = len(tokens)
+                if best[0] < n < len(prompt) and prompt[:n] == tokens:
+                    best = (n, path)
+        return best
+
+    def load(self, path: Path) -> Optional[Session]:
+        """The session of ``path`` (marked used), or None (with a warning) when it
+        cannot be read any more."""
+        try:
+            session = session_files.load(path, self.key)
+        except session_files.SessionFileError as e:
+            log.warning("prompt cache: %s; dropped", e)
+            with self._lock:
+                self._index.pop(path, None)
+            return None
+        with self._lock:
+            if path in self._index:
+                self._index.move_to_end(path)
+        os.utime(path)
+        return session
 
 
 class Sessions:
@@ -25,8 +130,13 @@ class Sessions:
     requests only.
     """
 
-    def __init__(self, size: int = 8, max_bytes: Optional[int] = None):
-        self.size, self.max_bytes = size, max_bytes
+    def __init__(
+        self,
+        size: int = 8,
+        max_bytes: Optional[int] = None,
+        disk: Optional[DiskTier] = None,
+    ):
+        self.size, self.max_bytes, self.disk = size, max_bytes, disk
         self._items: "OrderedDict[tuple, Session]" = OrderedDict()  # (owner, id)
         self._sizes: Dict[tuple, int] = {}  # their `Session.nbytes`, as put
         self._lock = threading.Lock()
@@ -49,10 +159,20 @@ class Sessions:
                 n = len(tokens)
                 if best_len < n < len(prompt) and prompt[:n] == tokens:
                     best, best_len = key, n
-            if best is None:
-                return None
-            del self._sizes[best]
-            return self._items.pop(best)
+            if self.disk is None or self.disk.best(prompt, owner, depth)[0] <= best_len:
+                if best is None:
+                    return None
+                del self._sizes[best]
+                return self._items.pop(best)
+        _, path = self.disk.best(prompt, owner, depth)
+        found = self.disk.load(path) if path is not None else None
+        if found is None:  # unreadable now: the memory's, if any
+            with self._lock:
+                if best is None or best not in self._items:
+                    return None
+                del self._sizes[best]
+                return self._items.pop(best)
+        return found
 
     def put(self, session: Session, owner=None) -> None:
         """Keep ``session`` (the generation thread's, which evaluates its arrays),
@@ -63,7 +183,9 @@ class Sessions:
         mx.async_eval(arrays)  # once computed, an array holds no other buffer
         size = sum(a.nbytes for a in arrays)
         if self.max_bytes is not None and size > self.max_bytes:
+            self._spill([(owner, session)])
             return
+        spilled = []
         with self._lock:
             key = owner, id(session)
             self._items[key], self._sizes[key] = session, size
@@ -71,8 +193,22 @@ class Sessions:
                 self.max_bytes is not None
                 and sum(self._sizes.values()) > self.max_bytes
             ):
-                dropped, _ = self._items.popitem(last=False)
+                dropped, out = self._items.popitem(last=False)
                 del self._sizes[dropped]
+                spilled.append((dropped[0], out))
+        self._spill(spilled)
+
+    def _spill(self, sessions) -> None:
+        """``(owner, session)`` pairs the memory does not keep, to the disk tier."""
+        if self.disk is not None:
+            for owner, session in sessions:
+                self.disk.put(session, owner)
+
+    def flush(self) -> None:
+        """Every kept session to the disk tier too (the server closes)."""
+        with self._lock:
+            held = [(key[0], s) for key, s in self._items.items()]
+        self._spill(held)
 
     @property
     def nbytes(self) -> int:
