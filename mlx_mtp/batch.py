@@ -102,6 +102,7 @@ class RowOutput:
     stats: MTPStats
     batch_sizes: Dict[int, int] = field(default_factory=dict)  # the row's, live
     error: Optional[str] = None  # why the row failed (finish_reason "error")
+    source: Optional[str] = None  # its accepted drafts' source ("heads", "lookup")
 
 
 def failed_output(uid, failure: BaseException, stats, vocab_size: int, sizes=None):
@@ -511,6 +512,7 @@ class Batch:
             finish,
             row.stats,
             row.batch_sizes,
+            source=rnd.plan.source(b) if a else None,
         )
 
     @staticmethod
@@ -623,6 +625,7 @@ def _one_at_a_time(model, prompts, options, eos, tokenizer) -> Iterator[RowOutpu
                     finish,
                     step.stats,
                     {1: step.stats.rounds},
+                    source=step.source,
                 )
                 if last:
                     steps.close()

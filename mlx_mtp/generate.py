@@ -27,9 +27,13 @@ from .stats import MTPStats
 
 @dataclass
 class GenerationResponse(_LMResponse):
-    """mlx-lm's response with the MTP statistics of the run so far."""
+    """mlx-lm's response with the MTP statistics of the run so far, and where its
+    token came from: ``source`` "heads" or "lookup" for an accepted draft (the MTP
+    layers, an assistant or a block drafter are "heads"), None for a token the
+    verify pass gave."""
 
     mtp: Optional[MTPStats] = None
+    source: Optional[str] = None
 
 
 def encode_prompt(
@@ -184,6 +188,7 @@ def stream_generate(
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=("stop" if stop else "length") if last else None,
                 mtp=step.stats.snapshot(),
+                source=step.source,
             )
             if last:
                 steps.close()

@@ -44,6 +44,7 @@ class StepOutput:
     logprobs: mx.array  # (V,)
     from_draft: bool
     stats: MTPStats  # the generation's live statistics
+    source: Optional[str] = None  # an accepted draft's: "heads" or "lookup"
 
 
 def extend_mtp(model, mtp_caches, state: DecodeState, step: int) -> None:
@@ -491,7 +492,8 @@ def _generate(run: Run, prompt: List[int], on_prefill=None):
                 run.launch()
             for i, token in enumerate(new):
                 run.seen += 1
-                yield StepOutput(token, rnd.logprobs[0, i], i < a, stats)
+                source = rnd.plan.source(0) if i < a else None
+                yield StepOutput(token, rnd.logprobs[0, i], i < a, stats, source)
             if run.failure is not None:
                 raise run.failure
             if stats.rounds % 64 == 0:

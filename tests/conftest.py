@@ -17,6 +17,7 @@ from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
 SLOW_MODULES = {
     "test_batch_greedy",
     "test_batch_sampling",
+    "test_chat_page",
     "test_convert",
     "test_deepseek_v4_batch",
     "test_deepseek_v4_release",

@@ -37,6 +37,7 @@ from .jobs import (
     Refusal,
     Replies,
     Responses,
+    Sourced,
     as_request_error,
     decoding_error,
     options_error,
@@ -246,7 +247,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
                 logprob = gen.logprobs[gen.token].item() if args.logprobs else 0.0
                 top = top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)
                 rqueue.put(
-                    lm_server.Response(gen.text, gen.token, logprob, finish, top)
+                    Sourced(gen.text, gen.token, logprob, finish, top, gen.source)
                 )
                 if finish is not None or ctx.stopped or self._closing:
                     break

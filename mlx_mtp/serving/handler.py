@@ -17,7 +17,9 @@ import threading
 import time
 import uuid
 from http import HTTPStatus
+from pathlib import Path
 from typing import Dict, Optional, Tuple
+from urllib.parse import urlsplit
 
 from mlx_lm import server as lm_server
 
@@ -55,6 +57,11 @@ UNSUPPORTED = {
     "n": (1,),
 }
 
+
+# The chat page `GET /` answers with: a conversation that streams, its tokens coloured
+# by where they came from (``mtp_sources``), live tok/s and tokens per pass; no
+# resource from elsewhere (it works offline).
+PAGE = Path(__file__).with_name("page.html")
 
 # mlx-lm's handler attributes whose request field has another name
 HANDLER_FIELDS = {"requested_model": "model"}
@@ -228,6 +235,8 @@ class MTPHandler(lm_server.APIHandler):
         self._received()
         try:
             self._admit()
+            if urlsplit(self.path).path in ("/", "/index.html"):
+                return self._send_page()
             self._authorize()
         except RequestError as e:
             return self._fail(e)
@@ -236,6 +245,25 @@ class MTPHandler(lm_server.APIHandler):
         if self.path == "/health":
             return self.handle_health_check()
         self._fail(RequestError(404, f"no endpoint {self.path}", "not_found_error"))
+
+    def _send_page(self) -> None:
+        """The chat page (`PAGE`): static, no data of the server's, so no key is
+        asked for it (the Host and Origin checks hold); its requests to the API
+        send the key the page is given."""
+        body = PAGE.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header(
+            "Content-Security-Policy",
+            "default-src 'none'; script-src 'unsafe-inline'; style-src "
+            "'unsafe-inline'; connect-src 'self'; base-uri 'none'; form-action 'none'",
+        )
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def handle_models_request(self):
         provider = self.response_generator.model_provider
@@ -457,9 +485,13 @@ class MTPHandler(lm_server.APIHandler):
                     f"{args.max_tokens_limit} tokens per request",
                     key,
                 )
+        sources = body.pop("mtp_sources", False)
+        if type(sources) is not bool:
+            raise bad_request("mtp_sources must be true or false", "mtp_sources")
         options = self._decode_options(body)
         stops = self._check_reply_fields(body)
         self._job = Job(options, owner, body.get("stream") is True, stops=stops)
+        self._job.want_sources = sources
         self._job.responses.left = self._client_left
         self._raw = json.dumps(body).encode()
 
@@ -602,6 +634,7 @@ class MTPHandler(lm_server.APIHandler):
         and `completion_usage_response`), what mlx-lm writes of the chat reply
         going nowhere (`end_headers`)."""
         job, self._calls = self._job, 0  # _calls: the reply's tool calls so far
+        self._sourced = 0  # the job's sources already sent in chunks
         out = self.wfile
         if self._api:
             self._messages = self._api.Events(out, job.stream)
@@ -696,6 +729,11 @@ class MTPHandler(lm_server.APIHandler):
         )
         if finish_reason is not None:
             self._add_mtp(response)
+        job = self._job
+        if job is not None and job.want_sources and self.stream:
+            # the sources of the tokens read since the last chunk
+            response["mtp_sources"] = job.sources[self._sourced :]
+            self._sourced = len(job.sources)
         return self._to_messages(finite(response))
 
     def _parsed_calls(self, text: str, calls, finish: Optional[str]):

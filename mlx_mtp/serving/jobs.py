@@ -15,7 +15,7 @@ import math
 import threading
 from dataclasses import dataclass, field, fields
 from queue import Queue
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm import server as lm_server
@@ -120,6 +120,19 @@ class Job:
     stops: Tuple[str, ...] = ()
     stop_sequence: Optional[str] = None
     flushed_stop: bool = False
+    # ``mtp_sources``: its stream's chunks say where their tokens came from
+    # (`Sourced.source`, gathered in ``sources`` as the reply is read)
+    want_sources: bool = False
+    sources: List[Optional[str]] = field(default_factory=list)
+
+
+@dataclass
+class Sourced(lm_server.Response):
+    """mlx-lm's response with where its token came from: "heads" or "lookup" for an
+    accepted draft, None for a token the verify pass gave
+    (`mlx_mtp.generate.GenerationResponse.source`)."""
+
+    source: Optional[str] = None
 
 
 @dataclass
@@ -208,7 +221,9 @@ class Replies:
                 return self._cut(response)
 
     def _cut(self, response):
-        """``response`` with its text as `StopText` lets it be sent."""
+        """``response`` with its text as `StopText` lets it be sent (its token's
+        source noted on the job)."""
+        self._job.sources.append(getattr(response, "source", None))
         text, finish = self._text.add(response.text), response.finish_reason
         if self._text.stop is not None:
             self._over = True

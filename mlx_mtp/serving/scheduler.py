@@ -8,7 +8,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from mlx_lm import server as lm_server
 
 from ..batch import Admission, Batch, Row, RowOutput, prefill_groups, prefill_together
 from ..errors import MTPError
@@ -20,6 +19,7 @@ from .jobs import (
     Job,
     JobArgs,
     Responses,
+    Sourced,
     decoding_error,
     fail_request,
     options_error,
@@ -309,8 +309,9 @@ class Scheduler:
                 top = top_logprobs(out.logprobs[i], args.top_logprobs, self.tokenizer)
             if finish is not None:
                 self._record(s)
-            response = lm_server.Response(
-                detokenizer.last_segment, token, logprob, finish, top
+            source = out.source if out.from_draft[i] else None
+            response = Sourced(
+                detokenizer.last_segment, token, logprob, finish, top, source
             )
             s.responses.put(response)
             if finish is not None:
