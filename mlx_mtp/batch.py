@@ -128,7 +128,7 @@ class Admission:
 
     def __init__(self, batch: "Batch", uid, prompt, options, session=None, policy=None):
         prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
-        if not prompt:
+        if not prompt and (session is None or session.state is None):
             raise MTPError("the prompt is empty")
         self.uid, self.options, self.batch = uid, options, batch
         model = batch.model

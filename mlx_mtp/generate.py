@@ -147,7 +147,11 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     options = _checked(options, tokenizer)
-    ids = encode_prompt(tokenizer, prompt, model.args.vocab_size)
+    going_on = session is not None and session.state is not None
+    if going_on and isinstance(prompt, (list, tuple)) and not prompt:
+        ids = []  # the session holds the whole prompt (`Sessions.take`)
+    else:
+        ids = encode_prompt(tokenizer, prompt, model.args.vocab_size)
     before = len(session.tokens) if session is not None else 0
     max_tokens = fit_context(model, before + len(ids), options.max_tokens)
     steps = mtp_generate_step(

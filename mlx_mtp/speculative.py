@@ -258,7 +258,7 @@ def mtp_generate_step(
     """
     options = DecodeOptions.build(options, **fields)
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
-    if not prompt:
+    if not prompt and (session is None or session.state is None):
         raise MTPError("the prompt is empty")
     if session is not None and options.max_kv_size is not None:
         raise MTPError("a session cannot use a rotating KV window")
@@ -341,7 +341,8 @@ class Run:
         an earlier generation of the session left, in chunks of the prefill step."""
         model, s, step = self.model, self.session, self.options.prefill_step_size
         if s.state is not None:
-            s.state = append(model, s.caches, s.state, prompt, step, self.kv)
+            if prompt:  # none: the session holds the whole prompt, its last pending
+                s.state = append(model, s.caches, s.state, prompt, step, self.kv)
         else:
             depth = self.drafting.depth(model)
             s.state = prefill(model, s.caches, prompt, depth, step, self.kv)

@@ -128,6 +128,18 @@ def test_the_server_finds_its_conversations_after_a_restart(
         assert chat(client, follow) == (again, 0)
     finally:
         server.close()
+    server, client = start(folder)  # a repeated prompt: all of it from the disk
+    try:
+        assert chat(client, turn) == (reply, len_prompt(client, turn))
+    finally:
+        server.close()
+
+
+def len_prompt(client, messages) -> int:
+    r = client.chat.completions.create(
+        model="default_model", messages=messages, max_tokens=1, temperature=0
+    )
+    return r.usage.prompt_tokens
 
 
 def test_generate_prompt_cache(checkpoint, tmp_path):

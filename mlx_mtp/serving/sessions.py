@@ -86,7 +86,7 @@ class DiskTier:
     def best(
         self, prompt: List[int], owner=None, depth=None
     ) -> Tuple[int, Optional[Path]]:
-        """The longest of ``owner``'s files whose tokens ``prompt`` extends, for
+        """The longest of ``owner``'s files whose tokens ``prompt`` begins with, for
         ``depth`` MTP layers: its token count and path (0, None if none)."""
         tag, best = self.tag(owner), (0, None)
         with self._lock:
@@ -94,7 +94,7 @@ class DiskTier:
                 if owner_tag != tag or depth not in (None, held_depth):
                     continue
                 n = len(tokens)
-                if best[0] < n < len(prompt) and prompt[:n] == tokens:
+                if best[0] < n <= len(prompt) and prompt[:n] == tokens:
                     best = (n, path)
         return best
 
@@ -122,7 +122,8 @@ class Sessions:
     is started when it is put, so that it soon holds nothing else). A session
     larger than ``max_bytes`` alone is not kept.
 
-    `take` hands out (and removes) the session whose tokens the prompt extends, the
+    `take` hands out (and removes) the session whose tokens the prompt begins with
+    (all of them, for a repeated prompt: its last token is pending), the
     longest such that drafts with the MTP depth asked for; `put` returns a session
     after a generation. A session is used by one generation at a time, so no two
     requests share caches. Each session belongs to an ``owner`` (the API key its
@@ -147,7 +148,7 @@ class Sessions:
     def take(
         self, prompt: List[int], owner=None, depth: Optional[int] = None
     ) -> Optional[Session]:
-        """The longest kept session of ``owner`` whose tokens ``prompt`` extends and
+        """The longest kept session of ``owner`` whose tokens ``prompt`` begins with and
         whose caches hold ``depth`` MTP layers (None: any depth; a session of
         another depth cannot go on with this one's drafts), removed; None if none."""
         with self._lock:
@@ -157,7 +158,7 @@ class Sessions:
                     continue
                 tokens = s.tokens
                 n = len(tokens)
-                if best_len < n < len(prompt) and prompt[:n] == tokens:
+                if best_len < n <= len(prompt) and prompt[:n] == tokens:
                     best, best_len = key, n
             if self.disk is None or self.disk.best(prompt, owner, depth)[0] <= best_len:
                 if best is None:
