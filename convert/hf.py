@@ -142,6 +142,8 @@ def convert(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     else:
+        if not Path(hf_path).expanduser().exists():
+            warn_if_too_big(hf_path, revision, options)
         src = resolve_source(hf_path, revision)
         check_destination(dst, overwrite, sources=[src])
         source = str(src.resolve()) if Path(hf_path).expanduser().exists() else hf_path
@@ -156,6 +158,53 @@ def convert(
     if upload_repo:
         _upload(dst, upload_repo, hf_path)
     return dst
+
+
+def converted_bytes(source_bytes: int, options: Options, source_bits: int = 16) -> int:
+    """About how many bytes a conversion of ``source_bytes`` of weights stored at
+    ``source_bits`` a value takes: quantized, ``q_bits`` a value plus a 16-bit
+    scale and bias per group (affine; one 8-bit scale per 32 for mx/nv modes);
+    else the dtype's width (the source's by default)."""
+    values = source_bytes * 8 / source_bits
+    if options.quantize:
+        bits, group = options.q_bits or 4, options.q_group_size or 64
+        per_value = bits + (8 / 32 if options.q_mode != "affine" else 32 / group)
+        return int(values * per_value / 8)
+    width = {"float32": 32, "float16": 16, "bfloat16": 16}.get(options.dtype or "", 0)
+    return int(values * (width or source_bits) / 8)
+
+
+def warn_if_too_big(repo: str, revision: Optional[str], options: Options) -> None:
+    """Before a hub checkpoint downloads: a warning when its conversion will not fit
+    the memory MLX can use here (`mlx_mtp.memory`), read off the hub's file sizes (a
+    conversion for another machine is fine, so it goes on). Silent when the hub
+    cannot say."""
+    from mlx_mtp.memory import memory_limit, readable_size
+
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+        sizes = [
+            f.size or 0
+            for f in info.siblings or ()
+            if f.rfilename.endswith(".safetensors")
+        ]
+    except Exception:  # offline, gated, unknown: nothing to say
+        return
+    bits = 8 if any("fp8" in t.lower() for t in (info.tags or ())) else 16
+    need = converted_bytes(sum(sizes), options, bits)
+    limit, source = memory_limit()
+    if need > limit:
+        log.warning(
+            "%s converts to about %s, more than the %s MLX can use here (%s): the "
+            "conversion goes on, but the result will not load on this machine "
+            "without --force (fewer bits: -q --q-bits 4)",
+            repo,
+            readable_size(need),
+            readable_size(limit),
+            source,
+        )
 
 
 def _convert_folder(

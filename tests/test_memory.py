@@ -67,3 +67,38 @@ def test_the_commands_refuse_in_one_line(checkpoint, monkeypatch):
         assert_one_line_error(result, "its weights take", "MLX_MTP_MEMORY_LIMIT")
     result = run_cli("generate", "--model", path, "-p", "hi", "-m", "2", "--force")
     assert result.exit_code == 0, result.output
+
+
+def test_convert_warns_before_downloading_what_will_not_fit(monkeypatch, caplog):
+    """A hub checkpoint whose conversion will not fit the memory bound: a warning
+    from the hub's file sizes before anything downloads (the conversion goes on:
+    it may be for another machine); none when it fits or the hub cannot say."""
+    import logging
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    from mlx_mtp.convert.hf import Options, converted_bytes, warn_if_too_big
+
+    assert converted_bytes(54 * 10**9, Options(quantize=True, q_bits=4)) < 16 * 10**9
+    files = [
+        SimpleNamespace(rfilename=f"model-{i}.safetensors", size=10**10)
+        for i in range(6)
+    ]
+    info = SimpleNamespace(siblings=files, tags=[])
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda *a, **k: info)
+    monkeypatch.setenv(memory.LIMIT_ENV, "24GB")
+    with caplog.at_level(logging.WARNING, logger="mlx_mtp"):
+        warn_if_too_big("org/big", None, Options())  # 60 GB as it is
+        assert "converts to about 60.0 GB, more than the 24.0 GB" in caplog.text
+        caplog.clear()
+        warn_if_too_big("org/big", None, Options(quantize=True, q_bits=4))  # ~17 GB
+        assert caplog.text == ""
+
+    def offline(*a, **k):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", offline)
+    with caplog.at_level(logging.WARNING, logger="mlx_mtp"):
+        warn_if_too_big("org/big", None, Options())
+    assert caplog.text == ""
