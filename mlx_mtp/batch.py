@@ -34,7 +34,7 @@ and at commit the row gets a last `RowOutput` with ``finish_reason`` "error" and
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -151,6 +151,11 @@ class Admission:
         self.run = Run(model, session, plan, options, key, batch.tokenizer)
         self.todo = prompt
         self.step = options.prefill_step_size
+        # after ``mark`` tokens of ``prompt``, ``on_mark(snapshot)`` (the server
+        # keeps a system prompt's caches apart); a marked admission prefills alone
+        self.mark: Optional[int] = None
+        self.on_mark: Optional[Callable[[Session], None]] = None
+        self.ran = 0
 
     @property
     def ready(self) -> bool:
@@ -161,16 +166,24 @@ class Admission:
         """The `Session` being filled (its state is None before the first chunk)."""
         return self.run.session
 
-    def advance(self) -> None:
-        """Run the trunk over the next chunk of the prompt."""
+    def advance(self) -> int:
+        """Run the trunk over the next chunk of the prompt (one that ends at
+        ``mark``, if the chunk would pass it); returns its tokens."""
         self.batch.interrupted()
         self.fresh = False
-        chunk, self.todo = self.todo[: self.step], self.todo[self.step :]
+        size = self.step
+        if self.mark is not None and self.ran < self.mark:
+            size = min(size, self.mark - self.ran)
+        chunk, self.todo = self.todo[:size], self.todo[size:]
         model, s, kv = self.batch.model, self.run.session, self.options.kv
         if s.state is None:
             s.state = prefill(model, s.caches, chunk, self.batch.depth, self.step, kv)
         else:
             s.state = append(model, s.caches, s.state, chunk, self.step, kv)
+        self.ran += len(chunk)
+        if self.ran == self.mark and self.on_mark is not None:
+            self.on_mark(s.snapshot())
+        return len(chunk)
 
     def row(self, eos: Iterable[int]) -> Row:
         self.run.begin()

@@ -119,6 +119,19 @@ def append(
     return state
 
 
+def fill(model, session: "Session", tokens: List[int], options: DecodeOptions):
+    """Run ``tokens`` into ``session`` as a generation with ``options`` would before
+    its first round: its prompt's prefill, or what follows the tokens it holds (the
+    last of them then pending). A generation can go on from it."""
+    depth = drafting(model, options).depth(model)
+    session.caches = session.caches or make_caches(model, options.max_kv_size)
+    step, kv = options.prefill_step_size, options.kv
+    if session.state is None:
+        session.state = prefill(model, session.caches, tokens, depth, step, kv)
+    else:
+        session.state = append(model, session.caches, session.state, tokens, step, kv)
+
+
 def _settle(caches: Caches, state: DecodeState, queued: List[Round], seen: int):
     """On exit: drop queued rounds and tokens never yielded. The trunk caches then hold
     the prompt and every yielded token but the last (which stays pending, as inside

@@ -189,3 +189,47 @@ def test_the_disk_tier_stays_within_its_bytes_and_owners(loaded, tmp_path):
     kept = Sessions(size=1, disk=DiskTier(tmp_path / "tier", 10**9, key, tag=str))
     found = kept.take(longer, owner=1)
     assert found is not None and found.tokens == sessions[2].tokens
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_shared_system_prompt_is_kept_apart(checkpoint, tmp_path, alone):
+    """Requests that share a long system prompt and ask different things go on from
+    its caches (kept apart when the first one prefilled it), batched or through the
+    single-stream loop, and after a restart from the disk; each reply is a fresh
+    server's."""
+    path = str(checkpoint("qwen3_5", predictable=True))
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    questions = ("First question?", "Another one entirely?")
+
+    def ask(server, question):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        return chat(client, [system, {"role": "user", "content": question}])
+
+    def start(folder):
+        server = Server(server_args(model=path, port=0, prompt_cache_dir=str(folder)))
+        server.start()
+        if alone:
+            server.generator.cannot_batch = "the single-stream loop, for this test"
+        return server
+
+    fresh = {}
+    for q in questions:
+        server = start(tmp_path / f"fresh-{q[:5]}")
+        try:
+            fresh[q] = ask(server, q)
+        finally:
+            server.close()
+    assert all(cached == 0 for _, cached in fresh.values())
+    server = start(tmp_path / "kept")
+    try:
+        assert ask(server, questions[0]) == fresh[questions[0]]
+        text, cached = ask(server, questions[1])
+    finally:
+        server.close()
+    assert text == fresh[questions[1]][0] and cached >= 64  # the system prompt
+    server = start(tmp_path / "kept")  # restarted: the system prompt from the disk
+    try:
+        text, cached = ask(server, "A third one?")
+    finally:
+        server.close()
+    assert cached >= 64

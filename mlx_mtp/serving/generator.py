@@ -27,7 +27,7 @@ from ..generate import fit_context, stream_generate
 from ..options import DecodeOptions
 from ..resolve import drafting
 from ..server_checks import RequestError, bad_request
-from ..speculative import Session
+from ..speculative import Session, fill
 from .jobs import (
     WATCH_EVERY,
     Context,
@@ -166,11 +166,14 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             raise bad_request(one_line(e), code="context_length_exceeded") from None
         return tokenized
 
-    def prompt_of(self, request, args: JobArgs) -> Tuple[List[int], str]:
-        """A request's prompt tokens and its text state machine's initial state
-        (`_tokenize`: the context checked, ``args.max_tokens`` capped)."""
+    def prompt_of(self, request, args: JobArgs) -> Tuple[List[int], str, Optional[int]]:
+        """A request's prompt tokens, its text state machine's initial state
+        (`_tokenize`: the context checked, ``args.max_tokens`` capped) and where its
+        system prompt ends (mlx-lm's "system" segment), when that is long enough
+        to be worth keeping apart (`system_mark`)."""
         tokenized = self._tokenize(self.model_provider.tokenizer, request, args)
-        return tokenized[0], tokenized[3]
+        prompt, segments, kinds = tokenized[0], tokenized[1], tokenized[2]
+        return prompt, tokenized[3], system_mark(prompt, segments, kinds)
 
     def text_machines(self, stop_words) -> tuple:
         """A request's stop sequences and text state machine
@@ -196,11 +199,21 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
 
     def _serve_alone(self, request, args: JobArgs) -> None:
         job, tokenizer = args.job, self.model_provider.tokenizer
-        prompt, initial_state = self.prompt_of(request, args)
+        prompt, initial_state, mark = self.prompt_of(request, args)
         stop_sequences, text_sm = self.text_machines(args.stop_words)
         depth = _depth(self.model_provider.model, job.options)
         session = self.sessions.take(prompt, job.owner, depth)
         done = len(session.tokens) if session is not None else 0
+        kept = done  # what the request reuses (its cached_tokens)
+        if session is not None and done == mark:  # a shared system prompt: kept too
+            self.sessions.put(session.snapshot(), job.owner)
+        if mark is not None and mark > done and depth >= 0:
+            # the system prompt's caches, kept apart for requests that share it
+            session = session or Session()
+            options = job.options.replace(max_tokens=args.max_tokens)
+            fill(self.model_provider.model, session, prompt[done:mark], options)
+            self.sessions.put(session.snapshot(), job.owner)
+            done = mark
         ctx = Context(
             has_thinking=tokenizer.has_thinking,
             has_tool_calling=tokenizer.has_tool_calling,
@@ -208,7 +221,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             text_sm=text_sm,
             initial_state=initial_state,
             prompt=prompt,
-            prompt_cache_count=done,
+            prompt_cache_count=kept,
         )
         self._decode(
             job, ctx, session or Session(), prompt[done:], args, stop_sequences
@@ -352,6 +365,21 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
     def closing(self) -> bool:
         """`shutdown` was called: no request starts any more."""
         return self._closing
+
+
+# A system prompt this long or longer is prefilled apart and its caches kept, so
+# that requests sharing it and asking something else go on from it.
+SYSTEM_MARK_TOKENS = 64
+
+
+def system_mark(prompt, segments, kinds) -> Optional[int]:
+    """The end of the prompt's system prompt (mlx-lm's first segment, of kind
+    "system"), when it holds at least `SYSTEM_MARK_TOKENS` and the prompt goes on
+    after it; else None."""
+    if not kinds or kinds[0] != "system":
+        return None
+    end = len(segments[0])
+    return end if SYSTEM_MARK_TOKENS <= end < len(prompt) else None
 
 
 def _depth(model, options: DecodeOptions) -> int:

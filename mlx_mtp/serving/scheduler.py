@@ -52,6 +52,7 @@ class _Stream:
     row: Optional[Row] = None
     detokenizer: Any = None
     matcher: Any = None
+    mark: Optional[int] = None  # where its system prompt ends (`system_mark`)
 
     @property
     def job(self) -> Job:
@@ -117,7 +118,7 @@ class Scheduler:
             fail_request(responses, e)
 
     def _open(self, responses: Responses, request, args: JobArgs) -> _Stream:
-        prompt, initial_state = self.gen.prompt_of(request, args)
+        prompt, initial_state, mark = self.gen.prompt_of(request, args)
         positions = len(prompt) + args.max_tokens
         need = self.cost.bytes([positions])
         if need > self.budget:
@@ -139,6 +140,7 @@ class Scheduler:
             stop_sequences,
             text_sm,
             positions,
+            mark=mark,
         )
 
     def round(self) -> None:
@@ -206,14 +208,13 @@ class Scheduler:
             if self.gen.closing:
                 break
             try:
-                s.admission.advance()
+                n = s.admission.advance()
             except Exception as e:
                 self.admitting.remove(s)
                 s.admission = None
                 fail_request(s.responses, e)
                 break
-            chunk = min(self.chunk, s.left)
-            ran, s.left = ran + chunk, s.left - chunk
+            ran, s.left = ran + n, s.left - n
         return ran
 
     def _start(self, s: _Stream) -> None:
@@ -222,9 +223,15 @@ class Scheduler:
         sessions, owner = self.gen.sessions, s.job.owner
         session = sessions.take(s.prompt, owner, self.batch.depth)
         done = len(session.tokens) if session is not None else 0
+        if session is not None and done == s.mark:  # a shared system prompt: kept too
+            sessions.put(session.snapshot(), owner)
         options = s.job.options.replace(max_tokens=s.args.max_tokens)
         try:
             s.admission = self.batch.admit(s.uid, s.prompt[done:], options, session)
+            if s.mark is not None and s.mark > done:  # its system prompt kept apart
+                s.admission.mark = s.mark - done
+                s.admission.on_mark = lambda snapshot: sessions.put(snapshot, owner)
+                s.admission.fresh = False  # prefilled alone, to stop at the mark
         except MTPError as e:  # the request's options: refused before any prefill
             if session is not None:
                 sessions.put(session, owner)
