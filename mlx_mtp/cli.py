@@ -1616,7 +1616,7 @@ def train_heads(model, data, mlx_path, **options):
     click.echo(f"wrote {run(model, list(data), mlx_path, cfg, **options)}")
 
 
-@main.command(short_help="An OpenAI-compatible server, decoding with MTP.")
+@main.command(short_help="An OpenAI- and Anthropic-compatible server, with MTP.")
 @MODEL
 @DRAFT_MODEL
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -1709,7 +1709,8 @@ def train_heads(model, data, mlx_path, **options):
 @TRUST_REMOTE_CODE
 @friendly_errors
 def serve(model, chat_template_args, **options):
-    """Serve the model over the OpenAI API (chat and text completions, streaming).
+    """Serve the model: OpenAI's chat, completions and Responses APIs, Anthropic's
+    Messages API (streaming or not), and a chat page at http://HOST:PORT/.
 
     \b
     mlx-mtp serve --model Qwen/Qwen3.6-27B-4bit
