@@ -9,6 +9,8 @@ Ctrl-C) before MLX and transformers are loaded.
 """
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -40,3 +42,21 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(list(globals()) + __all__)
+
+
+class _Package(types.ModuleType):
+    """The package, whose ``generate`` stays the function: importing the submodule
+    ``mlx_mtp.generate`` (``from mlx_mtp.generate import stream_generate``) would
+    otherwise bind the package's ``generate`` to the module, as mlx-lm's is not."""
+
+    def __setattr__(self, name, value):
+        if (
+            isinstance(value, types.ModuleType)
+            and value.__name__ == f"{__name__}.{name}"
+        ):
+            if _EXPORTS.get(name) == f".{name}":
+                value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from . import memory
+from . import assistant, memory
+from .files import safetensors_header
+from .models import dspark, get_family
 from .paths import home
 
 
@@ -111,9 +113,6 @@ def _quantization(config: dict) -> str:
 
 def _drafts(path: Path, config: dict) -> str:
     """What the folder drafts with, read from its config and tensor names."""
-    from . import assistant
-    from .models import dspark, get_family
-
     if dspark.is_dspark(config):
         return "is a DSpark drafter (--draft-model)"
     if assistant.is_assistant(config):
@@ -155,8 +154,6 @@ def _tensor_names(path: Path) -> List[str]:
             return list(json.loads(index.read_text()).get("weight_map", {}))
         except (OSError, ValueError):
             return []
-    from .files import safetensors_header
-
     names = []
     for f in sorted(path.glob("model*.safetensors")):
         try:

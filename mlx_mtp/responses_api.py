@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Callable, List, Optional, Tuple
 from urllib.parse import urlsplit
 
+from . import anthropic_api
 from .anthropic_api import sse
 from .server_checks import RequestError, bad_request
 
@@ -489,6 +490,8 @@ class Reply:
             response["mtp"] = self.mtp
         return response
 
+    message = response  # the whole reply, as `anthropic_api.Events` sends it
+
     def conversation(self) -> List[dict]:
         """The request's conversation and this response, as chat messages (what a
         later request with ``previous_response_id`` goes on from)."""
@@ -634,33 +637,9 @@ def _copy(item: dict) -> dict:
     return json.loads(json.dumps(item))
 
 
-class Events:
-    """A response on its way out, made from the chat path's chunks as the handler
-    makes them (`Reply`): `open` once the reply starts (its headers sent), `add`
-    with each chunk, `close` at its end. When ``stream``, each step's events go to
-    ``out`` as they come; else nothing does, and the handler sends the response."""
-
-    def __init__(self, out, stream: bool):
-        self.out, self.stream = out, stream
-        self.reply: Optional[Reply] = None
-
-    def open(self, reply: Reply) -> None:
-        self.reply = reply
-        self._send(reply.start())
-
-    def add(self, chunk: dict) -> None:
-        self._send(self.reply.add(chunk))
-
-    def close(self) -> None:
-        self._send(self.reply.end())
-
-    def message(self) -> dict:
-        return self.reply.response()
-
-    def _send(self, events: List[Event]) -> None:
-        if self.stream:
-            self.out.write(b"".join(sse(e) for e in events))
-            self.out.flush()
+# A response on its way out is made as a Messages reply is (`Reply` has their
+# interface: ``start``, ``add``, ``end``, ``message``).
+Events = anthropic_api.Events
 
 
 __all__ = [

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from mlx_mtp import anthropic_api
-from mlx_mtp import generate as mtp_generate
+from mlx_mtp.generate import generate as mtp_generate
 from mlx_mtp.generate import stream_generate
 from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args

@@ -51,8 +51,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache
 
 from ..errors import MTPError
-from . import vlm
-from .base import sanitize_layers, split_mtp
+from . import mimo, vlm
+from .base import sanitize_layers
 from .family import Layout, define
 from .mtp import MTPLayer
 
@@ -256,20 +256,11 @@ def trunk_classes(config: dict):
     return _trunk_class(config.get("swiglu_limit")), _language().ModelConfig
 
 
-def mtp_layer_of(key: str, config: dict) -> Optional[int]:
-    m = re.match(r"model\.mtp_layers\.(\d+)\.", key)
-    return int(m[1]) if m else None
-
-
-def split_weights(weights: dict, config: dict):
-    return split_mtp(weights, config, mtp_layer_of)
-
-
 def sanitize(weights: dict, config: dict, trunk, raw: bool = True) -> dict:
     """The MTP layers' tensors through the trunk's own fixes (`in_mlx_vlm_form`, then
     mlx-vlm's sanitize), in the schema ``layers.{j}.*``."""
     weights = in_mlx_vlm_form(weights, trunk.args)
-    return sanitize_layers(trunk, weights, config, mtp_layer_of, LAYOUT)
+    return sanitize_layers(trunk, weights, config, mimo.mtp_layer_of, LAYOUT)
 
 
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
@@ -294,8 +285,8 @@ FAMILY = define(
     MTP_CONFIG_KEYS=("num_nextn_predict_layers",),
     MASK_FIRST_POSITION=True,  # vLLM's HYV4 MTP zeroes position 0's embedding
     MASK_AS_ARRAY=True,  # MLA adds the mask into its own scores
-    mtp_layer_of=mtp_layer_of,
-    split_weights=split_weights,
+    mtp_layer_of=mimo.mtp_layer_of,  # the same place: model.mtp_layers.{j}
+    split_weights=mimo.split_weights,
     sanitize=sanitize,
     make_layer=make_layer,
     trunk_classes=trunk_classes,

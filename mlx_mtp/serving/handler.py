@@ -696,8 +696,7 @@ class MTPHandler(lm_server.APIHandler):
         if self._api is responses_api and self._asked.store and self.kept is not None:
             self.kept.put(reply.id, reply.conversation(), self._owner)
         if not messages.stream:
-            whole = reply.response() if self._api is responses_api else reply.message()
-            self._send_json(whole)
+            self._send_json(reply.message())
 
     def _end_failed(self, error: RequestError, messages, out) -> None:
         """End a reply that failed after it started: a stream with an error event

@@ -8,7 +8,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-
 from ..batch import Admission, Batch, Row, RowOutput, prefill_groups, prefill_together
 from ..errors import MTPError
 from ..memory import readable_size
