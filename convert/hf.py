@@ -354,10 +354,16 @@ def _cast(module, dtype, predicate) -> None:
 
 
 def _save_config(config: dict, folder: Path, name: str = "config.json") -> None:
+    """Write ``config`` as mlx-lm does; ``vision_config`` is kept for a model
+    whose vision tower the conversion keeps (one that reads images)."""
     from mlx_lm.utils import save_config
 
     config = {k: v for k, v in config.items() if not k.startswith("_")}
-    save_config(config, folder / name)
+    try:
+        keep = get_family(config).media is not None
+    except MTPError:
+        keep = False
+    save_config(config, folder / name, keep_vision_config=keep)
 
 
 def _upload(folder: Path, repo: str, source: str) -> None:

@@ -22,6 +22,7 @@ SIDE_FILES = (
     "chat_template*",
     "generation_config.json",
     "preprocessor_config.json",
+    "processor_config.json",
     "*.py",
 )
 SOURCE_PATTERNS = [

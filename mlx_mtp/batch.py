@@ -44,6 +44,7 @@ from .batch_costs import BatchLength, model_batch_costs
 from .cache import Caches, check_rollback, keep_below, make_caches
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError, one_line
+from .media import attach as attach_media
 from .options import DecodeOptions, longest_draft
 from .resolve import drafting
 from .round import DecodeState, Round, commit, draft, launch, plan
@@ -124,9 +125,19 @@ class Admission:
 
     ``session``: go on from a `Session` (its caches and state are filled in, and the
     prompt is what follows its tokens); ``policy``: a `DraftPolicy` for its heads'
-    drafts instead of the options' (`mtp_generate_step`)."""
+    drafts instead of the options' (`mtp_generate_step`); ``media``: the prompt's
+    `mlx_mtp.media.Media` (images), for a model that reads them."""
 
-    def __init__(self, batch: "Batch", uid, prompt, options, session=None, policy=None):
+    def __init__(
+        self,
+        batch: "Batch",
+        uid,
+        prompt,
+        options,
+        session=None,
+        policy=None,
+        media=None,
+    ):
         prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
         if not prompt and (session is None or session.state is None):
             raise MTPError("the prompt is empty")
@@ -142,6 +153,7 @@ class Admission:
         session = session if session is not None else Session()
         self.fresh = session.caches is None  # nothing prefilled: `prefill_together`
         session.caches = session.caches or make_caches(model)
+        attach_media(session.caches, media)
         if plan.policy.max_k or plan.lookup_tokens:
             check_rollback(session.caches.trunk)
         seed = options.seed
@@ -313,14 +325,17 @@ class Batch:
         """The streams in the batch (those joining included)."""
         return len(self.rows) + len(self.joining)
 
-    def admit(self, uid, prompt, options=None, session=None, policy=None) -> Admission:
-        """A new stream to prefill (`Admission.advance`) and then `join`."""
+    def admit(
+        self, uid, prompt, options=None, session=None, policy=None, media=None
+    ) -> Admission:
+        """A new stream to prefill (`Admission.advance`) and then `join` (``media``:
+        its prompt's images, `mlx_mtp.media.Media`)."""
         options = DecodeOptions.build(options)
         if options.max_kv_size is not None or options.kv.bits is not None:
             raise MTPError("a batched stream cannot use max_kv_size or kv_bits")
         if options.grammar is not None and self.tokenizer is None:
             raise MTPError("a grammar (json_schema, regex) needs the model's tokenizer")
-        return Admission(self, uid, prompt, options, session, policy)
+        return Admission(self, uid, prompt, options, session, policy, media)
 
     def join(self, admission: Admission, eos: Optional[Iterable[int]] = None) -> Row:
         """Add an admitted stream to the batch (its prefill is finished first). It
@@ -577,8 +592,10 @@ def run_batch(
     eos: Iterable[int] = (),
     max_batch: int = DEFAULT_MAX_BATCH,
     tokenizer=None,
+    media: Optional[Sequence] = None,
 ) -> Iterator[RowOutput]:
-    """Decode ``prompts`` (token ids), prompt i with ``options[i]``, at most
+    """Decode ``prompts`` (token ids), prompt i with ``options[i]`` (and its images'
+    ``media[i]``, a `mlx_mtp.media.Media` or None), at most
     ``max_batch`` at a time: a prompt joins as soon as a row is free. Yields each
     round's `RowOutput` per row (``uid``: the prompt's index), in round order. A
     prompt that fails alone (its rules raise: see the module's docstring; or, one
@@ -595,7 +612,9 @@ def run_batch(
     if type(max_batch) is not int or max_batch < 1:
         raise MTPError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
     if batch_support(model) is not None:
-        yield from _one_at_a_time(model, prompts, options, frozenset(eos), tokenizer)
+        yield from _one_at_a_time(
+            model, prompts, options, frozenset(eos), tokenizer, media
+        )
         return
     widest = max(options, key=lambda o: depth_for(model, o))
     # the batch sizes it reaches: the costs of larger ones are not measured
@@ -606,7 +625,7 @@ def run_batch(
         new = []  # prompts arriving together are prefilled together
         while waiting and len(batch) + len(new) < max_batch:
             i = waiting.pop(0)
-            new.append(batch.admit(i, prompts[i], options[i]))
+            new.append(batch.admit(i, prompts[i], options[i], media=media and media[i]))
         for group in prefill_groups(new):
             prefill_together(group)
         for admission in new:
@@ -618,11 +637,15 @@ def run_batch(
         yield from batch.step()
 
 
-def _one_at_a_time(model, prompts, options, eos, tokenizer) -> Iterator[RowOutput]:
+def _one_at_a_time(
+    model, prompts, options, eos, tokenizer, media=None
+) -> Iterator[RowOutput]:
     from .speculative import mtp_generate_step
 
     for i, (prompt, opts) in enumerate(zip(prompts, options)):
-        steps = mtp_generate_step(prompt, model, opts, tokenizer=tokenizer)
+        steps = mtp_generate_step(
+            prompt, model, opts, tokenizer=tokenizer, media=media and media[i]
+        )
         n, stats = 0, None
         try:
             for step in steps:

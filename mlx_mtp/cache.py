@@ -72,6 +72,7 @@ from .kv_cache import (
     copy_arrays,
     kv_cost,
 )
+from .media import MediaCache
 from .one_row import OneRow, TrimsTail
 from .rows import apart
 
@@ -141,9 +142,10 @@ def mtp_caches(model) -> List[Any]:
 def _mtp_cache(layer):
     if layer.window:
         return WindowCache(layer.window)
-    if layer.kv_caches > 1:
-        return ListCache(*(KVCache() for _ in range(layer.kv_caches)))
-    return KVCache()
+    parts = [KVCache() for _ in range(layer.kv_caches)]
+    if layer.reads_media:  # the prompt's images (`mlx_mtp.media`)
+        parts.append(MediaCache())
+    return ListCache(*parts) if len(parts) > 1 else parts[0]
 
 
 @dataclass(frozen=True)

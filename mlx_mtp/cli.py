@@ -16,6 +16,7 @@ from .defaults import (
     MIN_KV_SIZE,
     SERVER_MAX_TOKENS,
 )
+from .images import image_messages, read_image, reads_images
 from .options import DRAFT_SOURCES, DecodeOptions
 
 DEFAULTS = DecodeOptions()  # the decode flags' defaults
@@ -366,10 +367,13 @@ def build_prompt(
     system_prompt,
     ignore_chat_template: bool,
     escapes: bool = True,
+    images: int = 0,
 ):
     """Token ids of the prompt, with the chat template applied as mlx-lm does (and,
     with ``escapes``, its ``\\n`` and ``\\t`` turned into a newline and a tab, as
-    mlx-lm does for ``--prompt``)."""
+    mlx-lm does for ``--prompt``); with ``images``, that many image parts before
+    the text (one placeholder each, `mlx_mtp.images.image_messages`), which need
+    the chat template."""
     from .errors import MTPError
 
     prompt = check_text(prompt)
@@ -378,18 +382,15 @@ def build_prompt(
     if not prompt.strip():
         raise MTPError("the prompt is empty")
     use_template = not ignore_chat_template and tokenizer.has_chat_template
+    if images and not use_template:
+        raise MTPError("--image needs the model's chat template")
     if use_template:
-        messages = (
-            [
-                {
-                    "role": "system",
-                    "content": check_text(system_prompt, "--system-prompt"),
-                }
-            ]
-            if system_prompt
-            else []
-        )
-        messages.append({"role": "user", "content": prompt})
+        system = check_text(system_prompt, "--system-prompt") if system_prompt else ""
+        if images:
+            messages = image_messages(prompt, images, system)
+        else:
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": prompt})
         prompt = render_chat(tokenizer, messages)
     return tokenizer.encode(prompt, add_special_tokens=not use_template)
 
@@ -808,6 +809,14 @@ def _rank_vocabulary(model, tokenizer, options: dict, rank: int) -> None:
     "terminal (--quiet: none).",
 )
 @click.option(
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="An image the prompt is about, for a model that reads images (GLM-OCR); "
+    "repeat for several (placed before the text, in order).",
+)
+@click.option(
     "--prompt-cache",
     type=click.Path(dir_okay=False),
     default=None,
@@ -824,6 +833,7 @@ def generate(
     max_tokens,
     max_kv_size,
     ignore_chat_template,
+    images,
     prompt_cache,
     **options,
 ):
@@ -857,6 +867,9 @@ def generate(
     batch["progress"] = options.pop("progress")
     _check_batch_flags(batch)
     decode = _decode_options(options, max_tokens=max_tokens, max_kv_size=max_kv_size)
+    if images:
+        _check_image_flags(batch, prompt_cache)
+        pictures = [read_image(path) for path in images]  # bad files fail first
     if batch["prompts_file"] is not None:
         if prompt_cache is not None:
             raise click.UsageError("--prompt-cache does not go with --prompts-file")
@@ -875,8 +888,14 @@ def generate(
     if rank == 0:
         try:
             ids = build_prompt(
-                tokenizer, prompt, options["system_prompt"], ignore_chat_template
+                tokenizer,
+                prompt,
+                options["system_prompt"],
+                ignore_chat_template,
+                images=len(images),
             )
+            if images and not reads_images(mdl):
+                raise MTPError(f"{mdl.family.name} reads no images (--image)")
         except MTPError as e:
             error = e
     sync = Sync(mdl.group)
@@ -895,6 +914,7 @@ def generate(
             options=decode,
             session=session,
             on_prefill=lambda s: prefilled.append(s.snapshot()),
+            images=pictures if images else None,
         ):
             click.echo(response.text, nl=False)
     finally:
@@ -908,6 +928,18 @@ def generate(
 
         key = session_files.model_key(mdl)
         session_files.save(prefilled[0], prompt_cache, key)
+
+
+def _check_image_flags(batch: dict, prompt_cache) -> None:
+    """--image goes with one prompt on one machine (usage errors otherwise)."""
+    from .distributed import launched
+
+    if batch["prompts_file"] is not None:
+        raise click.UsageError("--image does not go with --prompts-file")
+    if prompt_cache is not None:
+        raise click.UsageError("--image does not go with --prompt-cache")
+    if launched() is not None:
+        raise click.UsageError("--image does not run under mlx.launch")
 
 
 def _cached_session(path: str, model, ids, decode):

@@ -20,6 +20,7 @@ from .batch import RowOutput, failed_output, run_batch
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
 from .grammar import grammar_fields
+from .images import prompt_media
 from .options import DecodeOptions
 from .speculative import Session, mtp_generate_step
 from .stats import MTPStats
@@ -111,6 +112,7 @@ def stream_generate(
     options: Optional[DecodeOptions] = None,
     session: Optional[Session] = None,
     on_prefill: Optional[Callable[[Session], None]] = None,
+    images: Optional[Sequence] = None,
     **fields,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a generation, one `GenerationResponse` per token.
@@ -131,6 +133,10 @@ def stream_generate(
         session: A `Session` to go on from (multi-turn chat): ``prompt`` is then what
             follows the tokens of earlier calls, whose caches are reused.
         on_prefill: Called with the session once the prompt is in its caches.
+        images: For a model that reads images (GLM-OCR): the images (paths,
+            encoded bytes or ``PIL.Image``s) of the prompt's image placeholders,
+            one placeholder each, in order, as the chat template writes them
+            (`mlx_mtp.images.image_messages`).
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
@@ -152,6 +158,9 @@ def stream_generate(
         ids = []  # the session holds the whole prompt (`Sessions.take`)
     else:
         ids = encode_prompt(tokenizer, prompt, model.args.vocab_size)
+    media = None
+    if images:
+        ids, media = prompt_media(model, ids, images)
     before = len(session.tokens) if session is not None else 0
     max_tokens = fit_context(model, before + len(ids), options.max_tokens)
     steps = mtp_generate_step(
@@ -161,6 +170,7 @@ def stream_generate(
         session=session,
         on_prefill=on_prefill,
         tokenizer=tokenizer,
+        media=media,
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -286,6 +296,7 @@ def batch_generate(
     options: Union[DecodeOptions, Sequence[DecodeOptions], None] = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     on_output: Optional[Callable[[RowOutput], None]] = None,
+    images: Optional[Sequence[Optional[Sequence]]] = None,
     **fields,
 ) -> BatchResponse:
     """Generate a response for each prompt, the streams decoded together with MTP
@@ -300,6 +311,9 @@ def batch_generate(
         max_batch: Streams decoded together at most; a prompt joins when a row is
             free.
         on_output: Called with every round's `mlx_mtp.batch.RowOutput` (progress).
+        images: For a model that reads images: per prompt, its images (as
+            `stream_generate` takes them) or None; rows with and without images
+            decode together.
 
     Each response is exactly what `generate` gives for its prompt alone under greedy
     decoding, and exact speculative sampling otherwise.
@@ -319,6 +333,14 @@ def batch_generate(
     if isinstance(prompts, (str, mx.array)) or not len(prompts):
         raise MTPError("prompts must be a non-empty list of prompts")
     ids = [_prompt_ids(tokenizer, p, i, model) for i, p in enumerate(prompts)]
+    media = None
+    if images is not None:
+        if len(images) != len(ids):
+            raise MTPError(f"{len(ids)} prompts but {len(images)} lists of images")
+        media = [None] * len(ids)
+        for i, pictures in enumerate(images):
+            if pictures:
+                ids[i], media[i] = prompt_media(model, ids[i], pictures)
     per_prompt = _per_prompt(options, len(ids), grammar_fields(fields), max_tokens)
     n = len(ids)
     tokens = [[] for _ in ids]
@@ -345,7 +367,8 @@ def batch_generate(
             take(failed_output(i, e, None, model.args.vocab_size), i)
     eos, left = tokenizer.eos_token_ids, [ids[i] for i in live]
     with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
-        outputs = run_batch(model, left, decoding, eos, max_batch, tokenizer)
+        media = media and [media[i] for i in live]
+        outputs = run_batch(model, left, decoding, eos, max_batch, tokenizer, media)
         for out in outputs if live else ():
             take(out, live[out.uid])
     seconds = time.perf_counter() - tic

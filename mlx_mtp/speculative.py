@@ -31,6 +31,7 @@ from .distributed import Sync
 from .draft_length import DraftPolicy, Unverified
 from .errors import MTPError
 from .lookup import continuation
+from .media import attach as attach_media
 from .options import DecodeOptions
 from .processors import Rules, make_rules
 from .resolve import Drafting, drafting
@@ -237,6 +238,7 @@ def mtp_generate_step(
     on_prefill: Optional[Callable[["Session"], None]] = None,
     policy: Optional[DraftPolicy] = None,
     tokenizer=None,
+    media=None,
     **fields,
 ) -> Generator[StepOutput, None, None]:
     """Generate tokens with MTP drafting and exact verification.
@@ -256,6 +258,9 @@ def mtp_generate_step(
             ``num_draft_tokens`` asks for.
         tokenizer: The model's tokenizer (mlx-lm's wrapper), which a ``grammar``
             option needs.
+        media: The prompt's `mlx_mtp.media.Media` (its image features and
+            positions, from `mlx_mtp.images.prompt_media`), for a model that reads
+            images; the session's caches keep them for what follows.
 
     Yields:
         `StepOutput` per token; its ``stats`` is the live `MTPStats` of the run.
@@ -284,6 +289,7 @@ def mtp_generate_step(
             f"num_draft_tokens asks for {depth}"
         )
     session.caches = session.caches or make_caches(model, options.max_kv_size)
+    attach_media(session.caches, media)
     if plan.policy.max_k:
         check_rollback(session.caches.trunk)
     seed = options.seed

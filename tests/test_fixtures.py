@@ -170,11 +170,20 @@ def test_tokenizer_round_trips(checkpoints, family):
     assert len(tok._tokenizer) <= V
     assert tok.eos_token == "<|endoftext|>"
     assert tok.eos_token_id == config["eos_token_id"] == config["bos_token_id"]
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert gen["eos_token_id"] == [config["eos_token_id"], im_end]
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
+    if family == "glm_ocr":  # GLM's own chat tokens, and its reply ends at <|user|>
+        user = tok.convert_tokens_to_ids("<|user|>")
+        assert gen["eos_token_id"] == [config["eos_token_id"], user]
+        assert chat == "[gMASK]<sop><|user|>\nhi<|assistant|>\n"
+        assert tok.encode(chat)[0] == tok.convert_tokens_to_ids("[gMASK]")
+        image = tok.convert_tokens_to_ids("<|image|>")
+        assert tok.encode("a<|image|>b").count(image) == 1
+        assert config["image_token_id"] == image
+        return
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert gen["eos_token_id"] == [config["eos_token_id"], im_end]
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.encode("<|im_start|>")[-1] == tok.convert_tokens_to_ids("<|im_start|>")
 

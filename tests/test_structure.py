@@ -25,6 +25,8 @@ LAYERS = [
         "one_row",
         "rows",
         "paths",
+        "media",
+        "images",
     ],  # the root imports its names lazily
     ["models"],
     ["draft_vocab", "history"],

@@ -25,6 +25,7 @@ FAMILIES = (
     "glm4_moe",
     "glm4_moe_lite",
     "glm_moe_dsa",
+    "glm_ocr",
     "gpt_oss",
     "hy_v4",
     "llama",

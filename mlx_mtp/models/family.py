@@ -73,6 +73,14 @@ Optional (default in brackets):
 - ``hidden_width(args) -> int`` [``args.hidden_size``]: the last axis of ``hidden``
   (wider when a family packs more than one state into it; the last ``hidden_size``
   entries are then what its ``head`` projects);
+- ``image_processor(model_path)`` [None: the family reads no images]: the image
+  processor of a model folder (mlx-vlm's, called as ``processor(images=[...])``,
+  giving ``pixel_values`` and ``image_grid_thw``);
+- ``media(trunk, ids, pixel_values, grid_thw) -> (ids, Media)``: a prompt with one
+  image placeholder per image, as the model reads it (each placeholder repeated
+  for its image's features) and its `mlx_mtp.media.Media` (the trunk's caches
+  then end with a `mlx_mtp.media.MediaCache`, and each MTP layer keeps one: its
+  ``reads_media``);
 - ``make_drafter(trunk, config)`` [None]: the checkpoint's MTP tensors are a block
   drafter (DeepSeek-V4.1's DSpark stages), not MTP layers: the module ``sanitize``'s
   names load into, attached as the model's drafter (``make_layer`` then refuses).
@@ -194,6 +202,8 @@ class Family:
     trunk_classes: Optional[Callable[[dict], tuple]] = None
     hidden_width: Callable[[Any], int] = args_hidden_size
     make_drafter: Optional[Callable[[Any, dict], Any]] = None
+    image_processor: Optional[Callable[[Any], Any]] = None
+    media: Optional[Callable[..., Any]] = None
 
     def __post_init__(self):
         # The default count follows MTP_CONFIG_KEYS, also in a derived family that

@@ -31,10 +31,14 @@ class MTPLayer(nn.Module):
             then a `mlx_mtp.cache.WindowCache`); None for full attention.
         kv_caches: How many KV caches the block's attention keeps (2 for
             DeepSeek-V3.2's MLA latent and indexer keys: a `mlx_mtp.cache.ListCache`).
+        reads_media: The layer reads the prompt's images: its cache is a
+            `mlx_mtp.cache.ListCache` of its KV cache(s) and a
+            `mlx_mtp.media.MediaCache` (GLM-OCR).
     """
 
     window: Optional[int] = None
     kv_caches: int = 1
+    reads_media: bool = False
 
     def __init__(
         self, hidden_size: int, eps: float, block: nn.Module, hidden_first: bool = False

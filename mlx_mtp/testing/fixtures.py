@@ -150,9 +150,10 @@ def write_checkpoint(
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    extra, template, preprocessor = _TOKENIZERS.get(family, ((), CHAT_TEMPLATE, None))
     if tokenizer:
-        write_tokenizer(out, vocab_size)
-        token_ids = _special_token_ids(vocab_size)
+        write_tokenizer(out, vocab_size, extra, template)
+        token_ids = _special_token_ids(vocab_size, extra)
     else:
         token_ids = {tok: vocab_size - 1 for tok in SPECIAL_TOKENS}
     fam = _family(family)
@@ -168,11 +169,20 @@ def write_checkpoint(
     mtp_keys = [k for k in tensors if fam.mtp_layer_of(k, config) is not None]
     _write_weights(out, tensors, mtp_keys, _DTYPES[dtype], num_shards)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(token_ids))
+    generation = _generation_config(token_ids)
+    if preprocessor is not None:  # a model that reads images
+        _write_json(out / "preprocessor_config.json", preprocessor)
+        generation["eos_token_id"] = _text_config(config)["eos_token_id"]
+    _write_json(out / "generation_config.json", generation)
     return out
 
 
-def write_tokenizer(out_dir, vocab_size: int = 512) -> None:
+def write_tokenizer(
+    out_dir,
+    vocab_size: int = 512,
+    extra: Tuple[str, ...] = (),
+    template: str = CHAT_TEMPLATE,
+) -> None:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and
     ``special_tokens_map.json``.
 
@@ -181,13 +191,16 @@ def write_tokenizer(out_dir, vocab_size: int = 512) -> None:
     ``<|im_start|>`` and ``<|im_end|>`` come right after the BPE vocabulary (ids
     ``vocab_size - 3 .. vocab_size - 1`` up to the corpus limit of ~920 tokens; larger
     vocabularies leave the top embedding rows unused). No BOS is added on encode.
-    The chat template is ChatML.
+    The chat template is ChatML, or ``template``; ``extra`` special tokens (a
+    family's own, GLM's chat and image tokens) follow the usual ones.
     """
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
-    ids = _special_token_ids(vocab_size)
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(ids))
+    (out / "tokenizer.json").write_text(
+        _tokenizer_json(vocab_size, tuple(extra)), encoding="utf-8"
+    )
+    ids = _special_token_ids(vocab_size, tuple(extra))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(ids, template))
     _write_json(out / "special_tokens_map.json", _special_tokens_map())
 
 
@@ -1958,6 +1971,203 @@ def _hy_v4(
     return cfg, t
 
 
+# GLM-OCR's chat tokens and image markers (its tokenizer's special tokens).
+GLM_TOKENS = (
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|begin_of_image|>",
+    "<|image|>",
+    "<|end_of_image|>",
+    "<|video|>",
+)
+# GLM-OCR's template, shortened: image parts as ``<|begin_of_image|><|image|>
+# <|end_of_image|>`` (one placeholder per image; the processor repeats it).
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# GLM-OCR's image processor settings, with a pixel budget that keeps a fixture's
+# images at 16 to 64 placeholders (the release allows far more).
+GLM_PREPROCESSOR = {
+    "image_processor_type": "Glm46VImageProcessor",
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 12544, "longest_edge": 100352},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True,
+}
+
+
+def _glm_ocr_layer(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """A GLM-OCR text layer: four norms around GQA attention (no biases) and a
+    fused ``gate_up_proj`` MLP."""
+    hidden, d = cfg["hidden_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    inter = cfg["intermediate_size"]
+    t = {}
+    for norm in ("input", "post_self_attn", "post_attention", "post_mlp"):
+        t[f"{prefix}{norm}_layernorm.weight"] = init.norm(hidden)
+    for name, dim in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        t[f"{prefix}self_attn.{name}.weight"] = init.linear(dim, hidden)
+    t[f"{prefix}self_attn.o_proj.weight"] = init.linear(hidden, q)
+    t[f"{prefix}mlp.gate_up_proj.weight"] = init.linear(2 * inter, hidden)
+    t[f"{prefix}mlp.down_proj.weight"] = init.linear(hidden, inter)
+    return t
+
+
+def _glm_ocr_vision(init: _Init, cfg: dict) -> Tensors:
+    """The CogViT tower under ``model.visual.`` (Hugging Face's conv layouts)."""
+    p, width = "model.visual.", cfg["hidden_size"]
+    out, inner = cfg["out_hidden_size"], cfg["intermediate_size"]
+    patch, t_patch, merge = (
+        cfg["patch_size"],
+        cfg["temporal_patch_size"],
+        cfg["spatial_merge_size"],
+    )
+    t = {
+        f"{p}patch_embed.proj.weight": init.normal(
+            (width, 3, t_patch, patch, patch), 0.05
+        ),
+        f"{p}patch_embed.proj.bias": init.normal((width,), BIAS_STD),
+    }
+    for i in range(cfg["depth"]):
+        b = f"{p}blocks.{i}."
+        head = width // cfg["num_heads"]
+        t.update(
+            {
+                f"{b}norm1.weight": init.norm(width),
+                f"{b}norm2.weight": init.norm(width),
+                f"{b}attn.qkv.weight": init.linear(3 * width, width),
+                f"{b}attn.qkv.bias": init.normal((3 * width,), BIAS_STD),
+                f"{b}attn.proj.weight": init.linear(width, width),
+                f"{b}attn.proj.bias": init.normal((width,), BIAS_STD),
+                f"{b}attn.q_norm.weight": init.norm(head),
+                f"{b}attn.k_norm.weight": init.norm(head),
+            }
+        )
+        for name, shape in (
+            ("gate_proj", (inner, width)),
+            ("up_proj", (inner, width)),
+            ("down_proj", (width, inner)),
+        ):
+            t[f"{b}mlp.{name}.weight"] = init.linear(*shape)
+            t[f"{b}mlp.{name}.bias"] = init.normal((shape[0],), BIAS_STD)
+    t[f"{p}post_layernorm.weight"] = init.norm(width)
+    t[f"{p}downsample.weight"] = init.normal((out, width, merge, merge), 0.05)
+    t[f"{p}downsample.bias"] = init.normal((out,), BIAS_STD)
+    m, context = f"{p}merger.", out * 3
+    t.update(
+        {
+            f"{m}proj.weight": init.linear(out, out),
+            f"{m}post_projection_norm.weight": init.norm(out),
+            f"{m}post_projection_norm.bias": init.normal((out,), BIAS_STD),
+            f"{m}gate_proj.weight": init.linear(context, out),
+            f"{m}up_proj.weight": init.linear(context, out),
+            f"{m}down_proj.weight": init.linear(out, context),
+        }
+    )
+    return t
+
+
+def _glm_ocr(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """GLM-OCR (glm_ocr): a 2-layer GLM-OCR text model under
+    ``model.language_model.`` with M-RoPE (sections summing to half the head
+    dimension, as the release's [16, 24, 24] do for 128), a 2-block vision tower
+    under ``model.visual.``, and the MTP layer at
+    ``model.language_model.layers.2.`` (DeepSeek's fusion names and copies)."""
+    ids = _special_token_ids(vocab_size, GLM_TOKENS)
+    text = {
+        "model_type": "glm_ocr_text",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [2, 3, 3],
+            "partial_rotary_factor": 1.0,
+            "rope_theta": 10000,
+        },
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "eos_token_id": [ids[EOS_TOKEN], ids["<|user|>"]],
+        "pad_token_id": ids[EOS_TOKEN],
+        "dtype": "float32",
+    }
+    vision = {
+        "model_type": "glm_ocr_vision",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "image_size": 336,
+        "in_channels": 3,
+        "out_hidden_size": HIDDEN,
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+    }
+    cfg = {
+        "architectures": ["GlmOcrForConditionalGeneration"],
+        "model_type": "glm_ocr",
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<|image|>"],
+        "image_start_token_id": ids["<|begin_of_image|>"],
+        "image_end_token_id": ids["<|end_of_image|>"],
+        "video_token_id": ids["<|video|>"],
+        "tie_word_embeddings": False,
+    }
+    base = "model.language_model."
+    t = {f"{base}embed_tokens.weight": init.normal((vocab_size, HIDDEN), EMBED_STD)}
+    for i in range(text["num_hidden_layers"]):
+        t.update(_glm_ocr_layer(init, f"{base}layers.{i}.", text))
+    t[f"{base}norm.weight"] = init.norm(HIDDEN)
+    t["lm_head.weight"] = init.linear(vocab_size, HIDDEN)
+    prefix = f"{base}layers.{text['num_hidden_layers']}."
+    t.update(_glm_ocr_layer(init, prefix, text))
+    t.update(
+        {
+            f"{prefix}enorm.weight": init.norm(HIDDEN),
+            f"{prefix}hnorm.weight": init.norm(HIDDEN),
+            f"{prefix}eh_proj.weight": init.linear(HIDDEN, 2 * HIDDEN),
+            f"{prefix}shared_head.norm.weight": init.norm(HIDDEN),
+            f"{prefix}shared_head.head.weight": t["lm_head.weight"].copy(),
+            f"{prefix}embed_tokens.weight": t[f"{base}embed_tokens.weight"].copy(),
+        }
+    )
+    t.update(_glm_ocr_vision(init, vision))
+    return cfg, t
+
+
 _HY_QUANTIZED = re.compile(
     r"model\.(layers|mtp_layers)\.\d+\."
     r"(.*(?<!eh)_proj(_with_mqa)?|.*linear_gate)\.weight$"
@@ -2019,6 +2229,7 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
     "glm4_moe": _glm4_moe,
     "glm4_moe_lite": _glm4_moe_lite,
     "glm_moe_dsa": _glm_moe_dsa,
+    "glm_ocr": _glm_ocr,
     "hy_v4": _hy_v4,
     "longcat_flash": _longcat_flash,
     "mimo": _mimo,
@@ -2033,6 +2244,9 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
 # A family's release dtype (``release=`` of `write_checkpoint`): ``(config, tensors,
 # form) -> tensors``, after ``predictable``'s rewiring (the release stores its result).
 _RELEASE_FORMS = {"hy_v4": _hy_v4_release}
+# A family's own tokenizer: (extra special tokens, chat template, image
+# processor config or None).
+_TOKENIZERS = {"glm_ocr": (GLM_TOKENS, GLM_CHAT_TEMPLATE, GLM_PREPROCESSOR)}
 FAMILIES = tuple(_SPECS)  # the families with a fixture (llama's is `write_llama`)
 
 
@@ -2057,6 +2271,10 @@ def _distinct_layers(family, cfg: dict, tensors: Tensors) -> List[int]:
 # ---------------------------------------------------------------------------
 
 
+# Norms of a layer's attention and MLP outputs (GLM-OCR's four-norm layers).
+_OUTPUT_NORMS = ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight")
+
+
 def _make_predictable(
     family,
     cfg: dict,
@@ -2076,7 +2294,9 @@ def _make_predictable(
        ``[hidden, embedding]``. The embedding norm is set to ones and the MTP final
        norm to ``model.norm.weight``.
     3. The MTP layer's ``o_proj`` and every MLP ``down_proj`` in it (dense, experts,
-       shared experts) are damped by ``PREDICTABLE_DAMPING``.
+       shared experts) are damped by ``PREDICTABLE_DAMPING``. Norms that layers
+       apply to those outputs (GLM-OCR's, which would undo it) are damped so in
+       every layer, which also lets the current token rule the trunk's next.
 
     The MTP head at row i then predicts roughly f(t_{i+1}), i.e. t_{i+2}, with
     context effects making it wrong some of the time.
@@ -2111,6 +2331,8 @@ def _make_predictable(
         if family.mtp_layer_of(key, cfg) is not None and key.endswith(
             ("o_proj.weight", "down_proj.weight", "wo_b.weight", ".w2.weight")
         ):
+            tensors[key] = tensors[key] * np.float32(PREDICTABLE_DAMPING)
+        if key.endswith(_OUTPUT_NORMS):
             tensors[key] = tensors[key] * np.float32(PREDICTABLE_DAMPING)
 
 
@@ -2283,21 +2505,23 @@ except ValueError as error:
 '''
 
 
-def _special_token_ids(vocab_size: int) -> Dict[str, int]:
-    """Ids of the special tokens in the tokenizer for ``vocab_size``."""
-    tokenizer = _load_trained(vocab_size)
-    return {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+def _special_token_ids(vocab_size: int, extra: Tuple[str, ...] = ()) -> Dict[str, int]:
+    """Ids of the special tokens in the tokenizer for ``vocab_size`` (and
+    ``extra`` special tokens)."""
+    tokenizer = _load_trained(vocab_size, extra)
+    return {tok: tokenizer.token_to_id(tok) for tok in (*SPECIAL_TOKENS, *extra)}
 
 
-def _load_trained(vocab_size: int):
+def _load_trained(vocab_size: int, extra: Tuple[str, ...] = ()):
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(_tokenizer_json(vocab_size))
+    return Tokenizer.from_str(_tokenizer_json(vocab_size, extra))
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer_json(vocab_size: int) -> str:
-    """Train the byte-level BPE once per ``vocab_size``; return its JSON."""
+def _tokenizer_json(vocab_size: int, extra: Tuple[str, ...] = ()) -> str:
+    """Train the byte-level BPE once per ``vocab_size``, with ``extra`` special
+    tokens after the usual ones; return its JSON."""
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -2307,7 +2531,7 @@ def _tokenizer_json(vocab_size: int) -> str:
         trainers,
     )
 
-    n_special = len(SPECIAL_TOKENS)
+    n_special = len(SPECIAL_TOKENS) + len(extra)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + n_special:
         raise ValueError(f"vocab_size must be >= {len(alphabet) + n_special}")
@@ -2321,12 +2545,12 @@ def _tokenizer_json(vocab_size: int) -> str:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.add_special_tokens([*SPECIAL_TOKENS, *extra])
     assert tokenizer.get_vocab_size() <= vocab_size
     return tokenizer.to_str()
 
 
-def _tokenizer_config(ids: Dict[str, int]) -> dict:
+def _tokenizer_config(ids: Dict[str, int], template: str = CHAT_TEMPLATE) -> dict:
     added = {
         str(ids[tok]): {
             "content": tok,
@@ -2336,7 +2560,7 @@ def _tokenizer_config(ids: Dict[str, int]) -> dict:
             "single_word": False,
             "special": True,
         }
-        for tok in SPECIAL_TOKENS
+        for tok in ids
     }
     return {
         "add_bos_token": False,
@@ -2347,7 +2571,7 @@ def _tokenizer_config(ids: Dict[str, int]) -> dict:
         "eos_token": EOS_TOKEN,
         "pad_token": EOS_TOKEN,
         "unk_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
         "tokenizer_class": "PreTrainedTokenizerFast",

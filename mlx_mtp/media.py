@@ -1,0 +1,198 @@
+"""What a prompt's images put in a row: token embeddings that are not the tokens'
+own (the vision tower's features at the image placeholders) and multimodal RoPE
+positions (M-RoPE: temporal, height and width ids) that are not the token indices.
+
+A `Media` is the prompt's: its first ``P`` tokens have the positions of
+``positions`` ``(3, P)``, and every later token (the rest of the conversation,
+drafted and verified alike) sits at its index plus ``delta``, on all three axes,
+as the references place the text after an image (transformers' ``get_rope_index``,
+vLLM's and SGLang's M-RoPE deltas). Both are functions of the token index, so a
+rollback changes nothing here: a row's caches hold indices, and a `MediaCache`
+beside them maps an index to its position and embedding.
+
+The trunk's caches end with a `MediaCache`, and the MTP layers of a family that
+reads images each keep one beside their KV cache (a `mlx_mtp.cache.ListCache`), so
+the media travel with the caches wherever the round, the batch and the server move
+them: batched (``merge``, ``filter``, ``extend``, ``extract``), snapshotted, and to
+disk (`mlx_mtp.session_files`: the arrays and a description). A row without images
+holds None: its positions are its indices.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+Offsets = Union[int, mx.array]
+
+
+@dataclass
+class Media:
+    """A prompt's image features and M-RoPE positions.
+
+    Attributes:
+        positions: ``(3, P)`` int32, the positions of the prompt's first P tokens.
+        delta: position minus index of every token from P on.
+        index: ``(N,)`` int32, the token indices whose embeddings are image features.
+        features: ``(N, H)``, those embeddings (the vision tower's, merged).
+        key: A digest of the images and where they sit (the prompt cache's key).
+    """
+
+    positions: mx.array
+    delta: int
+    index: mx.array
+    features: mx.array
+    key: str
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.positions.nbytes + self.index.nbytes + self.features.nbytes
+
+
+class MediaCache:
+    """The `Media` of each row of a pass (None: a text row), under the cache protocol
+    (`mlx_mtp.cache`). It holds nothing per position, so rollback is nothing to do
+    and it costs no memory per token."""
+
+    def __init__(self, rows: Optional[List[Optional[Media]]] = None):
+        self.rows = [None] if rows is None else list(rows)
+
+    def set(self, media: Optional[Media]) -> None:
+        """Give this one-row cache's stream ``media`` (a prompt's, replacing any)."""
+        if len(self.rows) != 1:
+            raise ValueError("media are set on a single stream's caches")
+        self.rows = [media]
+
+    @property
+    def any(self) -> bool:
+        return any(m is not None for m in self.rows)
+
+    # -- what a pass reads --------------------------------------------------------
+
+    def position_ids(self, offsets: Offsets, n: int) -> mx.array:
+        """``(3, B, n)`` int32 positions of the pass's inputs: row b's input i at
+        index ``offsets[b] + i`` (``offsets``: an int, or ``(B,)``)."""
+        idx = _indices(offsets, n, len(self.rows))  # (B, n)
+        if not self.any:
+            return mx.broadcast_to(idx[None], (3, *idx.shape))
+        rows = [self._row_positions(m, idx[b]) for b, m in enumerate(self.rows)]
+        return mx.stack(rows, axis=1)
+
+    @staticmethod
+    def _row_positions(media: Optional[Media], idx: mx.array) -> mx.array:
+        if media is None:
+            return mx.broadcast_to(idx[None], (3, idx.shape[0]))
+        table = media.positions[:, mx.clip(idx, 0, media.length - 1)]  # (3, n)
+        return mx.where(idx[None] < media.length, table, idx[None] + media.delta)
+
+    def embeddings(self, e: mx.array, offsets: Offsets, shift: int = 0) -> mx.array:
+        """``e`` ``(B, n, H)``, the pass's token embeddings, with row b's input i
+        replaced by its image feature when index ``offsets[b] + i + shift`` holds
+        one (``shift`` 1: an MTP layer's input i is the token after index i)."""
+        if not self.any:
+            return e
+        idx = _indices(offsets, e.shape[1], len(self.rows)) + shift  # (B, n)
+        return mx.stack(
+            [self._row_embeddings(m, e[b], idx[b]) for b, m in enumerate(self.rows)]
+        )
+
+    @staticmethod
+    def _row_embeddings(media: Optional[Media], e: mx.array, idx: mx.array):
+        if media is None or media.index.size == 0:
+            return e
+        hit = idx[:, None] == media.index[None, :]  # (n, N)
+        found = hit.any(axis=1, keepdims=True)
+        feature = media.features[mx.argmax(hit, axis=1)].astype(e.dtype)  # (n, H)
+        return mx.where(found, feature, e)
+
+    # -- the cache protocol -------------------------------------------------------
+
+    def can_roll_back(self) -> bool:
+        return True
+
+    def mark(self, record: bool = True) -> None:
+        return None
+
+    def rewind(self, mark, n: int) -> None:
+        return None
+
+    def rewind_rows(self, drop: Sequence[int], mark=None) -> None:
+        return None
+
+    def keep_below(self, limits: Sequence[int]) -> None:
+        return None
+
+    def prepare(self, **kwargs) -> None:
+        return None
+
+    def finalize(self) -> None:
+        return None
+
+    def batch_refusal(self) -> Optional[str]:
+        return None
+
+    @classmethod
+    def merge(cls, caches: Sequence["MediaCache"]) -> "MediaCache":
+        return cls([m for c in caches for m in c.rows])
+
+    def extend(self, other: "MediaCache") -> None:
+        self.rows = self.rows + other.rows
+
+    def filter(self, rows: Sequence[int]) -> None:
+        rows = rows.tolist() if isinstance(rows, mx.array) else rows
+        self.rows = [self.rows[b] for b in rows]
+
+    def extract(self, b: int, below: Optional[int] = None, mark=None) -> "MediaCache":
+        return MediaCache([self.rows[b]])
+
+    def cost(self) -> Tuple[float, tuple, float]:
+        return 0.0, (), 0.0  # nothing per position or per row (`kv_cache.NO_COST`)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.rows if m is not None)
+
+    @property
+    def state(self) -> List[mx.array]:
+        return []
+
+    def snapshot(self) -> "MediaCache":
+        return MediaCache(self.rows)  # its arrays are never written in place
+
+    def read_kv(self, positions: Sequence[int], window: Optional[int] = None):
+        raise ValueError("a MediaCache holds no keys or values")
+
+
+def _indices(offsets: Offsets, n: int, rows: int) -> mx.array:
+    """``(B, n)`` int32 token indices of a pass's inputs."""
+    steps = mx.arange(n, dtype=mx.int32)[None]
+    if isinstance(offsets, mx.array):
+        return offsets.astype(mx.int32)[:, None] + steps
+    return mx.broadcast_to(offsets + steps, (rows, n))
+
+
+def media_caches(caches) -> List[MediaCache]:
+    """The `MediaCache`s of a stream's `mlx_mtp.cache.Caches` (the trunk's last
+    entry, and one inside each MTP layer's cache), empty for a model that reads no
+    images."""
+    found = []
+    for c in [*caches.trunk, *caches.mtp]:
+        parts = getattr(c, "caches", (c,))
+        found.extend(p for p in parts if isinstance(p, MediaCache))
+    return found
+
+
+def attach(caches, media: Optional[Media]) -> None:
+    """Give a stream's caches the prompt's ``media`` (None: keep what they hold, a
+    conversation going on about the same images or none)."""
+    if media is None:
+        return
+    found = media_caches(caches)
+    if not found:
+        raise ValueError("this model reads no images")
+    for c in found:
+        c.set(media)
