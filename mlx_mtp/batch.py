@@ -153,7 +153,7 @@ class Admission:
         session = session if session is not None else Session()
         self.fresh = session.caches is None  # nothing prefilled: `prefill_together`
         session.caches = session.caches or make_caches(model)
-        attach_media(session.caches, media)
+        attach_media(session.caches, media, len(session.tokens))
         if plan.policy.max_k or plan.lookup_tokens:
             check_rollback(session.caches.trunk)
         seed = options.seed

@@ -113,6 +113,7 @@ def stream_generate(
     session: Optional[Session] = None,
     on_prefill: Optional[Callable[[Session], None]] = None,
     images: Optional[Sequence] = None,
+    media=None,
     **fields,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream a generation, one `GenerationResponse` per token.
@@ -137,6 +138,8 @@ def stream_generate(
             encoded bytes or ``PIL.Image``s) of the prompt's image placeholders,
             one placeholder each, in order, as the chat template writes them
             (`mlx_mtp.images.image_messages`).
+        media: Instead of ``images``: the `mlx_mtp.media.Media` of a prompt given
+            as token ids that `mlx_mtp.images.prompt_media` made.
 
     Yields:
         `GenerationResponse`; the last one has ``finish_reason`` "stop" or "length".
@@ -158,7 +161,6 @@ def stream_generate(
         ids = []  # the session holds the whole prompt (`Sessions.take`)
     else:
         ids = encode_prompt(tokenizer, prompt, model.args.vocab_size)
-    media = None
     if images:
         ids, media = prompt_media(model, ids, images)
     before = len(session.tokens) if session is not None else 0

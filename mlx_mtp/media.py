@@ -23,6 +23,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from .errors import MTPError
+
 Offsets = Union[int, mx.array]
 
 
@@ -35,7 +37,10 @@ class Media:
         delta: position minus index of every token from P on.
         index: ``(N,)`` int32, the token indices whose embeddings are image features.
         features: ``(N, H)``, those embeddings (the vision tower's, merged).
-        key: A digest of the images and where they sit (the prompt cache's key).
+        key: A digest of the images and where they sit.
+        spans: Per image, ``[start, end, digest]``: its placeholders' token indices
+            and a digest of its pixels (what a kept conversation is matched by:
+            `keyed`).
     """
 
     positions: mx.array
@@ -43,10 +48,31 @@ class Media:
     index: mx.array
     features: mx.array
     key: str
+    spans: List[list]
 
     @property
     def length(self) -> int:
         return self.positions.shape[1]
+
+    def below(self, n: int) -> Optional["Media"]:
+        """What the first ``n`` tokens hold of these media (None: no image): the
+        tokens after them continue from the highest position held, as a prompt
+        ending there would."""
+        if not self.spans or self.spans[0][0] >= n:
+            return None
+        if n >= self.length:
+            return self
+        positions = self.positions[:, :n]
+        keep = self.index < n
+        count = int(keep.sum().item())
+        return Media(
+            positions=positions,
+            delta=int(positions.max().item()) + 1 - n,
+            index=self.index[:count],
+            features=self.features[:count],
+            key=self.key + f"/{n}",
+            spans=[[a, min(b, n), d] for a, b, d in self.spans if a < n],
+        )
 
     @property
     def nbytes(self) -> int:
@@ -175,6 +201,24 @@ def _indices(offsets: Offsets, n: int, rows: int) -> mx.array:
     return mx.broadcast_to(offsets + steps, (rows, n))
 
 
+def keyed(tokens: Sequence[int], media: Optional[Media]) -> list:
+    """``tokens`` as kept conversations are matched: each image placeholder of
+    ``media`` (those below ``len(tokens)``) replaced by its image's digest, so that
+    two prompts whose tokens are the same but whose images differ do not match
+    (the same image at the same place does)."""
+    out = list(tokens)
+    for start, end, digest in media.spans if media is not None else ():
+        for i in range(start, min(end, len(out))):
+            out[i] = f"image:{digest}"
+    return out
+
+
+def of_caches(caches) -> Optional[Media]:
+    """The `Media` a stream's caches hold (None: none, or a text model)."""
+    found = media_caches(caches) if caches is not None else []
+    return found[0].rows[0] if found and len(found[0].rows) == 1 else None
+
+
 def media_caches(caches) -> List[MediaCache]:
     """The `MediaCache`s of a stream's `mlx_mtp.cache.Caches` (the trunk's last
     entry, and one inside each MTP layer's cache), empty for a model that reads no
@@ -186,13 +230,23 @@ def media_caches(caches) -> List[MediaCache]:
     return found
 
 
-def attach(caches, media: Optional[Media]) -> None:
-    """Give a stream's caches the prompt's ``media`` (None: keep what they hold, a
-    conversation going on about the same images or none)."""
-    if media is None:
-        return
+def attach(caches, media: Optional[Media], held: int = 0) -> None:
+    """Give a stream's caches, holding ``held`` tokens, the prompt's ``media``.
+
+    None keeps what the caches hold of the images below ``held`` (a conversation
+    going on about the same images, or none): images a kept prompt had past them
+    (a session kept at its system prompt) are forgotten (`Media.below`).
+
+    Raises:
+        MTPError: ``media`` for a model that reads no images.
+    """
     found = media_caches(caches)
+    if media is None:
+        for c in found:
+            if len(c.rows) == 1 and c.rows[0] is not None:
+                c.set(c.rows[0].below(held))
+        return
     if not found:
-        raise ValueError("this model reads no images")
+        raise MTPError("this model reads no images")
     for c in found:
         c.set(media)

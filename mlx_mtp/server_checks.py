@@ -415,11 +415,12 @@ def _check_text(text: str, param: Optional[str]) -> None:
         ) from None
 
 
-def check_messages(messages: list) -> None:
+def check_messages(messages: list, images: bool = False) -> None:
     """400 for any message mlx-lm could not turn into a prompt: each an object with
-    a role among `ROLES`, content a string, null or a list of text parts (image parts
-    are refused: mlx-mtp serves text-only models, and never fetches a URL), and
-    ``tool_calls`` whose string arguments are JSON."""
+    a role among `ROLES`, content a string, null or a list of text parts (and, for
+    a model that reads ``images``, ``image_url`` parts whose URL is a string: see
+    `take_images`; image parts are refused otherwise), and ``tool_calls`` whose
+    string arguments are JSON."""
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -429,13 +430,13 @@ def check_messages(messages: list) -> None:
             raise bad_request(
                 f"{where}.role must be one of {', '.join(ROLES)}", "messages"
             )
-        _check_content(message.get("content"), where)
+        _check_content(message.get("content"), where, images)
         calls = message.get("tool_calls")
         if calls is not None:
             _check_tool_calls(calls, where)
 
 
-def _check_content(content, where: str) -> None:
+def _check_content(content, where: str, images: bool = False) -> None:
     if content is None or isinstance(content, str):
         return
     if not isinstance(content, list):
@@ -448,6 +449,14 @@ def _check_content(content, where: str) -> None:
             raise bad_request(
                 f"{where}.content[{j}] must be an object with a type", "messages"
             )
+        if kind in IMAGE_PARTS and images:
+            if kind != "image_url" or image_url(part) is None:
+                raise bad_request(
+                    f"{where}.content[{j}] must be an image_url part with a url "
+                    "(a data: URL)",
+                    "messages",
+                )
+            continue
         if kind in IMAGE_PARTS:
             raise bad_request(
                 f"{where}.content[{j}] is an image: this model takes no images",
@@ -486,12 +495,50 @@ def _check_tool_calls(calls, where: str) -> None:
                 ) from None
 
 
-def check_chat_fields(body: dict) -> None:
+def image_url(part: dict) -> Optional[str]:
+    """The URL of an OpenAI ``image_url`` part (``{"url": ...}`` or the string)."""
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    return url if isinstance(url, str) else None
+
+
+# Images one request may carry at most (each is bounded by `mlx_mtp.images`).
+MAX_IMAGES = 16
+
+
+def take_images(messages: list) -> list:
+    """The images of checked ``messages``' ``image_url`` parts, in order, read
+    (`mlx_mtp.images`: ``data:`` URLs only, bounded before decoding), each part
+    replaced by ``{"type": "image"}`` for the chat template; 400 for an image that
+    cannot be read, a URL that is not a ``data:`` URL (the server fetches
+    nothing), or more than `MAX_IMAGES`."""
+    from .images import ImageError, data_url, read_image
+
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if part.get("type") != "image_url":
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if len(found) == MAX_IMAGES:
+                raise bad_request(
+                    f"a request may carry {MAX_IMAGES} images at most", "messages"
+                )
+            try:
+                found.append(read_image(data_url(image_url(part), where), where))
+            except ImageError as e:
+                raise bad_request(one_line(e), "messages") from None
+            content[j] = {"type": "image"}
+    return found
+
+
+def check_chat_fields(body: dict, images: bool = False) -> None:
     """400 for chat fields of the wrong shape: ``tools`` a list of OpenAI's tools
     (objects whose ``function`` has a name), ``chat_template_kwargs`` and
     ``role_mapping`` objects (the former not setting `TEMPLATE_PARAMETERS`), and the
-    messages (`check_messages`)."""
-    check_messages(body["messages"])
+    messages (`check_messages`; ``images``: the model reads them)."""
+    check_messages(body["messages"], images)
     tools = body.get("tools")
     if tools is not None and not (
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)

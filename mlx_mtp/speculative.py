@@ -32,6 +32,7 @@ from .draft_length import DraftPolicy, Unverified
 from .errors import MTPError
 from .lookup import continuation
 from .media import attach as attach_media
+from .media import keyed, of_caches
 from .options import DecodeOptions
 from .processors import Rules, make_rules
 from .resolve import Drafting, drafting
@@ -170,6 +171,12 @@ class Session:
         """Every token so far: prompts and yielded tokens."""
         return list(self.state.tokens) if self.state else []
 
+    @property
+    def key(self) -> list:
+        """`tokens` as kept sessions are matched by (`mlx_mtp.media.keyed`: each
+        image placeholder the digest of its image)."""
+        return keyed(self.tokens, of_caches(self.caches))
+
     def snapshot(self) -> "Session":
         """An independent copy to go on from later: the same caches and state as new
         array objects, no rollback record kept. Not copy-on-write: once evaluated,
@@ -289,7 +296,7 @@ def mtp_generate_step(
             f"num_draft_tokens asks for {depth}"
         )
     session.caches = session.caches or make_caches(model, options.max_kv_size)
-    attach_media(session.caches, media)
+    attach_media(session.caches, media, len(session.tokens))
     if plan.policy.max_k:
         check_rollback(session.caches.trunk)
     seed = options.seed

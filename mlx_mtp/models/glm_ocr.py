@@ -317,22 +317,35 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Me
             f"the prompt has {ids.count(token)} image placeholders for "
             f"{len(grid_thw)} images"
         )
-    counts = iter([t * h * w // merge**2 for t, h, w in grid_thw])
-    ids = [x for t in ids for x in ([t] * next(counts) if t == token else [t])]
+    counts, places, out = [t * h * w // merge**2 for t, h, w in grid_thw], [], []
+    for t in ids:
+        if t == token:  # its image's placeholders: [start, end)
+            places.append((len(out), len(out) + counts[len(places)]))
+            out += [t] * (places[-1][1] - places[-1][0])
+        else:
+            out.append(t)
+    ids = out
     tower = trunk.vision_tower
     grid = mx.array(grid_thw, dtype=mx.int32)
     pixels = mx.array(pixel_values).astype(tower.patch_embed.proj.weight.dtype)
     features = tower(pixels, grid, output_hidden_states=False)  # (N, H)
     positions, delta = trunk.get_rope_index(mx.array([ids]), image_grid_thw=grid)
     index = [i for i, t in enumerate(ids) if t == token]
-    digest = hashlib.sha256(np.asarray(pixel_values, dtype=np.float32).tobytes())
-    digest.update(repr((grid_thw, index)).encode())
+    patches = np.asarray(pixel_values, dtype=np.float32)
+    spans, row = [], 0
+    for (t, h, w), (start, end) in zip(grid_thw, places):
+        rows = patches[row : row + t * h * w]  # the image's
+        digest = hashlib.sha256(repr((t, h, w)).encode() + rows.tobytes())
+        spans.append([start, end, digest.hexdigest()[:32]])
+        row += t * h * w
+    key = hashlib.sha256(repr(spans).encode()).hexdigest()[:32]
     return ids, _Media(
         positions=positions[:, 0].astype(mx.int32),  # (3, P)
         delta=int(delta.reshape(-1)[0].item()),
         index=mx.array(index, dtype=mx.int32),
         features=features,
-        key=digest.hexdigest()[:32],
+        key=key,
+        spans=spans,
     )
 
 

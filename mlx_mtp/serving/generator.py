@@ -24,6 +24,8 @@ from mlx_lm.generate import generation_stream, wired_limit
 from ..batch_cache import batch_support
 from ..errors import MTPError, one_line
 from ..generate import fit_context, stream_generate
+from ..images import prompt_media
+from ..media import keyed
 from ..options import DecodeOptions
 from ..resolve import drafting
 from ..server_checks import RequestError, bad_request
@@ -158,13 +160,63 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         """mlx-lm's, and the context check: 400 ``context_length_exceeded`` for a
         prompt that leaves no room, ``max_tokens`` capped at the room left
         (`fit_context`)."""
-        tokenized = super()._tokenize(tokenizer, request, args)
+        if args.job.images:
+            tokenized = self._tokenize_images(tokenizer, request, args)
+        else:
+            tokenized = super()._tokenize(tokenizer, request, args)
         model = self.model_provider.model
         try:
             args.max_tokens = fit_context(model, len(tokenized[0]), args.max_tokens)
         except MTPError as e:
             raise bad_request(one_line(e), code="context_length_exceeded") from None
         return tokenized
+
+    def _tokenize_images(self, tokenizer, request, args):
+        """A chat request with images (`mlx_mtp.server_checks.take_images`: its
+        image parts are ``{"type": "image"}``) as mlx-lm's ``_tokenize`` makes a
+        prompt with images, one segment: rendered by the chat template, then each
+        placeholder repeated for its image and the prompt's media made (the vision
+        tower runs here, in the generation thread), kept on the job."""
+        messages = [dict(m) for m in request.messages]
+        for message in messages:  # text lists joined, tool arguments parsed
+            content = message.get("content")
+            with_images = isinstance(content, list) and any(
+                p.get("type") == "image" for p in content
+            )
+            if with_images:
+                message["content"] = ""
+            lm_server.process_message_content([message])
+            if with_images:
+                message["content"] = content
+        template = dict(self.model_provider.cli_args.chat_template_args)
+        template.update(args.chat_template_kwargs or {})
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tools=request.tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **template,
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids, args.job.media = prompt_media(
+                self.model_provider.model, ids, args.job.images
+            )
+        except MTPError as e:
+            raise bad_request(one_line(e), "messages") from None
+        state = "normal"
+        if tokenizer.has_thinking:
+            start, end = tokenizer.rfind_think_start(ids), tokenizer.rfind_think_end(
+                ids
+            )
+            state = "reasoning" if start > end else state
+        return (
+            ids,
+            [ids],
+            ["assistant"],
+            tokenizer.response_initial_state or state,
+            None,
+        )
 
     def prompt_of(self, request, args: JobArgs) -> Tuple[List[int], str, Optional[int]]:
         """A request's prompt tokens, its text state machine's initial state
@@ -202,7 +254,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
         prompt, initial_state, mark = self.prompt_of(request, args)
         stop_sequences, text_sm = self.text_machines(args.stop_words)
         depth = _depth(self.model_provider.model, job.options)
-        session = self.sessions.take(prompt, job.owner, depth)
+        session = self.sessions.take(keyed(prompt, job.media), job.owner, depth)
         done = len(session.tokens) if session is not None else 0
         kept = done  # what the request reuses (its cached_tokens)
         if session is not None and done == mark:  # a shared system prompt: kept too
@@ -241,6 +293,7 @@ class MTPResponseGenerator(lm_server.ResponseGenerator):
             options=job.options.replace(max_tokens=args.max_tokens),
             session=session,
             on_prefill=lambda s: self.sessions.put(s.snapshot(), owner),
+            media=job.media,
         )
         matcher = stop_sequences.matcher()
         try:

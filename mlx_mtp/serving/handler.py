@@ -26,6 +26,7 @@ from mlx_lm import server as lm_server
 from .. import anthropic_api, responses_api
 from ..errors import MTPError, one_line
 from ..grammar import check_grammar
+from ..images import reads_images
 from ..options import DecodeOptions
 from ..replies import Unparsed, finite
 from ..server_checks import (
@@ -33,6 +34,7 @@ from ..server_checks import (
     RequestError,
     bad_request,
     check_chat_fields,
+    take_images,
     check_json,
     check_sampling,
     host_allowed,
@@ -473,8 +475,10 @@ class MTPHandler(lm_server.APIHandler):
             raise bad_request("messages must be a non-empty list", "messages")
         if not chat and (not isinstance(body["prompt"], str) or not body["prompt"]):
             raise bad_request("prompt must be a non-empty string", "prompt")
+        reads = reads_images(self._served.model)
         if chat:
-            check_chat_fields(body)
+            check_chat_fields(body, images=reads)
+        pictures = take_images(body["messages"]) if chat and reads else []
         for key in ("max_tokens", "max_completion_tokens"):
             n = body.get(key)
             if type(n) is int and n < 1:
@@ -491,6 +495,7 @@ class MTPHandler(lm_server.APIHandler):
         options = self._decode_options(body)
         stops = self._check_reply_fields(body)
         self._job = Job(options, owner, body.get("stream") is True, stops=stops)
+        self._job.images = pictures
         self._job.want_sources = sources
         self._job.responses.left = self._client_left
         self._raw = json.dumps(body).encode()

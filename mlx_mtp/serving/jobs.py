@@ -124,6 +124,10 @@ class Job:
     # (`Sourced.source`, gathered in ``sources`` as the reply is read)
     want_sources: bool = False
     sources: List[Optional[str]] = field(default_factory=list)
+    # a model that reads images: the request's (read, in order), and once its
+    # prompt is made, its `mlx_mtp.media.Media`
+    images: list = field(default_factory=list)
+    media: Any = None
 
 
 @dataclass

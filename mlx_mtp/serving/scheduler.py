@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from ..batch import Admission, Batch, Row, RowOutput, prefill_groups, prefill_together
 from ..errors import MTPError
+from ..media import keyed
 from ..memory import readable_size
 from ..server_checks import bad_request
 from .budget import cache_cost, default_budget
@@ -220,13 +221,15 @@ class Scheduler:
         """Begin ``s``'s admission, from its conversation's session if one is kept
         (made by a batch: one of another loop is left in `Sessions`)."""
         sessions, owner = self.gen.sessions, s.job.owner
-        session = sessions.take(s.prompt, owner, self.batch.depth)
+        session = sessions.take(keyed(s.prompt, s.job.media), owner, self.batch.depth)
         done = len(session.tokens) if session is not None else 0
         if session is not None and done == s.mark:  # a shared system prompt: kept too
             sessions.put(session.snapshot(), owner)
         options = s.job.options.replace(max_tokens=s.args.max_tokens)
         try:
-            s.admission = self.batch.admit(s.uid, s.prompt[done:], options, session)
+            s.admission = self.batch.admit(
+                s.uid, s.prompt[done:], options, session, media=s.job.media
+            )
             if s.mark is not None and s.mark > done:  # its system prompt kept apart
                 s.admission.mark = s.mark - done
                 s.admission.on_mark = lambda snapshot: sessions.put(snapshot, owner)

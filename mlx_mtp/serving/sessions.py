@@ -52,7 +52,7 @@ class DiskTier:
             self._index[f] = (
                 fields.get("owner"),
                 fields.get("depth"),
-                tokens,
+                fields.get("key", tokens),  # images by their digests
                 f.stat().st_size,
             )
 
@@ -64,14 +64,14 @@ class DiskTier:
     def put(self, session: Session, owner=None) -> None:
         """Write ``session`` (unless a file holds its tokens already), then remove
         the least recently used files past ``max_bytes``."""
-        tag, tokens = self.tag(owner), session.tokens
+        tag, tokens = self.tag(owner), session.key
         name = hashlib.sha256(f"{tag}|{tokens}".encode()).hexdigest()[:32]
         path = self.folder / f"{name}.safetensors"
         with self._lock:
             if path in self._index:
                 self._index.move_to_end(path)
                 return
-        fields = {"owner": tag, "depth": session.state.depth}
+        fields = {"owner": tag, "depth": session.state.depth, "key": tokens}
         try:
             size = session_files.save(session, path, self.key, fields)
         except (session_files.SessionFileError, OSError) as e:
@@ -87,7 +87,8 @@ class DiskTier:
         self, prompt: List[int], owner=None, depth=None
     ) -> Tuple[int, Optional[Path]]:
         """The longest of ``owner``'s files whose tokens ``prompt`` begins with, for
-        ``depth`` MTP layers: its token count and path (0, None if none)."""
+        ``depth`` MTP layers: its token count and path (0, None if none). Tokens
+        are compared as `Session.key`s (images by their digests)."""
         tag, best = self.tag(owner), (0, None)
         with self._lock:
             for path, (owner_tag, held_depth, tokens, _) in self._index.items():
@@ -150,13 +151,16 @@ class Sessions:
     ) -> Optional[Session]:
         """The longest kept session of ``owner`` whose tokens ``prompt`` begins with and
         whose caches hold ``depth`` MTP layers (None: any depth; a session of
-        another depth cannot go on with this one's drafts), removed; None if none."""
+        another depth cannot go on with this one's drafts), removed; None if none.
+        ``prompt`` is compared as a `Session.key` (`mlx_mtp.media.keyed`: a prompt
+        with images, by their digests), so a session is gone on from only with the
+        images it holds."""
         with self._lock:
             best, best_len = None, 0
             for key, s in self._items.items():
                 if key[0] != owner or depth not in (None, s.state.depth):
                     continue
-                tokens = s.tokens
+                tokens = s.key
                 n = len(tokens)
                 if best_len < n <= len(prompt) and prompt[:n] == tokens:
                     best, best_len = key, n
