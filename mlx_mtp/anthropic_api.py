@@ -225,7 +225,7 @@ def _blocks(content: list, where: str, allowed: Sequence[str]):
         kind = block.get("type") if isinstance(block, dict) else None
         if not isinstance(kind, str):
             raise bad_request(f"{at} must be an object with a type", "messages")
-        if kind in ("image", "document"):
+        if kind == "document" or (kind == "image" and kind not in allowed):
             raise bad_request(
                 f"{at} is {'an image' if kind == 'image' else 'a document'}: this "
                 "server's models take text only",
@@ -290,17 +290,48 @@ def _tool_call(block: dict, at: str) -> dict:
 
 
 def _user_messages(content: list, where: str, names: dict) -> List[dict]:
-    out = []
-    for at, kind, block in _blocks(content, where, ("text", "tool_result")):
+    """A user turn's blocks as OpenAI messages: text blocks in a row one message
+    (joined by a blank line); with images among them (base64 ``image`` blocks), a
+    list of ``text`` and ``image_url`` parts (a ``data:`` URL; a URL source is not
+    fetched), which the chat check refuses for a model that reads no images."""
+    out, parts = [], None
+    for at, kind, block in _blocks(content, where, ("text", "tool_result", "image")):
         if kind == "tool_result":
             out.append(_tool_message(block, at, names))
+            parts = None
             continue
-        text = _text(block, at)
-        if out and out[-1]["role"] == "user":  # text blocks in a row: one message
-            out[-1]["content"] = "\n\n".join(t for t in (out[-1]["content"], text) if t)
+        if parts is None:
+            parts = []
+            out.append({"role": "user", "content": parts})
+        if kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image(block, at)}})
+        elif parts and parts[-1]["type"] == "text":
+            joined = (parts[-1]["text"], _text(block, at))
+            parts[-1]["text"] = "\n\n".join(t for t in joined if t)
         else:
-            out.append({"role": "user", "content": text})
+            parts.append({"type": "text", "text": _text(block, at)})
+    for message in out:  # text alone: a string, as before
+        content = message["content"]
+        if isinstance(content, list) and all(p["type"] == "text" for p in content):
+            message["content"] = "".join(p["text"] for p in content)
     return out
+
+
+def _image(block: dict, at: str) -> str:
+    """An ``image`` block's base64 source as a ``data:`` URL."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind != "base64":
+        raise bad_request(
+            f"{at}.source must be a base64 image (this server fetches no URL)",
+            "messages",
+        )
+    media, data = source.get("media_type"), source.get("data")
+    if not isinstance(media, str) or not media.startswith("image/"):
+        raise bad_request(f"{at}.source.media_type must be image/...", "messages")
+    if not isinstance(data, str):
+        raise bad_request(f"{at}.source.data must be a string", "messages")
+    return f"data:{media};base64,{data}"
 
 
 def _tool_message(block: dict, at: str, names: dict) -> dict:

@@ -283,6 +283,18 @@ def input_messages(items) -> List[dict]:
     return out
 
 
+def _image_part(part: dict, at: str) -> dict:
+    """An ``input_image`` part (its ``image_url``, a ``data:`` URL) as a chat
+    ``image_url`` part, which the chat check refuses for a model that reads no
+    images (and any URL but a ``data:`` one: nothing is fetched)."""
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise bad_request(
+            f"{at}.image_url must be a data: URL (file ids are not served)", "input"
+        )
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def _message(item: dict, at: str) -> dict:
     role = item.get("role")
     if role not in ROLES:
@@ -293,17 +305,23 @@ def _message(item: dict, at: str) -> dict:
     if isinstance(content, list):
         allowed = ("output_text", "refusal") if role == "assistant" else ()
         allowed += ("input_text", "text")
-        texts = []
+        parts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "input_image" and role == "user":
+                parts.append(_image_part(part, f"{at}.content[{j}]"))
+                continue
             if kind not in allowed:
                 raise bad_request(
                     f"{at}.content[{j}] has type {kind!r}: this server takes text "
-                    "parts only (no images or files)",
+                    "and image parts only (no files)",
                     "input",
                 )
-            texts.append(part.get("text", part.get("refusal", "")))
-        content = "".join(texts)
+            text = part.get("text", part.get("refusal", ""))
+            parts.append({"type": "text", "text": text})
+        if any(p["type"] == "image_url" for p in parts):
+            return {"role": ROLES[role], "content": parts}
+        content = "".join(p["text"] for p in parts)
     if not isinstance(content, str):
         raise bad_request(f"{at}.content must be a string or a list of parts", "input")
     return {"role": ROLES[role], "content": content}

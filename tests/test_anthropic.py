@@ -254,7 +254,10 @@ def test_keys_either_header_and_anthropic_errors(served):
     assert status == 404 and error["error"]["type"] == "not_found_error"
 
 
-IMAGE = {"type": "image", "source": {"type": "base64", "data": ""}}
+IMAGE = {
+    "type": "image",
+    "source": {"type": "base64", "media_type": "image/png", "data": ""},
+}
 BAD = [
     ("no max_tokens", {"max_tokens": None}, "max_tokens is required"),
     ("max_tokens type", {"max_tokens": "many"}, "max_tokens"),

@@ -301,6 +301,9 @@ def test_function_call_items_render_into_the_prompt(served, client, monkeypatch)
     assert "get_weather: Weather in a city" in prompts[-1]
 
 
+IMAGE_PART = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+
+
 @pytest.mark.parametrize(
     "fields, words",
     [
@@ -309,7 +312,15 @@ def test_function_call_items_render_into_the_prompt(served, client, monkeypatch)
         ({"input": []}, "input must be a string or a non-empty list"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
-            "text parts only",
+            "image_url must be a data: URL",
+        ),
+        (
+            {"input": [{"role": "user", "content": [IMAGE_PART]}]},
+            "is an image: this model takes no images",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+            "text and image parts only",
         ),
         ({"tools": [{"type": "web_search"}]}, "only function tools"),
         ({"tool_choice": "required"}, "a forced tool call needs tools"),
