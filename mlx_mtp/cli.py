@@ -16,7 +16,7 @@ from .defaults import (
     MIN_KV_SIZE,
     SERVER_MAX_TOKENS,
 )
-from .images import image_messages, read_image, reads_images
+from .images import image_messages, prompt_media, read_image, reads_images
 from .options import DRAFT_SOURCES, DecodeOptions
 
 DEFAULTS = DecodeOptions()  # the decode flags' defaults
@@ -1146,6 +1146,7 @@ def _file_prompt_ids(tokenizer, prompt, path, ignore_chat_template, options):
 
 
 CHAT_COMMANDS = {
+    "/image PATH": "attach an image to your next message (a model that reads images)",
     "/reset": "start over",
     "/exit": "quit (also /quit, Ctrl-D)",
     "/help": "this list",
@@ -1182,6 +1183,7 @@ def chat(model, max_tokens, **options):
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")  # bad bytes: checked per line
     messages, session = list(start), Session()
+    pictures, pending = [], []  # the conversation's images, and the next message's
     if rank == 0:
         click.echo(
             "mlx-mtp chat: /reset to start over, /exit or Ctrl-D to quit", err=True
@@ -1210,6 +1212,19 @@ def chat(model, max_tokens, **options):
             return
         if text == "/reset":
             messages, session = list(start), Session()
+            pictures, pending = [], []
+            continue
+        if text.startswith("/image ") or text == "/image":
+            try:
+                pending.append(_chat_image(mdl, text[len("/image") :].strip()))
+            except MTPError as e:
+                if rank == 0:
+                    click.echo(f"mlx-mtp: error: {e}", err=True)
+                continue
+            if rank == 0:
+                click.echo(
+                    f"(image {len(pending)} goes with your next message)", err=True
+                )
             continue
         if _is_command(text):
             if rank:
@@ -1219,12 +1234,19 @@ def chat(model, max_tokens, **options):
             for name, what in CHAT_COMMANDS.items():
                 click.echo(f"  {name:8} {what}", err=True)
             continue
-        messages.append({"role": "user", "content": line})
+        content = line
+        if pending:
+            parts = [{"type": "image"}] * len(pending)
+            content = parts + [{"type": "text", "text": line}]
+        messages.append({"role": "user", "content": content})
         reply, response, replies = "", None, None
         try:
-            ids, session = _next_turn(tokenizer, messages, session)
+            ids, session, media = _next_turn(
+                tokenizer, messages, session, mdl, pictures + pending
+            )
+            pictures, pending = pictures + pending, []
             replies = stream_generate(
-                mdl, tokenizer, ids, options=decode, session=session
+                mdl, tokenizer, ids, options=decode, session=session, media=media
             )
             for response in replies:
                 click.echo(response.text, nl=False)
@@ -1252,17 +1274,34 @@ def _is_command(text: str) -> bool:
     return text.startswith("/") and text[1:].isalpha()
 
 
-def _next_turn(tokenizer, messages, session):
-    """Token ids to feed for the conversation so far, and the session to feed them to:
-    the new tokens only when the session's tokens begin the rendered conversation,
-    otherwise all of them and a new session."""
+def _chat_image(model, path: str):
+    """The image ``/image PATH`` attaches (an `MTPError` in one line otherwise)."""
+    from .errors import MTPError
+
+    if not reads_images(model):
+        raise MTPError(f"/image: {model.family.name} reads no images")
+    if not path:
+        raise MTPError("/image needs the path of an image")
+    return read_image(path)
+
+
+def _next_turn(tokenizer, messages, session, model=None, pictures=()):
+    """Token ids to feed for the conversation so far, the session to feed them to,
+    and the conversation's media (its ``pictures``, for a model that reads images;
+    None without): the new tokens only when the session's tokens begin the
+    rendered conversation (its images the same), otherwise all of them and a new
+    session."""
+    from .media import keyed
     from .speculative import Session
 
     ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
-    held = session.tokens
-    if held and len(ids) > len(held) and ids[: len(held)] == held:
-        return ids[len(held) :], session
-    return ids, Session()
+    media = None
+    if pictures:
+        ids, media = prompt_media(model, ids, pictures)
+    held, mine = session.tokens, keyed(ids, media)
+    if held and len(ids) > len(held) and mine[: len(held)] == session.key:
+        return ids[len(held) :], session, media
+    return ids, Session(), media
 
 
 class IntChoice(click.Choice):

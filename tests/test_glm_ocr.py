@@ -304,3 +304,26 @@ def test_cli_image(checkpoint, pictures, tmp_path, ocr, mlx_vlm_tokens):
         ["generate", "--model", text_model, "-p", "hi", "--image", str(pictures[0])],
     )
     assert result.exit_code == 1 and "reads no images" in result.output
+
+
+def test_chat_image_command(checkpoint, pictures, ocr):
+    """``/image PATH`` attaches an image to the next message, whose reply is what
+    decoding the conversation with it gives; a bad path is a one-line error."""
+    model, tokenizer = ocr
+    path = str(checkpoint("glm_ocr", True))
+    lines = f"/image {pictures[0]}\nTranscribe.\n/image nowhere.png\n"
+    result = CliRunner().invoke(
+        main, ["chat", "--model", path, "-m", "12", "--temp", "0"], input=lines
+    )
+    assert result.exit_code == 0, result.output
+    first = chat(tokenizer, "Transcribe.", 1)
+    expected = "".join(
+        r.text
+        for r in stream_generate(
+            model, tokenizer, first, images=pictures[:1], max_tokens=12
+        )
+    )
+    assert expected in result.stdout
+    assert "(image 1 goes with your next message)" in result.stderr
+    assert "cannot read the image nowhere.png" in result.stderr
+    assert result.stdout.count(">> ") == 4  # three lines, then end of input

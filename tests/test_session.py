@@ -59,7 +59,7 @@ def test_chat_turns_reuse_the_session(loaded):
     messages, session = [], Session()
     for text in ("def f(x):", "and g?", "thanks"):
         messages.append({"role": "user", "content": text})
-        ids, session = _next_turn(tokenizer, messages, session)
+        ids, session, _ = _next_turn(tokenizer, messages, session)
         held = session.tokens  # [] when the reply did not re-tokenize the same
         replies = list(stream_generate(model, tokenizer, ids, 12, session=session))
         out = [r.token for r in replies]
@@ -82,13 +82,14 @@ def test_next_turn_feeds_only_new_tokens(loaded):
     reply = tokenizer.encode("hello", add_special_tokens=False)
     held = SimpleNamespace(tokens=tokenizer.encode(first, add_special_tokens=False))
     held.tokens += reply
+    held.key = held.tokens  # as `Session.key` reads them: no images
     messages += [
         {"role": "assistant", "content": tokenizer.decode(reply)},
         {"role": "user", "content": "more"},
     ]
-    ids, session = _next_turn(tokenizer, messages, held)
+    ids, session, _ = _next_turn(tokenizer, messages, held)
     assert session is held and 0 < len(ids)
-    whole, fresh = _next_turn(tokenizer, messages, Session())
+    whole, fresh, _ = _next_turn(tokenizer, messages, Session())
     assert whole == held.tokens + ids and fresh.tokens == []
     held.tokens[-1] += 1  # the reply re-tokenizes differently: start over
     assert _next_turn(tokenizer, messages, held)[0] == whole
