@@ -2084,22 +2084,35 @@ def _glm_ocr_vision(init: _Init, cfg: dict) -> Tensors:
     return t
 
 
-def _glm_ocr(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+def _glm_ocr(
+    init: _Init,
+    vocab_size: int,
+    hidden: int = HIDDEN,
+    layers: int = 2,
+    vision_width: int = 32,
+    vision_depth: int = 2,
+) -> Tuple[dict, Tensors]:
     """GLM-OCR (glm_ocr): a 2-layer GLM-OCR text model under
     ``model.language_model.`` with M-RoPE (sections summing to half the head
     dimension, as the release's [16, 24, 24] do for 128), a 2-block vision tower
     under ``model.visual.``, and the MTP layer at
-    ``model.language_model.layers.2.`` (DeepSeek's fusion names and copies)."""
+    ``model.language_model.layers.2.`` (DeepSeek's fusion names and copies).
+
+    ``hidden``, ``layers``, ``vision_width`` and ``vision_depth`` size it up for
+    timing (heads of 16 dimensions up to a width of 256, of the release's 128 from
+    1024 on)."""
     ids = _special_token_ids(vocab_size, GLM_TOKENS)
+    head_dim = 128 if hidden >= 1024 else 16
+    heads = max(4, hidden // head_dim // 2 * 2) if hidden >= 1024 else 4
     text = {
         "model_type": "glm_ocr_text",
         "vocab_size": vocab_size,
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden if hidden > HIDDEN else INTERMEDIATE,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
+        "head_dim": head_dim,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "hidden_act": "silu",
@@ -2108,7 +2121,7 @@ def _glm_ocr(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
         "rms_norm_eps": 1e-5,
         "rope_parameters": {
             "rope_type": "default",
-            "mrope_section": [2, 3, 3],
+            "mrope_section": [16, 24, 24] if head_dim == 128 else [2, 3, 3],
             "partial_rotary_factor": 1.0,
             "rope_theta": 10000,
         },
@@ -2121,16 +2134,16 @@ def _glm_ocr(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     }
     vision = {
         "model_type": "glm_ocr_vision",
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
+        "depth": vision_depth,
+        "hidden_size": vision_width,
+        "intermediate_size": 2 * vision_width,
+        "num_heads": max(2, vision_width // 64),
         "patch_size": 14,
         "temporal_patch_size": 2,
         "spatial_merge_size": 2,
         "image_size": 336,
         "in_channels": 3,
-        "out_hidden_size": HIDDEN,
+        "out_hidden_size": hidden,
         "attention_bias": True,
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
@@ -2147,19 +2160,19 @@ def _glm_ocr(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
         "tie_word_embeddings": False,
     }
     base = "model.language_model."
-    t = {f"{base}embed_tokens.weight": init.normal((vocab_size, HIDDEN), EMBED_STD)}
+    t = {f"{base}embed_tokens.weight": init.normal((vocab_size, hidden), EMBED_STD)}
     for i in range(text["num_hidden_layers"]):
         t.update(_glm_ocr_layer(init, f"{base}layers.{i}.", text))
-    t[f"{base}norm.weight"] = init.norm(HIDDEN)
-    t["lm_head.weight"] = init.linear(vocab_size, HIDDEN)
+    t[f"{base}norm.weight"] = init.norm(hidden)
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
     prefix = f"{base}layers.{text['num_hidden_layers']}."
     t.update(_glm_ocr_layer(init, prefix, text))
     t.update(
         {
-            f"{prefix}enorm.weight": init.norm(HIDDEN),
-            f"{prefix}hnorm.weight": init.norm(HIDDEN),
-            f"{prefix}eh_proj.weight": init.linear(HIDDEN, 2 * HIDDEN),
-            f"{prefix}shared_head.norm.weight": init.norm(HIDDEN),
+            f"{prefix}enorm.weight": init.norm(hidden),
+            f"{prefix}hnorm.weight": init.norm(hidden),
+            f"{prefix}eh_proj.weight": init.linear(hidden, 2 * hidden),
+            f"{prefix}shared_head.norm.weight": init.norm(hidden),
             f"{prefix}shared_head.head.weight": t["lm_head.weight"].copy(),
             f"{prefix}embed_tokens.weight": t[f"{base}embed_tokens.weight"].copy(),
         }
@@ -2312,9 +2325,9 @@ def _make_predictable(
             tensors[key] = embed.copy()
     for j in _distinct_layers(family, cfg, tensors):
         eye = np.eye(hidden, dtype=np.float32)
-        noise = (PREDICTABLE_PROJ_NOISE * rng.standard_normal((hidden, hidden))).astype(
-            np.float32
-        )
+        # scaled so that the hidden half adds the same share at any width
+        std = PREDICTABLE_PROJ_NOISE * np.sqrt(HIDDEN / hidden)
+        noise = (std * rng.standard_normal((hidden, hidden))).astype(np.float32)
         halves = [noise, eye] if layout.hidden_first else [eye, noise]
         if layout.halves:  # kept apart: the embedding's, then the hidden state's
             for name, half in zip(layout.halves, halves):
