@@ -44,7 +44,7 @@ PROMPTS = {
 }
 SIZES = {
     "bench": dict(
-        vocab_size=1024, hidden=1024, layers=8, vision_width=512, vision_depth=8
+        vocab_size=512, hidden=1024, layers=8, vision_width=512, vision_depth=8
     ),
     "test": {},
 }

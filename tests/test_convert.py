@@ -112,6 +112,7 @@ def test_plain_mlx_lm_loads_conversions(family, checkpoint, tmp_path):
         "nemotron_h",
         "step3p5",
         "step3p7",
+        "glm_ocr",
     ],
 )
 def test_graft_onto_conversion_without_heads(family, checkpoint, tmp_path, caplog):

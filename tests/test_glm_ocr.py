@@ -4,16 +4,21 @@ sampling against the target's distribution, the MTP head at image positions agai
 the numpy reference, and every bad image refused in one line."""
 
 import io
+import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from mlx.utils import tree_flatten
 from PIL import Image, ImageDraw
 
 import mlx_mtp.round as rounds
+from mlx_mtp import load
 from mlx_mtp.cache import make_caches
 from mlx_mtp.cli import main
+from mlx_mtp.convert import convert, graft_heads
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import batch_generate, encode_prompt, stream_generate
 from mlx_mtp.images import (
@@ -327,3 +332,46 @@ def test_chat_image_command(checkpoint, pictures, ocr):
     assert "(image 1 goes with your next message)" in result.stderr
     assert "cannot read the image nowhere.png" in result.stderr
     assert result.stdout.count(">> ") == 4  # three lines, then end of input
+
+
+def test_a_quantized_conversion_reads_images(checkpoint, pictures, tmp_path):
+    """``convert -q`` keeps the vision tower (in float) and its config; the
+    conversion's image replies draft and equal its own plain decoding."""
+    src = checkpoint("glm_ocr", True)
+    out = convert(str(src), tmp_path / "q4", quantize=True, q_bits=4, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["depth"] == 2
+    weights = mx.load(str(out / "model.safetensors"))
+    assert not any(k.startswith("vision_tower") and "scales" in k for k in weights)
+    assert any(k.startswith("model.layers.0.") and "scales" in k for k in weights)
+    assert (out / "preprocessor_config.json").is_file()
+    model, tokenizer = load(str(out))
+    prompt = chat(tokenizer, "Transcribe.", 1)
+    plain = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=0)[0]
+    tokens, stats = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=3)
+    assert tokens == plain and stats.accepted > 0
+
+
+def test_graft_onto_an_mlx_vlm_conversion(checkpoint, pictures, tmp_path, ocr):
+    """Heads grafted from the release onto mlx-vlm's own conversion of GLM-OCR
+    (its names: ``language_model.model.*``, ``vision_tower.*``): image replies as
+    from the release."""
+    vlm = pytest.importorskip("mlx_vlm")
+    src = checkpoint("glm_ocr", True)
+    folder = tmp_path / "mlx-vlm"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, folder / f.name)
+    model, _ = vlm.load(str(src), strict=False)  # its sanitize: its own names
+    weights = dict(tree_flatten(model.parameters()))
+    assert any(k.startswith("language_model.model.layers.") for k in weights)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    grafted = graft_heads(str(src), str(folder))
+    model, tokenizer = load(str(grafted))
+    assert model.num_mtp_layers == 1
+    prompt = chat(tokenizer, "Transcribe.", 1)
+    expected = ours(*ocr, prompt, pictures[:1], num_draft_tokens=0)[0]
+    assert (
+        ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=3)[0] == expected
+    )

@@ -181,18 +181,29 @@ def _trunk_class():
             return not path.startswith("vision_tower")
 
         def sanitize(self, weights: dict) -> dict:
-            """Hugging Face names (``model.language_model.*``, ``model.visual.*``) as
-            this model's (``model.*``, ``vision_tower.*``); a conversion's pass."""
+            """Hugging Face names (``model.language_model.*``, ``model.visual.*``)
+            and an mlx-vlm conversion's (``language_model.model.*``,
+            ``language_model.lm_head.*``) as this model's (``model.*``, ``lm_head.*``,
+            ``vision_tower.*``); a conversion of mlx-mtp's passes unchanged."""
             out = {}
             for key, value in weights.items():
-                if key.startswith(BASE):
-                    key = "model." + key[len(BASE) :]
-                elif key.startswith("model.visual."):
-                    key = "vision_tower." + key[len("model.visual.") :]
+                for old, new in RENAMES:
+                    if key.startswith(old):
+                        key = new + key[len(old) :]
+                        break
                 out[key] = value
             return self.vision_tower.sanitize(out)
 
     return Model
+
+
+# Checkpoint name prefixes -> the trunk's (Hugging Face's, then mlx-vlm's).
+RENAMES = (
+    (BASE, "model."),
+    ("model.visual.", "vision_tower."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 
 
 def _split(cache, rows: int, layers: int):
