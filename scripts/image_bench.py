@@ -9,16 +9,17 @@ scripts/fast_blas.py).
 Without ``--model`` it writes a predictable GLM-OCR-layout fixture
 (`mlx_mtp.testing.fixtures`, ``predictable=True``: random weights rewired so that
 the MTP layer often agrees with the trunk): ``--size bench`` a 1024-wide, 8-layer
-text model with an 8-block vision tower (about 120M parameters, float32), ``test``
+text model with an 8-block vision tower (about 100M parameters, float32), ``test``
 the test suite's. The image is a rendered page of text. For each prompt
 (``transcribe``: "Transcribe the page."; ``chat``: a question about the picture)
 it reports:
 
 - acceptance per position and tokens per verify pass of the MTP layer at k = 3
   (heads only, the whole vocabulary), greedy;
-- decode tok/s (after the first token) of mlx-mtp with its defaults (``-k auto``)
-  and of mlx-vlm's plain generation, and their ratio; the tokens of both are
-  checked equal;
+- decode tok/s (after the first token) of mlx-mtp with its defaults (``-k auto``,
+  with the draft lengths it picked), of mlx-mtp's plain decoding (``-k 0``) and of
+  mlx-vlm's plain generation, and the ratio of the first to the last; the tokens of
+  all are checked equal;
 - prefill: seconds to the first token (image processing, vision tower and the
   prompt's prefill), mlx-mtp against mlx-vlm, the median of the timed
   repetitions (the first warms up and is not timed).
@@ -141,19 +142,22 @@ def main():
                 processor, vlm.config, question, num_images=1
             )
             heads = dict(num_draft_tokens=3, draft_source="heads", draft_vocab=None)
-            runs = {"k3": [], "auto": [], "vlm": []}
+            runs = {"k3": [], "auto": [], "k0": [], "vlm": []}
             for rep in range(args.reps + 1):
                 k3 = ours(model, tokenizer, prompt, image, args.tokens, **heads)
                 auto = ours(model, tokenizer, prompt, image, args.tokens)
+                k0 = ours(
+                    model, tokenizer, prompt, image, args.tokens, num_draft_tokens=0
+                )
                 plain = mlx_vlm(vlm, processor, vlm_prompt, image, args.tokens)
-                if not k3[0] == auto[0] == plain[0]:
+                if not k3[0] == auto[0] == k0[0] == plain[0]:
                     raise SystemExit(f"{name}: the tokens differ from mlx-vlm's")
                 if rep:  # the first warms up
-                    runs["k3"].append(k3)
-                    runs["auto"].append(auto)
-                    runs["vlm"].append(plain)
-            stats = runs["k3"][-1][3]
+                    for run, result in zip(runs, (k3, auto, k0, plain)):
+                        runs[run].append(result)
+            stats, auto_stats = runs["k3"][-1][3], runs["auto"][-1][3]
             auto_rate = statistics.median(r[2] for r in runs["auto"])
+            k0_rate = statistics.median(r[2] for r in runs["k0"])
             vlm_rate = statistics.median(r[2] for r in runs["vlm"])
             ttft = statistics.median(r[1] for r in runs["auto"])
             vlm_ttft = statistics.median(r[1] for r in runs["vlm"])
@@ -163,8 +167,14 @@ def main():
                     round(a, 2) for a in stats.acceptance_per_position
                 ],
                 "tokens_per_verify_pass": round(stats.tokens_per_round, 2),
-                "decode_tok_s": {"mlx_mtp_auto": auto_rate, "mlx_vlm": vlm_rate},
+                "decode_tok_s": {
+                    "mlx_mtp_auto": auto_rate,
+                    "mlx_mtp_k0": k0_rate,
+                    "mlx_vlm": vlm_rate,
+                },
                 "decode_ratio": auto_rate / vlm_rate,
+                "auto_rounds_by_k": list(auto_stats.rounds_by_k),
+                "auto_accepted": [auto_stats.accepted, auto_stats.drafted],
                 "first_token_s": {"mlx_mtp": ttft, "mlx_vlm": vlm_ttft},
             }
             results[name] = row
@@ -172,8 +182,11 @@ def main():
                 f"{name:10} k=3: acceptance by position "
                 f"{row['acceptance_per_position']}, "
                 f"{row['tokens_per_verify_pass']} tokens per verify pass | decode "
-                f"mlx-mtp (auto) {auto_rate:.2f} tok/s, mlx-vlm {vlm_rate:.2f} tok/s: "
-                f"{row['decode_ratio']:.2f}x | first token {ttft:.3f} s vs "
+                f"mlx-mtp (auto) {auto_rate:.2f} tok/s (rounds by k "
+                f"{row['auto_rounds_by_k']}, accepted {auto_stats.accepted}/"
+                f"{auto_stats.drafted}), mlx-mtp k=0 {k0_rate:.2f}, mlx-vlm "
+                f"{vlm_rate:.2f} tok/s: {row['decode_ratio']:.2f}x | first token "
+                f"{ttft:.3f} s vs "
                 f"{vlm_ttft:.3f} s ({ttft / vlm_ttft:.2f}x)"
             )
         if args.json is not None:

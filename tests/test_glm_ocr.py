@@ -375,3 +375,37 @@ def test_graft_onto_an_mlx_vlm_conversion(checkpoint, pictures, tmp_path, ocr):
     assert (
         ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=3)[0] == expected
     )
+
+
+def test_a_session_with_an_image_goes_to_disk_and_back(ocr, pictures, tmp_path):
+    """A conversation about an image, saved as a session file and read back, goes on
+    as the one kept in memory (its image features and positions are in the file)."""
+    from mlx_mtp import session_files
+    from mlx_mtp.speculative import Session
+
+    model, tokenizer = ocr
+    prompt = chat(tokenizer, "Transcribe.", 1)
+    session = Session()
+    list(
+        stream_generate(
+            model, tokenizer, prompt, images=pictures[:1], max_tokens=8, session=session
+        )
+    )
+    key = session_files.model_key(model)
+    session_files.save(session, tmp_path / "s.safetensors", key)
+    back = session_files.load(tmp_path / "s.safetensors", key)
+    assert back.key == session.key and any(
+        str(t).startswith("image:") for t in back.key
+    )
+    more = tokenizer.encode("<|user|>\nAgain.<|assistant|>\n", add_special_tokens=False)
+    a = [
+        r.token
+        for r in stream_generate(model, tokenizer, more, max_tokens=8, session=session)
+    ]
+    b = [
+        r.token
+        for r in stream_generate(
+            model, tokenizer, more, max_tokens=8, session=back, num_draft_tokens=3
+        )
+    ]
+    assert a == b
