@@ -409,3 +409,21 @@ def test_a_session_with_an_image_goes_to_disk_and_back(ocr, pictures, tmp_path):
         )
     ]
     assert a == b
+
+
+def test_the_same_images_again_skip_the_vision_tower(ocr, pictures, monkeypatch):
+    model, tokenizer = ocr
+    model.trunk.__dict__.pop("_features_kept", None)  # what earlier tests kept
+    ids = encode_prompt(tokenizer, chat(tokenizer, "Hi", 1))
+    tower, calls = type(model.trunk.vision_tower), []
+    original = tower.__call__
+    monkeypatch.setattr(
+        tower,
+        "__call__",
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+    )
+    first = prompt_media(model, ids, [read_image(pictures[0])])[1]
+    again = prompt_media(model, ids, [read_image(pictures[0])])[1]
+    other = prompt_media(model, ids, [read_image(pictures[1])])[1]
+    assert len(calls) == 2 and again.features is first.features
+    assert other.spans[0][2] != first.spans[0][2]

@@ -24,6 +24,7 @@ unchanged.
 
 import hashlib
 import re
+from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, List, Optional, Tuple
 
@@ -336,12 +337,6 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Me
         else:
             out.append(t)
     ids = out
-    tower = trunk.vision_tower
-    grid = mx.array(grid_thw, dtype=mx.int32)
-    pixels = mx.array(pixel_values).astype(tower.patch_embed.proj.weight.dtype)
-    features = tower(pixels, grid, output_hidden_states=False)  # (N, H)
-    positions, delta = trunk.get_rope_index(mx.array([ids]), image_grid_thw=grid)
-    index = [i for i, t in enumerate(ids) if t == token]
     patches = np.asarray(pixel_values, dtype=np.float32)
     spans, row = [], 0
     for (t, h, w), (start, end) in zip(grid_thw, places):
@@ -349,6 +344,10 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Me
         digest = hashlib.sha256(repr((t, h, w)).encode() + rows.tobytes())
         spans.append([start, end, digest.hexdigest()[:32]])
         row += t * h * w
+    grid = mx.array(grid_thw, dtype=mx.int32)
+    features = _features(trunk, pixel_values, grid, tuple(d for *_, d in spans))
+    positions, delta = trunk.get_rope_index(mx.array([ids]), image_grid_thw=grid)
+    index = [i for i, t in enumerate(ids) if t == token]
     key = hashlib.sha256(repr(spans).encode()).hexdigest()[:32]
     return ids, _Media(
         positions=positions[:, 0].astype(mx.int32),  # (3, P)
@@ -358,6 +357,29 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Me
         key=key,
         spans=spans,
     )
+
+
+# The vision tower's features of the last few sets of images (a conversation's
+# turns send the same ones again), by their digests.
+FEATURES_KEPT = 4
+
+
+def _features(trunk, pixel_values, grid: mx.array, digests: tuple) -> mx.array:
+    """``(N, H)`` image features of ``pixel_values``, the tower run on all the
+    images together, as mlx-vlm runs it; the same images again (by ``digests``)
+    take the features kept from last time."""
+    kept = trunk.__dict__.setdefault("_features_kept", OrderedDict())
+    if digests in kept:
+        kept.move_to_end(digests)
+        return kept[digests]
+    tower = trunk.vision_tower
+    pixels = mx.array(pixel_values).astype(tower.patch_embed.proj.weight.dtype)
+    features = tower(pixels, grid, output_hidden_states=False)
+    mx.eval(features)
+    kept[digests] = features
+    while len(kept) > FEATURES_KEPT:
+        kept.popitem(last=False)
+    return features
 
 
 FAMILY = define(
