@@ -1231,8 +1231,12 @@ def chat(model, max_tokens, **options):
                 continue
             if text != "/help":
                 click.echo(f"mlx-mtp: unknown command {text.split()[0]}", err=True)
-            for name, what in CHAT_COMMANDS.items():
-                click.echo(f"  {name:8} {what}", err=True)
+            shown = [
+                c for c in CHAT_COMMANDS if reads_images(mdl) or c != "/image PATH"
+            ]
+            width = max(8, *map(len, shown))
+            for name in shown:
+                click.echo(f"  {name:{width}} {CHAT_COMMANDS[name]}", err=True)
             continue
         content = line
         if pending:
