@@ -822,7 +822,9 @@ def _rank_vocabulary(model, tokenizer, options: dict, rank: int) -> None:
     default=None,
     help="Keep the prompt's caches in this file: a later run whose prompt starts "
     "with the same tokens and goes on (a shared preamble, with "
-    "--ignore-chat-template) runs only the rest. Written after the reply; a file "
+    "--ignore-chat-template) runs only the rest; with --image, the file keeps the "
+    "prompt up to its images, so that any later question about the same images "
+    "runs only its own tokens. Written after the reply; a file "
     "of another model, or unreadable, is replaced (with a warning).",
 )
 @decode_options
@@ -868,7 +870,7 @@ def generate(
     _check_batch_flags(batch)
     decode = _decode_options(options, max_tokens=max_tokens, max_kv_size=max_kv_size)
     if images:
-        _check_image_flags(batch, prompt_cache)
+        _check_image_flags(batch)
         pictures = [read_image(path) for path in images]  # bad files fail first
     if batch["prompts_file"] is not None:
         if prompt_cache is not None:
@@ -884,7 +886,7 @@ def generate(
     if prompt == "-" and rank == 0:
         prompt = read_prompt_stdin()
     mdl, tokenizer = _load_for_decoding(model, options)
-    ids, error = [], None
+    ids, error, media = [], None, None
     if rank == 0:
         try:
             ids = build_prompt(
@@ -896,6 +898,8 @@ def generate(
             )
             if images and not reads_images(mdl):
                 raise MTPError(f"{mdl.family.name} reads no images (--image)")
+            if images:  # the placeholders repeated for the images' features
+                ids, media = prompt_media(mdl, ids, pictures)
         except MTPError as e:
             error = e
     sync = Sync(mdl.group)
@@ -904,7 +908,12 @@ def generate(
     _rank_vocabulary(mdl, tokenizer, options, rank)
     session, done, prefilled = None, 0, []
     if prompt_cache is not None:
-        session, done = _cached_session(prompt_cache, mdl, ids, decode)
+        session, done = _cached_session(prompt_cache, mdl, ids, decode, media)
+        reused = done  # what the file held of the prompt
+        if media is not None:  # kept up to the images: any question about them
+            session, done, prefilled = _to_images(
+                mdl, session, done, ids, media, decode
+            )
     response = None
     try:
         for response in stream_generate(
@@ -913,43 +922,63 @@ def generate(
             ids[done:],
             options=decode,
             session=session,
-            on_prefill=lambda s: prefilled.append(s.snapshot()),
-            images=pictures if images else None,
+            on_prefill=lambda s: prefilled or prefilled.append(s.snapshot()),
+            media=media,
         ):
             click.echo(response.text, nl=False)
     finally:
         if response is not None:
             click.echo()
             if options["verbose"] and rank == 0:
-                cached = f" | prompt cache {done} tok" if prompt_cache else ""
+                cached = f" | prompt cache {reused} tok" if prompt_cache else ""
                 click.echo(format_stats(response) + cached, err=True)
-    if prompt_cache is not None and prefilled:  # the prompt's caches, not the reply's
+    if (
+        prompt_cache is not None and prefilled
+    ):  # the prompt's (or images'), not the reply's
         from . import session_files
 
         key = session_files.model_key(mdl)
         session_files.save(prefilled[0], prompt_cache, key)
 
 
-def _check_image_flags(batch: dict, prompt_cache) -> None:
+def _to_images(model, session, done: int, ids, media, decode):
+    """With ``--prompt-cache`` and images: ``session`` filled up to the end of the
+    prompt's last image (what the file then keeps, so that a later question about
+    the same images goes on from it, whatever it asks), ``done`` moved there, and
+    that session's snapshot, to be saved."""
+    from .cache import make_caches
+    from .media import attach
+    from .speculative import fill
+
+    mark = media.spans[-1][1]
+    if done >= mark or mark >= len(ids):
+        return session, done, []
+    if session.caches is None:
+        session.caches = make_caches(model)
+    attach(session.caches, media, done)
+    fill(model, session, ids[done:mark], decode)
+    return session, mark, [session.snapshot()]
+
+
+def _check_image_flags(batch: dict) -> None:
     """--image goes with one prompt on one machine (usage errors otherwise)."""
     from .distributed import launched
 
     if batch["prompts_file"] is not None:
         raise click.UsageError("--image does not go with --prompts-file")
-    if prompt_cache is not None:
-        raise click.UsageError("--image does not go with --prompt-cache")
     if launched() is not None:
         raise click.UsageError("--image does not run under mlx.launch")
 
 
-def _cached_session(path: str, model, ids, decode):
+def _cached_session(path: str, model, ids, decode, media=None):
     """The session ``--prompt-cache`` goes on from, and how many of the prompt's
-    tokens it holds: the file's when the prompt extends its tokens and it drafts
-    with the same MTP layers, else a new one (a file of another model or an
-    unreadable one: a warning)."""
+    tokens it holds: the file's when the prompt extends its tokens (its images the
+    same: ``media``'s) and it drafts with the same MTP layers, else a new one (a
+    file of another model or an unreadable one: a warning)."""
     import os
 
     from . import session_files
+    from .media import keyed
     from .resolve import drafting
     from .speculative import Session
 
@@ -960,10 +989,10 @@ def _cached_session(path: str, model, ids, decode):
     except session_files.SessionFileError as e:
         click.echo(f"mlx-mtp: warning: {e}; starting afresh", err=True)
         return Session(), 0
-    held = session.tokens
+    held = session.key
     depth = drafting(model, decode).depth(model)
     if session.state.depth != depth or not (
-        len(held) < len(ids) and ids[: len(held)] == held
+        len(held) < len(ids) and keyed(ids, media)[: len(held)] == held
     ):
         return Session(), 0
     return session, len(held)

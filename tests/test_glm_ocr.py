@@ -427,3 +427,26 @@ def test_the_same_images_again_skip_the_vision_tower(ocr, pictures, monkeypatch)
     other = prompt_media(model, ids, [read_image(pictures[1])])[1]
     assert len(calls) == 2 and again.features is first.features
     assert other.spans[0][2] != first.spans[0][2]
+
+
+def test_prompt_cache_file_with_images(checkpoint, pictures, tmp_path):
+    """``--prompt-cache`` with ``--image``: a later prompt about the same image runs
+    only its new tokens; about another image, all of them; the text is the same as
+    without the file."""
+    path, cache = str(checkpoint("glm_ocr", True)), str(tmp_path / "c.safetensors")
+    runner = CliRunner()
+
+    def run(text, image, *extra):
+        args = ["generate", "--model", path, "-p", text, "-m", "8", "--image", image]
+        result = runner.invoke(main, [*args, "--verbose", *extra])
+        assert result.exit_code == 0, result.output
+        return result.stdout, result.stderr
+
+    page, square = str(pictures[0]), str(pictures[1])
+    run("Transcribe.", page, "--prompt-cache", cache)
+    text, stats = run("Transcribe. Then summarize.", page, "--prompt-cache", cache)
+    assert text == run("Transcribe. Then summarize.", page)[0]
+    assert "prompt cache " in stats and "prompt cache 0 tok" not in stats
+    text, stats = run("Transcribe. Then summarize.", square, "--prompt-cache", cache)
+    assert text == run("Transcribe. Then summarize.", square)[0]
+    assert "prompt cache 0 tok" in stats
