@@ -7,11 +7,13 @@ The MTP layer (vLLM's ``GlmOcrMTP``, SGLang's NEXTN) is DeepSeek's: ``enorm``,
 ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm``, copies of the embedding and
 head (``embed_tokens``, ``shared_head.head``; checked, then dropped) and a GLM-OCR
 decoder layer (four norms around attention and MLP). vLLM zeroes its embedding at
-position 0. After an image, as vLLM's multimodal drafting and SGLang's GLM-OCR fix
-have it, the layer reads the merged embeddings (image features at the image's
-placeholders, not the placeholder token's embedding) and the target's M-RoPE
-positions, and the positions of drafted tokens follow the image's (index plus the
-prompt's delta, on all three axes): `mlx_mtp.media`.
+position 0. After an image, as vLLM's multimodal drafting (``EagleProposer.propose``:
+``embed_input_ids`` with the multimodal embeddings, the target's ``(3, N)``
+positions, +1 on all three per draft step) and SGLang's GLM-OCR fix have it, the
+layer reads the merged embeddings (image features at the image's placeholders, not
+the placeholder token's embedding) and the target's M-RoPE positions, and the
+positions of drafted tokens follow the image's (index plus the prompt's delta, on
+all three axes): `mlx_mtp.media`.
 
 mlx-lm has no GLM-OCR, so the trunk is mlx-vlm's (``mlx_vlm.models.glm_ocr``, the
 extra ``mlx-mtp[vlm]``): its text model, with its vision tower kept beside it
