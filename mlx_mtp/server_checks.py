@@ -24,6 +24,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from .errors import MTPError, one_line
+from .images import ImageError, data_url, read_image
 from .options import DecodeOptions
 from .sampling import SamplingError, SamplingParams, check_seed
 
@@ -512,8 +513,6 @@ def take_images(messages: list) -> list:
     replaced by ``{"type": "image"}`` for the chat template; 400 for an image that
     cannot be read, a URL that is not a ``data:`` URL (the server fetches
     nothing), or more than `MAX_IMAGES`."""
-    from .images import ImageError, data_url, read_image
-
     found = []
     for i, message in enumerate(messages):
         content = message.get("content")

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import KVCache
 from ..errors import MTPError
 from ..media import Media as _Media
 from ..media import MediaCache
-from . import vlm
+from . import deepseek_v3, vlm
 from .base import check_copy, sanitize_layers, split_mtp
 from .family import Layout, define
 from .mtp import MTPLayer
@@ -53,12 +53,7 @@ def _text(config: dict) -> dict:
 
 LAYOUT = Layout(
     prefix=lambda config, j: f"{BASE}layers.{_text(config)['num_hidden_layers'] + j}.",
-    fusion={
-        "enorm": "enorm",
-        "hnorm": "hnorm",
-        "eh_proj": "eh_proj",
-        "shared_head.norm": "norm",
-    },
+    fusion=deepseek_v3.LAYOUT.fusion,  # DeepSeek's names
     copies={
         "embed_tokens.weight": f"{BASE}embed_tokens.weight",
         "shared_head.head.weight": "lm_head.weight",
