@@ -35,8 +35,15 @@ def read_image(source: ImageSource, name: str = ""):
     Raises:
         ImageError: unreadable, not an image, truncated, or over `MAX_BYTES` or
             `MAX_PIXELS`.
+        MTPError: Pillow is not installed (the extra ``mlx-mtp[vlm]`` brings it).
     """
-    from PIL import Image
+    try:
+        from PIL import Image
+    except ImportError:
+        raise MTPError(
+            "reading images needs Pillow, which the extra for models that read "
+            "images installs: pip install 'mlx-mtp[vlm]'"
+        ) from None
 
     name = name or (str(source) if not isinstance(source, bytes) else "the image")
     data = source if isinstance(source, bytes) else _read_file(Path(source), name)

@@ -450,3 +450,15 @@ def test_prompt_cache_file_with_images(checkpoint, pictures, tmp_path):
     text, stats = run("Transcribe. Then summarize.", square, "--prompt-cache", cache)
     assert text == run("Transcribe. Then summarize.", square)[0]
     assert "prompt cache 0 tok" in stats
+
+
+def test_images_without_pillow_are_one_line(monkeypatch, pictures):
+    """Without the extra (no Pillow), ``--image`` says which extra to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    result = CliRunner().invoke(
+        main, ["generate", "--model", "m", "-p", "hi", "--image", str(pictures[0])]
+    )
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and "mlx-mtp[vlm]" in result.output
