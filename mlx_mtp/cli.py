@@ -889,6 +889,8 @@ def generate(
     ids, error, media = [], None, None
     if rank == 0:
         try:
+            if images and not reads_images(mdl):
+                raise MTPError(f"{mdl.family.name} reads no images (--image)")
             ids = build_prompt(
                 tokenizer,
                 prompt,
@@ -896,8 +898,6 @@ def generate(
                 ignore_chat_template,
                 images=len(images),
             )
-            if images and not reads_images(mdl):
-                raise MTPError(f"{mdl.family.name} reads no images (--image)")
             if images:  # the placeholders repeated for the images' features
                 ids, media = prompt_media(mdl, ids, pictures)
         except MTPError as e:

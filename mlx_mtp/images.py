@@ -63,7 +63,11 @@ def read_image(source: ImageSource, name: str = ""):
         raise
     except Image.DecompressionBombError:
         raise ImageError(f"{name} has too many pixels") from None
-    except (OSError, ValueError, SyntaxError, Image.UnidentifiedImageError) as e:
+    except Image.UnidentifiedImageError:
+        raise ImageError(
+            f"{name} is not an image that can be read: not a format Pillow knows"
+        ) from None
+    except (OSError, ValueError, SyntaxError) as e:
         raise ImageError(f"{name} is not an image that can be read: {e}") from None
 
 
