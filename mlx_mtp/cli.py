@@ -16,7 +16,7 @@ from .defaults import (
     MIN_KV_SIZE,
     SERVER_MAX_TOKENS,
 )
-from .images import image_messages, prompt_media, read_image, reads_images
+from .images import image_messages, no_images, prompt_media, read_image, reads_images
 from .options import DRAFT_SOURCES, DecodeOptions
 
 DEFAULTS = DecodeOptions()  # the decode flags' defaults
@@ -890,7 +890,7 @@ def generate(
     if rank == 0:
         try:
             if images and not reads_images(mdl):
-                raise MTPError(f"{mdl.family.name} reads no images (--image)")
+                raise MTPError(f"--image: {no_images(mdl)}")
             ids = build_prompt(
                 tokenizer,
                 prompt,
@@ -1312,7 +1312,7 @@ def _chat_image(model, path: str):
     from .errors import MTPError
 
     if not reads_images(model):
-        raise MTPError(f"/image: {model.family.name} reads no images")
+        raise MTPError(f"/image: {no_images(model)}")
     if not path:
         raise MTPError("/image needs the path of an image")
     return read_image(path)

@@ -118,8 +118,22 @@ def image_messages(text: str, images: int, system: str = "") -> list:
 
 
 def reads_images(model) -> bool:
-    """Whether ``model``'s family reads images."""
-    return model.family.media is not None
+    """Whether ``model`` reads images: its family does, and its checkpoint's vision
+    tower is loaded (a Qwen3.5 text-only conversion has none)."""
+    return (
+        model.family.media is not None
+        and getattr(model.trunk, "vision_tower", None) is not None
+    )
+
+
+def no_images(model) -> str:
+    """Why ``model`` reads no images, in one line."""
+    refusal = getattr(model.trunk, "vision_refusal", None)
+    if refusal:
+        return refusal
+    if model.family.media is not None:
+        return f"this {model.family.name} checkpoint has no vision tower"
+    return f"{model.family.name} reads no images (a text model)"
 
 
 def prompt_media(model, ids: List[int], images: Sequence) -> Tuple[List[int], object]:
@@ -136,7 +150,12 @@ def prompt_media(model, ids: List[int], images: Sequence) -> Tuple[List[int], ob
     """
     family = model.family
     if not reads_images(model):
-        raise MTPError(f"{family.name} reads no images (a text model)")
+        raise MTPError(no_images(model))
+    group = getattr(model, "group", None)
+    if group is not None and group.size() > 1:
+        raise MTPError(
+            f"images are read on one machine; this model runs on {group.size()}"
+        )
     pictures = [
         im if hasattr(im, "convert") else read_image(im, _name(im, i))
         for i, im in enumerate(images)

@@ -250,3 +250,89 @@ def attach(caches, media: Optional[Media], held: int = 0) -> None:
         raise MTPError("this model reads no images")
     for c in found:
         c.set(media)
+
+
+def build(
+    ids: Sequence[int],
+    token: int,
+    merge: int,
+    pixel_values,
+    grid_thw: Sequence[Sequence[int]],
+    features,
+    rope_index,
+) -> Tuple[List[int], Media]:
+    """A prompt's ids as the model reads them, and its `Media`.
+
+    Args:
+        ids: The prompt, with one image placeholder ``token`` per image, in order
+            (as a chat template writes them).
+        merge: The vision tower's spatial merge: an image of ``grid_thw`` (t, h, w)
+            patches gives t*h*w / merge**2 features, and its placeholder is
+            repeated that many times (as the families' processors repeat it).
+        pixel_values: ``(patches, C*T*P*P)``, the images' patches, in order.
+        features: ``features(grid, digests) -> (N, H)``, the tower's features of all
+            the images (``grid`` ``(images, 3)`` int32; ``digests`` one per image).
+        rope_index: ``rope_index(ids (1, P), grid) -> (positions (3, 1, P), delta)``,
+            the family's M-RoPE positions of the expanded prompt.
+
+    Raises:
+        MTPError: the placeholders are not one per image.
+    """
+    import hashlib
+
+    import numpy as np
+
+    if list(ids).count(token) != len(grid_thw):
+        raise MTPError(
+            f"the prompt has {list(ids).count(token)} image placeholders for "
+            f"{len(grid_thw)} images"
+        )
+    counts, places, out = [t * h * w // merge**2 for t, h, w in grid_thw], [], []
+    for t in ids:
+        if t == token:  # its image's placeholders: [start, end)
+            places.append((len(out), len(out) + counts[len(places)]))
+            out += [t] * counts[len(places) - 1]
+        else:
+            out.append(t)
+    patches = np.asarray(pixel_values, dtype=np.float32)
+    spans, row = [], 0
+    for (t, h, w), (start, end) in zip(grid_thw, places):
+        image = patches[row : row + t * h * w]  # the image's
+        digest = hashlib.sha256(repr((t, h, w)).encode() + image.tobytes())
+        spans.append([start, end, digest.hexdigest()[:32]])
+        row += t * h * w
+    grid = mx.array(grid_thw, dtype=mx.int32)
+    found = features(grid, tuple(d for *_, d in spans))
+    positions, delta = rope_index(mx.array([out]), grid)
+    key = hashlib.sha256(repr(spans).encode()).hexdigest()[:32]
+    return out, Media(
+        positions=positions[:, 0].astype(mx.int32),  # (3, P)
+        delta=int(mx.array(delta).reshape(-1)[0].item()),
+        index=mx.array([i for i, t in enumerate(out) if t == token], dtype=mx.int32),
+        features=found,
+        key=key,
+        spans=spans,
+    )
+
+
+# The vision tower's features of the last few sets of images (a conversation's
+# turns send the same ones again), by their digests.
+FEATURES_KEPT = 4
+
+
+def kept_features(owner, digests: tuple, compute) -> mx.array:
+    """``compute()``, the features of the images of ``digests``, evaluated and
+    kept on ``owner`` (a trunk) for the next `FEATURES_KEPT` - 1 other sets: the
+    same images again take the kept features."""
+    from collections import OrderedDict
+
+    kept = owner.__dict__.setdefault("_features_kept", OrderedDict())
+    if digests in kept:
+        kept.move_to_end(digests)
+        return kept[digests]
+    features = compute()
+    mx.eval(features)
+    kept[digests] = features
+    while len(kept) > FEATURES_KEPT:
+        kept.popitem(last=False)
+    return features

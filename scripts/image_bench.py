@@ -1,18 +1,18 @@
-"""MTP after an image: GLM-OCR's MTP layer drafting a transcription against a chat
-about the same image, and prefill with an image, mlx-mtp against mlx-vlm's plain
-generation on the same files, in one process (one BLAS for both:
+"""MTP after an image: the MTP layer of GLM-OCR or Qwen3.5 drafting a transcription
+against a chat about the same image, and prefill with an image, mlx-mtp against
+mlx-vlm's plain generation on the same files, in one process (one BLAS for both:
 scripts/fast_blas.py).
 
-    python scripts/image_bench.py [--model M] [--size bench|test] [--tokens 48]
-        [--reps 3] [--json out.json]
+    python scripts/image_bench.py [--family glm_ocr|qwen3_5] [--model M]
+        [--size bench|test] [--tokens 48] [--reps 3] [--json out.json]
 
-Without ``--model`` it writes a predictable GLM-OCR-layout fixture
+Without ``--model`` it writes a predictable fixture of the family's layout
 (`mlx_mtp.testing.fixtures`, ``predictable=True``: random weights rewired so that
 the MTP layer often agrees with the trunk): ``--size bench`` a 1024-wide, 8-layer
-text model with an 8-block vision tower (about 100M parameters, float32), ``test``
-the test suite's. The image is a rendered page of text. For each prompt
-(``transcribe``: "Transcribe the page."; ``chat``: a question about the picture)
-it reports:
+text model with an 8-block vision tower (about 100M parameters for GLM-OCR, 120M
+for Qwen3.5 with its Gated-DeltaNet layers, float32), ``test`` the test suite's.
+The image is a rendered page of text. For each prompt (``transcribe``: "Transcribe
+the page."; ``chat``: a question about the picture) it reports:
 
 - acceptance per position and tokens per verify pass of the MTP layer at k = 3
   (heads only, the whole vocabulary), greedy;
@@ -50,6 +50,7 @@ SIZES = {
     ),
     "test": {},
 }
+FAMILIES = {"glm_ocr": {}, "qwen3_5": {"vision": True}}  # the fixture's options
 LINES = [
     "INVOICE 2026-0417",
     "Apples, 12 kg at 3.20 = 38.40",
@@ -108,6 +109,7 @@ def mlx_vlm(model, processor, prompt, image, n):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=sorted(FAMILIES), default="glm_ocr")
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--size", choices=sorted(SIZES), default="bench")
     p.add_argument("--tokens", type=int, default=48)
@@ -130,7 +132,11 @@ def main():
         path = args.model
         if path is None:
             path = write_checkpoint(
-                "glm_ocr", tmp / "model", predictable=True, **SIZES[args.size]
+                args.family,
+                tmp / "model",
+                predictable=True,
+                **SIZES[args.size],
+                **FAMILIES[args.family],
             )
         image = render_page(tmp / "page.png")
         model, tokenizer = load(str(path))

@@ -183,6 +183,31 @@ def rope_rotate_half(x, positions, dims, base, scale=1.0):
     return np.concatenate([rotated, x[..., dims:]], axis=-1)
 
 
+def interleaved_mrope_axes(sections, half):
+    """The position axis (0 temporal, 1 height, 2 width) of each of ``half``
+    rotary frequencies under interleaved M-RoPE (transformers' Qwen3-VL / Qwen3.5
+    ``apply_interleaved_mrope``: frequency j reads height when j % 3 == 1 and
+    j < 3 * sections[1], width when j % 3 == 2 and j < 3 * sections[2], else
+    temporal)."""
+    axes = np.zeros(half, dtype=np.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * sections[axis] : 3] = axis
+    return axes
+
+
+def mrope_rotate_half(x, positions, dims, base, sections):
+    """`rope_rotate_half` at ``(3, n)`` M-RoPE positions, interleaved."""
+    inv_freq = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    axes = interleaved_mrope_axes(sections, dims // 2)
+    pos = np.asarray(positions, dtype=np.float64)[axes]  # (dims/2, n)
+    ang = pos.T * inv_freq  # (n, dims/2)
+    cos, sin = np.cos(ang), np.sin(ang)
+    half = dims // 2
+    x1, x2 = x[..., :half], x[..., half:dims]
+    rotated = np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return np.concatenate([rotated, x[..., dims:]], axis=-1)
+
+
 def rope_interleaved(x, positions, dims, base, scale=1.0):
     """Interleaved RoPE (mlx traditional=True): pairs (2i, 2i+1) of x[..., :dims]."""
     ang = rope_angles(positions, dims, base, scale)
@@ -695,7 +720,8 @@ def qwen_rope(cfg, family):
 
 
 def gated_attention(W, prefix, cfg, family, x, positions):
-    """Qwen3-Next / Qwen3.5 gated full attention (no cache, causal).
+    """Qwen3-Next / Qwen3.5 gated full attention (no cache, causal), at
+    ``positions`` ``(n,)`` or, with images, ``(3, n)`` (M-RoPE).
 
     q_proj emits, per head, [query (hd), gate (hd)]; q_norm / k_norm are
     per-head (1 + w) RMSNorms before RoPE; the output is
@@ -713,8 +739,13 @@ def gated_attention(W, prefix, cfg, family, x, positions):
     q, k, v = (t.transpose(1, 0, 2) for t in (q, k, v))  # (heads, n, head_dim)
 
     dims, base, scale = qwen_rope(cfg, family)
-    q = rope_rotate_half(q, positions, dims, base, scale)
-    k = rope_rotate_half(k, positions, dims, base, scale)
+    if np.ndim(positions) == 2:  # (3, n): M-RoPE, after an image
+        sections = cfg["rope_parameters"]["mrope_section"]
+        q = mrope_rotate_half(q, positions, dims, base, sections)
+        k = mrope_rotate_half(k, positions, dims, base, sections)
+    else:
+        q = rope_rotate_half(q, positions, dims, base, scale)
+        k = rope_rotate_half(k, positions, dims, base, scale)
     out = causal_attention(q, k, v, head_dim**-0.5)
     return linear(W, prefix + ".o_proj", out * sigmoid(gate))
 

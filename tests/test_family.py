@@ -109,6 +109,10 @@ DERIVED = {
         "head",
         "logits",
         "make_layer",
+        "trunk_classes",  # images: the vision tower kept (`qwen_vision`)
+        "hidden",
+        "image_processor",
+        "media",
     },
     ("qwen3_5_moe", "qwen3_5"): {"split_weights"},
     ("step3p7", "step3p5"): {

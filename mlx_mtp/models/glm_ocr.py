@@ -24,20 +24,17 @@ mlx-mtp rolls back and batches). Its vision tower and image processor are used
 unchanged.
 """
 
-import hashlib
 import re
-from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..errors import MTPError
 from ..media import Media as _Media
-from ..media import MediaCache
+from ..media import MediaCache, build, kept_features
 from . import deepseek_v3, vlm
 from .base import check_copy, sanitize_layers, split_mtp
 from .family import Layout, define
@@ -311,72 +308,32 @@ def image_processor(model_path):
 def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Media]:
     """A prompt ``ids`` with one image placeholder (the config's ``image_token_id``)
     per image of ``pixel_values`` ``(patches, C*T*P*P)`` and ``grid_thw``
-    ``(images, 3)``, in order, as the model reads it: each placeholder repeated for
-    its image's features (t*h*w / merge**2, as mlx-vlm's processor repeats it), and
-    its `mlx_mtp.media.Media`, the vision tower's features and the M-RoPE positions
-    (mlx-vlm's ``get_rope_index``; the prompt's delta after it).
+    ``(images, 3)``, as the model reads it, and its `mlx_mtp.media.Media`
+    (`mlx_mtp.media.build`): the vision tower's features (run on all the images
+    together, as mlx-vlm runs it) and mlx-vlm's ``get_rope_index`` positions.
 
     Raises:
         MTPError: the placeholders are not one per image.
     """
     config = trunk.config
-    token, merge = config.image_token_id, config.vision_config.spatial_merge_size
-    if ids.count(token) != len(grid_thw):
-        raise MTPError(
-            f"the prompt has {ids.count(token)} image placeholders for "
-            f"{len(grid_thw)} images"
-        )
-    counts, places, out = [t * h * w // merge**2 for t, h, w in grid_thw], [], []
-    for t in ids:
-        if t == token:  # its image's placeholders: [start, end)
-            places.append((len(out), len(out) + counts[len(places)]))
-            out += [t] * (places[-1][1] - places[-1][0])
-        else:
-            out.append(t)
-    ids = out
-    patches = np.asarray(pixel_values, dtype=np.float32)
-    spans, row = [], 0
-    for (t, h, w), (start, end) in zip(grid_thw, places):
-        rows = patches[row : row + t * h * w]  # the image's
-        digest = hashlib.sha256(repr((t, h, w)).encode() + rows.tobytes())
-        spans.append([start, end, digest.hexdigest()[:32]])
-        row += t * h * w
-    grid = mx.array(grid_thw, dtype=mx.int32)
-    features = _features(trunk, pixel_values, grid, tuple(d for *_, d in spans))
-    positions, delta = trunk.get_rope_index(mx.array([ids]), image_grid_thw=grid)
-    index = [i for i, t in enumerate(ids) if t == token]
-    key = hashlib.sha256(repr(spans).encode()).hexdigest()[:32]
-    return ids, _Media(
-        positions=positions[:, 0].astype(mx.int32),  # (3, P)
-        delta=int(delta.reshape(-1)[0].item()),
-        index=mx.array(index, dtype=mx.int32),
-        features=features,
-        key=key,
-        spans=spans,
-    )
-
-
-# The vision tower's features of the last few sets of images (a conversation's
-# turns send the same ones again), by their digests.
-FEATURES_KEPT = 4
-
-
-def _features(trunk, pixel_values, grid: mx.array, digests: tuple) -> mx.array:
-    """``(N, H)`` image features of ``pixel_values``, the tower run on all the
-    images together, as mlx-vlm runs it; the same images again (by ``digests``)
-    take the features kept from last time."""
-    kept = trunk.__dict__.setdefault("_features_kept", OrderedDict())
-    if digests in kept:
-        kept.move_to_end(digests)
-        return kept[digests]
     tower = trunk.vision_tower
-    pixels = mx.array(pixel_values).astype(tower.patch_embed.proj.weight.dtype)
-    features = tower(pixels, grid, output_hidden_states=False)
-    mx.eval(features)
-    kept[digests] = features
-    while len(kept) > FEATURES_KEPT:
-        kept.popitem(last=False)
-    return features
+
+    def features(grid, digests):
+        def compute():
+            pixels = mx.array(pixel_values).astype(tower.patch_embed.proj.weight.dtype)
+            return tower(pixels, grid, output_hidden_states=False)
+
+        return kept_features(trunk, digests, compute)
+
+    return build(
+        ids,
+        config.image_token_id,
+        config.vision_config.spatial_merge_size,
+        pixel_values,
+        grid_thw,
+        features,
+        lambda ids, grid: trunk.get_rope_index(ids, image_grid_thw=grid),
+    )
 
 
 FAMILY = define(

@@ -3,12 +3,14 @@
 The checkpoint nests the text model under ``model.language_model.`` (config in
 ``text_config``), and keeps the MTP tensors at top-level ``mtp.``, in the Qwen layout
 described in `qwen3_next`. The MTP block is the family's full-attention decoder layer.
+The vision tower at ``model.visual.`` is kept and reads images where mlx-vlm is
+installed (`qwen_vision`).
 """
 
 from mlx_lm.models import qwen3_5 as lm
 from mlx_lm.models.base import gather_last_axis
 
-from . import qwen3_next
+from . import qwen3_next, qwen_vision
 from .mtp import MTPLayer
 
 
@@ -41,7 +43,17 @@ def logits(trunk, h):
 def make_layer(trunk, j: int, config: dict) -> MTPLayer:
     args = text_args(trunk)
     block = qwen3_next.make_block(args, lm.DecoderLayer, lm.SparseMoeBlock, lm.MLP)
+    if qwen_vision.reads_images(trunk):
+        return qwen_vision.Layer(args.hidden_size, args.rms_norm_eps, block, args)
     return MTPLayer(args.hidden_size, args.rms_norm_eps, block)
+
+
+def trunk_classes(config: dict):
+    """mlx-lm's class for the checkpoint, able to keep its vision tower."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    return qwen_vision.with_vision(model_class, config), args_class
 
 
 # Qwen3-Next's layout, split, sanitize and Gated-DeltaNet capture, on a trunk nested
@@ -55,4 +67,8 @@ FAMILY = qwen3_next.FAMILY.derive(
     head=head,
     logits=logits,
     make_layer=make_layer,
+    trunk_classes=trunk_classes,
+    hidden=qwen_vision.hidden,
+    image_processor=qwen_vision.image_processor,
+    media=qwen_vision.media,
 )

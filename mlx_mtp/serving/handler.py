@@ -34,13 +34,13 @@ from ..server_checks import (
     RequestError,
     bad_request,
     check_chat_fields,
-    take_images,
     check_json,
     check_sampling,
     host_allowed,
     key_owner,
     local_origin,
     request_options,
+    take_images,
     tool_choice,
 )
 from .http_guard import Deadline, hung_up

@@ -150,7 +150,10 @@ def write_checkpoint(
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    extra, template, preprocessor = _TOKENIZERS.get(family, ((), CHAT_TEMPLATE, None))
+    extra, template, preprocessor = _TOKENIZERS.get(
+        (family, bool(options.get("vision"))),
+        _TOKENIZERS.get(family, ((), CHAT_TEMPLATE, None)),
+    )
     if tokenizer:
         write_tokenizer(out, vocab_size, extra, template)
         token_ids = _special_token_ids(vocab_size, extra)
@@ -224,6 +227,14 @@ class _Init:
     def norm(self, dim: int) -> np.ndarray:
         """RMSNorm weight: 1 + small noise."""
         return 1.0 + self.normal((dim,), NORM_NOISE_STD)
+
+
+class _WidthScaled(_Init):
+    """`_Init` whose projections keep the gain they have at `HIDDEN` inputs at any
+    input width (std scaled by sqrt(HIDDEN / in_dim)), for fixtures sized up."""
+
+    def linear(self, out_dim: int, in_dim: int, std: float = WEIGHT_STD) -> np.ndarray:
+        return self.normal((out_dim, in_dim), std * np.sqrt(HIDDEN / in_dim))
 
 
 def _dense_mlp(init: _Init, prefix: str, hidden: int, inter: int) -> Tensors:
@@ -727,9 +738,113 @@ def _qwen_tensors(
     return t
 
 
-def _qwen3_5(init: _Init, vocab_size: int, moe: bool = False) -> Tuple[dict, Tensors]:
-    """Qwen3.5 / 3.6 (dense, or MoE): text model under ``model.language_model.``."""
+# Qwen3.5's image markers (its tokenizer's special tokens).
+QWEN_VL_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# ChatML, with image parts as Qwen3.5's template writes them: ``<|vision_start|>
+# <|image_pad|><|vision_end|>`` (one placeholder per image; the processor repeats it).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen3.5's image processor settings (16-pixel patches, merged 2 x 2), with a pixel
+# budget that keeps a fixture's images at 16 to 64 placeholders.
+QWEN_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "processor_class": "Qwen3VLProcessor",
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 16384, "longest_edge": 65536},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def _qwen_vision(init: _Init, cfg: dict) -> Tensors:
+    """The Qwen3-VL vision tower of Qwen3.5 under ``model.visual.`` (Hugging
+    Face's names and conv layout)."""
+    p, width, inner = "model.visual.", cfg["hidden_size"], cfg["intermediate_size"]
+    patch, t_patch = cfg["patch_size"], cfg["temporal_patch_size"]
+    merged = width * cfg["spatial_merge_size"] ** 2
+    t = {
+        f"{p}patch_embed.proj.weight": init.normal(
+            (width, 3, t_patch, patch, patch), 0.05
+        ),
+        f"{p}patch_embed.proj.bias": init.normal((width,), BIAS_STD),
+        f"{p}pos_embed.weight": init.normal(
+            (cfg["num_position_embeddings"], width), 0.05
+        ),
+    }
+
+    def linear(name: str, out_dim: int, in_dim: int) -> None:
+        t[f"{name}.weight"] = init.linear(out_dim, in_dim)
+        t[f"{name}.bias"] = init.normal((out_dim,), BIAS_STD)
+
+    def layer_norm(name: str, dim: int) -> None:
+        t[f"{name}.weight"] = init.norm(dim)
+        t[f"{name}.bias"] = init.normal((dim,), BIAS_STD)
+
+    for i in range(cfg["depth"]):
+        b = f"{p}blocks.{i}."
+        layer_norm(f"{b}norm1", width)
+        layer_norm(f"{b}norm2", width)
+        linear(f"{b}attn.qkv", 3 * width, width)
+        linear(f"{b}attn.proj", width, width)
+        linear(f"{b}mlp.linear_fc1", inner, width)
+        linear(f"{b}mlp.linear_fc2", width, inner)
+    layer_norm(f"{p}merger.norm", width)
+    linear(f"{p}merger.linear_fc1", merged, merged)
+    linear(f"{p}merger.linear_fc2", cfg["out_hidden_size"], merged)
+    return t
+
+
+def _qwen3_5(
+    init: _Init,
+    vocab_size: int,
+    moe: bool = False,
+    vision: bool = False,
+    hidden: int = HIDDEN,
+    layers: int = QWEN_LAYERS,
+    vision_width: int = 32,
+    vision_depth: int = 2,
+) -> Tuple[dict, Tensors]:
+    """Qwen3.5 / 3.6 (dense, or MoE): text model under ``model.language_model.``;
+    ``vision``: with a 2-block vision tower under ``model.visual.``, and M-RoPE
+    over 4 rotary frequencies (sections [2, 1, 1], interleaved: every axis used).
+
+    ``hidden``, ``layers`` (a multiple of 4), ``vision_width`` and ``vision_depth``
+    size it up for timing: from a width of 1024 on, the release's head sizes (256
+    for attention, of which 64 rotate with sections [11, 11, 10]; 128 for
+    Gated-DeltaNet)."""
     text = _qwen_text_config(vocab_size, moe)
+    if hidden != HIDDEN or layers != QWEN_LAYERS:
+        init = _WidthScaled(init.rng)
+        wide = hidden >= 1024
+        text.update(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+            num_attention_heads=max(4, hidden // 256) if wide else 4,
+            num_key_value_heads=2,
+            head_dim=256 if wide else 16,
+            linear_num_key_heads=max(2, hidden // 256),
+            linear_num_value_heads=2 * max(2, hidden // 256),
+            linear_key_head_dim=128 if wide else 16,
+            linear_value_head_dim=128 if wide else 16,
+        )
+    wide = text["head_dim"] == 256
     text.update(
         model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
         mtp_num_hidden_layers=1,
@@ -738,8 +853,10 @@ def _qwen3_5(init: _Init, vocab_size: int, moe: bool = False) -> Tuple[dict, Ten
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [1, 1, 0],
+            "partial_rotary_factor": 0.5 if vision and not wide else 0.25,
+            "mrope_section": (
+                [11, 11, 10] if wide else [2, 1, 1] if vision else [1, 1, 0]
+            ),
             "mrope_interleaved": True,
         },
     )
@@ -757,7 +874,9 @@ def _qwen3_5(init: _Init, vocab_size: int, moe: bool = False) -> Tuple[dict, Ten
 
     def mlp(prefix: str, is_mtp: bool) -> Tensors:
         if not moe:
-            return _dense_mlp(init, prefix, HIDDEN, INTERMEDIATE)
+            return _dense_mlp(
+                init, prefix, text["hidden_size"], text["intermediate_size"]
+            )
         return _qwen_moe(init, prefix, text, fused=not is_mtp)
 
     tensors = _qwen_tensors(
@@ -767,6 +886,32 @@ def _qwen3_5(init: _Init, vocab_size: int, moe: bool = False) -> Tuple[dict, Ten
         lambda p: _gated_deltanet(init, p, text, fused=False),
         mlp,
     )
+    if vision:
+        ids = _special_token_ids(vocab_size, QWEN_VL_TOKENS)
+        cfg["vision_config"] = {
+            "model_type": "qwen3_5",
+            "depth": vision_depth,
+            "hidden_size": vision_width,
+            "intermediate_size": 2 * vision_width,
+            "num_heads": max(2, vision_width // 64),
+            "in_channels": 3,
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "out_hidden_size": text["hidden_size"],
+            "num_position_embeddings": 2304,
+            "hidden_act": "gelu_pytorch_tanh",
+            "deepstack_visual_indexes": [],
+            "initializer_range": 0.02,
+        }
+        cfg.update(
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+        )
+        text["eos_token_id"] = ids[IM_END]
+        tensors.update(_qwen_vision(init, cfg["vision_config"]))
     return cfg, tensors
 
 
@@ -2258,8 +2403,14 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
 # form) -> tensors``, after ``predictable``'s rewiring (the release stores its result).
 _RELEASE_FORMS = {"hy_v4": _hy_v4_release}
 # A family's own tokenizer: (extra special tokens, chat template, image
-# processor config or None).
-_TOKENIZERS = {"glm_ocr": (GLM_TOKENS, GLM_CHAT_TEMPLATE, GLM_PREPROCESSOR)}
+# processor config or None), by family, or by (family, vision) for an option.
+_TOKENIZERS = {
+    "glm_ocr": (GLM_TOKENS, GLM_CHAT_TEMPLATE, GLM_PREPROCESSOR),
+    **{
+        (name, True): (QWEN_VL_TOKENS, QWEN_VL_CHAT_TEMPLATE, QWEN_VL_PREPROCESSOR)
+        for name in ("qwen3_5", "qwen3_5_moe")
+    },
+}
 FAMILIES = tuple(_SPECS)  # the families with a fixture (llama's is `write_llama`)
 
 

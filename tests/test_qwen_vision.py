@@ -1,0 +1,379 @@
+"""Qwen3.5 with images (its vision tower kept beside mlx-lm's text model): greedy
+decoding equal to mlx-vlm's plain generation on the same image and prompt (k = 0..3
+and auto, one and two images, dense and MoE), batched with text rows, sampling
+against the target's distribution, the trunk and MTP head at image positions against
+the numpy reference, a quantized conversion, the server, and the refusals of a
+checkpoint without a tower or without mlx-vlm."""
+
+import base64
+import io
+import json
+
+import anthropic
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from click.testing import CliRunner
+from PIL import Image, ImageDraw
+
+import mlx_mtp.round as rounds
+from mlx_mtp import load
+from mlx_mtp.cache import make_caches
+from mlx_mtp.cli import main
+from mlx_mtp.convert import convert
+from mlx_mtp.errors import MTPError
+from mlx_mtp.generate import batch_generate, encode_prompt, stream_generate
+from mlx_mtp.images import image_messages, prompt_media, read_image, reads_images
+from mlx_mtp.media import attach
+from mlx_mtp.models import qwen_vision, vlm
+from mlx_mtp.server import Server, server_args
+from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
+
+from .numpy_glm_ocr import rope_index
+from .numpy_qwen_vl import forward
+from .test_sampling import accept_always, chi_square_rejects
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory):
+    """A rendered line of text and a solid-colour square, as PNG files."""
+    folder = tmp_path_factory.mktemp("images")
+    page = Image.new("RGB", (220, 60), "white")
+    ImageDraw.Draw(page).text((6, 20), "The quick brown fox 1234", fill="black")
+    page.save(folder / "page.png")
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(folder / "square.png")
+    return folder / "page.png", folder / "square.png"
+
+
+@pytest.fixture(scope="module")
+def folder(checkpoint):
+    return lambda family="qwen3_5": checkpoint(family, True, vision=True)
+
+
+@pytest.fixture(scope="module")
+def qwen(folder):
+    return load(str(folder()))
+
+
+def chat(tokenizer, text, images):
+    return tokenizer.apply_chat_template(
+        image_messages(text, images), tokenize=False, add_generation_prompt=True
+    )
+
+
+@pytest.fixture(scope="module")
+def mlx_vlm_tokens(folder):
+    """``tokens(prompt, images, n, family)``: mlx-vlm's plain greedy generation on
+    the fixture (its sanitize drops the ``mtp.`` tensors)."""
+    vlm_package = pytest.importorskip("mlx_vlm")
+    from mlx_vlm.generate.dispatch import stream_generate as vlm_generate
+
+    models = {}
+
+    def tokens(prompt, images, n, family="qwen3_5"):
+        if family not in models:
+            models[family] = vlm_package.load(str(folder(family)), strict=False)
+        model, processor = models[family]
+        out = vlm_generate(
+            model,
+            processor,
+            prompt,
+            image=[str(p) for p in images],
+            max_tokens=n,
+            temperature=0.0,
+        )
+        return [r.token for r in out][:n]
+
+    return tokens
+
+
+def ours(model, tokenizer, prompt, images, n=N, **options):
+    out = list(
+        stream_generate(
+            model, tokenizer, prompt, images=images, max_tokens=n, **options
+        )
+    )
+    return [r.token for r in out], out[-1].mtp
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, "auto"])
+def test_image_greedy_equals_mlx_vlm(qwen, pictures, mlx_vlm_tokens, k):
+    model, tokenizer = qwen
+    prompt = chat(tokenizer, "Transcribe.", 1)
+    expected = mlx_vlm_tokens(prompt, pictures[:1], N)
+    tokens, stats = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=k)
+    assert tokens == expected
+    if k not in (0, "auto"):
+        assert 0 < stats.accepted < stats.drafted  # drafts after the image, some kept
+
+
+def test_two_images_greedy_equals_mlx_vlm(qwen, pictures, mlx_vlm_tokens):
+    model, tokenizer = qwen
+    prompt = chat(tokenizer, "What is in these?", 2)
+    expected = mlx_vlm_tokens(prompt, pictures, N)
+    for k in (0, 3):
+        assert (
+            ours(model, tokenizer, prompt, pictures, num_draft_tokens=k)[0] == expected
+        )
+
+
+def test_moe_image_greedy_equals_mlx_vlm(folder, pictures, mlx_vlm_tokens):
+    model, tokenizer = load(str(folder("qwen3_5_moe")))
+    prompt = chat(tokenizer, "Transcribe.", 1)
+    expected = mlx_vlm_tokens(prompt, pictures[:1], N, "qwen3_5_moe")
+    for k in (0, 2):
+        tokens, _ = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=k)
+        assert tokens == expected
+
+
+def test_batched_rows_mix_text_and_images(qwen, pictures):
+    model, tokenizer = qwen
+    prompts = [
+        chat(tokenizer, "Transcribe.", 1),
+        chat(tokenizer, "Tell me a story about a fox.", 0),
+        chat(tokenizer, "What colour is this?", 1),
+        chat(tokenizer, "Transcribe.", 1),
+    ]
+    images = [[pictures[0]], None, [pictures[1]], [pictures[0]]]
+    alone = [
+        ours(model, tokenizer, p, im, num_draft_tokens=0)[0]
+        for p, im in zip(prompts, images)
+    ]
+    for k in (2, "auto"):
+        batch = batch_generate(
+            model,
+            tokenizer,
+            prompts,
+            max_tokens=N,
+            images=images,
+            num_draft_tokens=k,
+            max_batch=3,
+        )
+        assert batch.token_ids == alone
+    assert alone[0] != alone[2]  # the images, not only the text, decide
+
+
+@pytest.mark.slow  # GLM-OCR's runs in the default suite: the same round and media
+@pytest.mark.parametrize("rule", [None, accept_always])
+def test_image_sampling_matches_target(qwen, pictures, monkeypatch, rule):
+    """The first two tokens after an image, drafted (k=2) and accepted by rejection
+    sampling, follow the target's joint distribution (chi-square); a wrong
+    acceptance rule (every draft kept) fails the same test."""
+    if rule is not None:
+        monkeypatch.setattr(rounds, "accept_stochastic", rule)
+    model, tokenizer = qwen
+    text = chat(tokenizer, "Transcribe.", 1)
+    ids, media = prompt_media(model, encode_prompt(tokenizer, text), pictures[:1])
+
+    def next_probs(prefix):
+        caches = make_caches(model)
+        attach(caches, media)
+        logits = model.logits(model.hidden(mx.array([prefix]), caches.trunk))[0, -1]
+        top = mx.argsort(-logits)[:6]
+        p = np.zeros(logits.shape[0])
+        p[np.array(top)] = np.array(mx.softmax(logits[top]))
+        return p
+
+    p1 = next_probs(ids)
+    joint = np.zeros((p1.size, p1.size))
+    for a in np.nonzero(p1)[0]:
+        joint[a] = p1[a] * next_probs(ids + [int(a)])
+    counts, drafted = np.zeros_like(joint), 0
+    for seed in range(600):
+        steps = mtp_generate_step(
+            ids,
+            model,
+            HEADS,
+            media=media,
+            num_draft_tokens=2,
+            max_tokens=2,
+            seed=seed,
+            temp=1.0,
+            top_k=6,
+        )
+        (a, _), (b, stats) = [(o.token, o.stats) for o in steps]
+        counts[a, b] += 1
+        drafted += stats.drafted
+    assert drafted >= 600
+    assert chi_square_rejects(counts, joint) == (rule is not None)
+
+
+def test_head_at_image_positions_matches_numpy(qwen, pictures, folder):
+    """Teacher-forced trunk and MTP logits over a prompt with an image equal the
+    independent reference, whose positions are its own and whose image embeddings
+    are the tower's; the placeholder's own embedding at the MTP's image rows (a
+    control) changes the head."""
+    model, tokenizer = qwen
+    text = chat(tokenizer, "Transcribe.", 1)
+    ids, media = prompt_media(model, encode_prompt(tokenizer, text), pictures[:1])
+    ids = ids + [
+        o.token for o in mtp_generate_step(ids, model, media=media, max_tokens=8)
+    ]
+    caches = make_caches(model)
+    attach(caches, media)
+    seq = mx.array([ids])
+    h = model.hidden(seq, caches.trunk)
+    z = model.mtp_forward(0, h[:, :-1], seq[:, 1:], caches.mtp[0])
+    main_logits, mtp = np.array(model.logits(h)[0]), np.array(model.logits(z)[0])
+    config = json.loads((folder() / "config.json").read_text())
+    processor = model.__dict__["_image_processor"]
+    grid = processor(images=[read_image(pictures[0])])["image_grid_thw"]
+    grid = [[int(x) for x in g] for g in grid]
+    positions, delta = rope_index(ids, config, grid)
+    assert delta == media.delta
+    assert np.array_equal(positions[:, : media.length], np.array(media.positions))
+    features = np.array(media.features)
+    ref_main, ref_mtp = forward(folder(), ids, positions, features)
+    np.testing.assert_allclose(main_logits, ref_main, atol=1e-4)
+    np.testing.assert_allclose(mtp, ref_mtp, atol=1e-4)
+    assert (mtp.argmax(-1) == ref_mtp.argmax(-1)).all()
+    image = np.array(ids[1:]) == config["image_token_id"]  # MTP rows reading one
+    assert image.sum() > 8 and (~image).sum() > 8
+    plain = forward(folder(), ids, positions, None)[1]
+    assert not np.allclose(plain[image], ref_mtp[image], atol=1e-3)
+
+
+def test_a_checkpoint_without_tower_or_mlx_vlm_refuses_images(
+    loaded, folder, pictures, monkeypatch, qwen
+):
+    model, tokenizer = loaded("qwen3_5")  # no vision tower
+    assert not reads_images(model)
+    with pytest.raises(MTPError, match="has no vision tower"):
+        prompt_media(model, [1, 2], pictures[:1])
+
+    def missing():
+        raise MTPError(f"{qwen_vision.WHAT} needs mlx-vlm: {vlm.EXTRA}")
+
+    monkeypatch.setattr(qwen_vision, "_config", missing)
+    model, tokenizer = load(str(folder()))  # the tower's mlx-vlm is "missing"
+    assert not reads_images(model)
+    # it decodes text, as the same weights with their tower do (mlx-lm's rope)
+    prompt = chat(tokenizer, "Tell me a story about a fox.", 0)
+    text = ours(model, tokenizer, prompt, None, num_draft_tokens=0)[0]
+    with_tower, tokenizer_2 = qwen
+    for k in (0, 2):
+        assert (
+            ours(with_tower, tokenizer_2, prompt, None, num_draft_tokens=k)[0] == text
+        )
+    with pytest.raises(MTPError, match=r"needs mlx-vlm: pip install 'mlx-mtp\[vlm\]'"):
+        prompt_media(model, [1, 2], pictures[:1])
+
+
+def test_a_tower_mlx_vlm_cannot_build_leaves_text(folder, tmp_path, pictures):
+    """A vision config mlx-vlm refuses (deepstack layers, which it has not for
+    Qwen3.5) loads the text model, and an image gets one line saying why."""
+    import shutil
+
+    copy = tmp_path / "deepstack"
+    shutil.copytree(folder(), copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["vision_config"]["deepstack_visual_indexes"] = [0]
+    (copy / "config.json").write_text(json.dumps(config))
+    model, tokenizer = load(str(copy))
+    assert not reads_images(model)
+    with pytest.raises(MTPError, match="cannot build the vision tower: deepstack"):
+        prompt_media(model, [1, 2], pictures[:1])
+
+
+def test_cli_image(folder, pictures, qwen, mlx_vlm_tokens):
+    model, tokenizer = qwen
+    expected = mlx_vlm_tokens(chat(tokenizer, "Transcribe.", 1), pictures[:1], 12)
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "--model",
+            str(folder()),
+            "--image",
+            str(pictures[0]),
+            "-p",
+            "Transcribe.",
+            "-m",
+            "12",
+            "--temp",
+            "0",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert tokenizer.decode(expected) in result.output
+
+
+def test_a_quantized_conversion_reads_images(folder, pictures, tmp_path, qwen):
+    """``convert -q`` keeps the tower (in float) and ``vision_config``; the
+    conversion reads images and drafts, equal to its own plain decoding."""
+    out = tmp_path / "q"
+    convert(str(folder()), str(out), quantize=True, q_bits=8, q_group_size=32)
+    config = json.loads((out / "config.json").read_text())
+    assert "vision_config" in config and (out / "preprocessor_config.json").exists()
+    model, tokenizer = load(str(out))
+    assert reads_images(model)
+    assert "scales" not in model.trunk.vision_tower.blocks[0].attn.qkv
+    assert "scales" in model.trunk.language_model.lm_head
+    prompt = chat(tokenizer, "Transcribe.", 1)
+    plain = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=0)[0]
+    drafted, stats = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=2)
+    assert drafted == plain and stats.drafted > 0
+
+
+# -- the server -----------------------------------------------------------------------
+
+
+def _png(path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+@pytest.fixture(scope="module")
+def served(folder):
+    server = Server(server_args(model=str(folder()), port=0, max_batch=4)).start()
+    yield server
+    server.close()
+
+
+def test_server_apis_take_images(served, qwen, pictures):
+    model, tokenizer = qwen
+    prompt = chat(tokenizer, "Transcribe.", 1)
+    picture = Image.open(io.BytesIO(pictures[0].read_bytes()))
+    expected = "".join(
+        r.text
+        for r in stream_generate(
+            model, tokenizer, prompt, images=[picture], max_tokens=16
+        )
+    )
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+    part = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + _png(pictures[0])},
+    }
+    r = client.chat.completions.create(
+        model="default_model",
+        messages=[
+            {"role": "user", "content": [part, {"type": "text", "text": "Transcribe."}]}
+        ],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert r.choices[0].message.content == expected
+    messages = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0)
+    block = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": _png(pictures[0]),
+        },
+    }
+    r = messages.messages.create(
+        model="default_model",
+        messages=[
+            {
+                "role": "user",
+                "content": [block, {"type": "text", "text": "Transcribe."}],
+            }
+        ],
+        max_tokens=16,
+    )
+    assert r.content[0].text == expected
