@@ -377,3 +377,74 @@ def test_server_apis_take_images(served, qwen, pictures):
         max_tokens=16,
     )
     assert r.content[0].text == expected
+
+
+def test_the_releases_tower_names_load_into_the_tower():
+    """The vision tensors of a real release (Qwen3.5-0.8B's weights report in
+    tests/golden/qwen3_5.json: its sampled ``model.visual.*`` names and shapes)
+    become, through the trunk's sanitize, parameters of the tower built from its
+    vision config (depth 12, width 768, as those shapes give it), shape for shape."""
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.models import get_family
+
+    from .test_golden_layouts import GOLDEN, tensors
+
+    doc = json.loads((GOLDEN / "qwen3_5.json").read_text())
+    vision = {
+        "model_type": "qwen3_5",
+        "depth": 12,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_heads": 12,
+        "in_channels": 3,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": 1024,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [],
+    }
+    config = {**doc["config"], "vision_config": vision}
+    weights = tensors(doc["trunk"])
+    visual = {k: v for k, v in weights.items() if k.startswith("model.visual.")}
+    assert len(visual) >= 4
+    model_class, args_class = get_family(config).trunk_classes(config)
+    trunk = model_class(args_class.from_dict(config))
+    sanitized = trunk.sanitize(dict(weights))
+    assert trunk.vision_tower is not None, trunk.vision_refusal
+    params = dict(tree_flatten(trunk.parameters()))
+    kept = {k: v for k, v in sanitized.items() if k.startswith("vision_tower.")}
+    assert len(kept) == len(visual)
+    for key, value in kept.items():
+        assert key in params and params[key].shape == value.shape, key
+
+
+@pytest.mark.slow  # GLM-OCR's runs in the default suite
+def test_graft_onto_an_mlx_vlm_conversion(folder, pictures, tmp_path, qwen):
+    """Heads grafted from the release onto mlx-vlm's own conversion of Qwen3.5 (its
+    names: ``language_model.model.*``, ``vision_tower.*``, its norms shifted):
+    image replies as from the release."""
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.convert import graft_heads
+
+    vlm_package = pytest.importorskip("mlx_vlm")
+    src = folder()
+    out = tmp_path / "mlx-vlm"
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, out / f.name)
+    model, _ = vlm_package.load(str(src), strict=False)  # its sanitize: its names
+    weights = dict(tree_flatten(model.parameters()))
+    assert any(k.startswith("vision_tower.blocks.") for k in weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    model, tokenizer = load(str(graft_heads(str(src), str(out))))
+    assert model.num_mtp_layers == 1 and reads_images(model)
+    prompt = chat(tokenizer, "Transcribe.", 1)
+    expected = ours(*qwen, prompt, pictures[:1], num_draft_tokens=0)[0]
+    tokens, stats = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=3)
+    assert tokens == expected and stats.accepted > 0
