@@ -51,7 +51,10 @@ def pictures(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def folder(checkpoint):
-    return lambda family="qwen3_5": checkpoint(family, True, vision=True)
+    def make(family="qwen3_5", dtype="float32"):
+        return checkpoint(family, True, vision=True, dtype=dtype)
+
+    return make
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +77,11 @@ def mlx_vlm_tokens(folder):
 
     models = {}
 
-    def tokens(prompt, images, n, family="qwen3_5"):
-        if family not in models:
-            models[family] = vlm_package.load(str(folder(family)), strict=False)
-        model, processor = models[family]
+    def tokens(prompt, images, n, family="qwen3_5", dtype="float32"):
+        if (family, dtype) not in models:
+            path = str(folder(family, dtype))
+            models[family, dtype] = vlm_package.load(path, strict=False)
+        model, processor = models[family, dtype]
         out = vlm_generate(
             model,
             processor,
@@ -128,6 +132,22 @@ def test_moe_image_greedy_equals_mlx_vlm(folder, pictures, mlx_vlm_tokens):
     for k in (0, 2):
         tokens, _ = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=k)
         assert tokens == expected
+
+
+@pytest.mark.slow
+def test_bfloat16_image_greedy_equals_mlx_vlm(folder, pictures, mlx_vlm_tokens):
+    """As released (bfloat16): the tower, the merge and M-RoPE in its dtype."""
+    model, tokenizer = load(str(folder(dtype="bfloat16")))
+    assert model.trunk.vision_tower.blocks[0].attn.qkv.weight.dtype == mx.bfloat16
+    for text, images in (
+        ("Transcribe.", pictures[:1]),
+        ("What is in these?", pictures),
+    ):
+        prompt = chat(tokenizer, text, len(images))
+        expected = mlx_vlm_tokens(prompt, images, N, dtype="bfloat16")
+        for k in (0, 3):
+            tokens, _ = ours(model, tokenizer, prompt, images, num_draft_tokens=k)
+            assert tokens == expected
 
 
 def test_batched_rows_mix_text_and_images(qwen, pictures):
