@@ -230,6 +230,8 @@ def _convert_folder(
         )
     family = get_family(src_config)
     trunk, config, split = load_trunk(src, family, lazy=True)
+    if getattr(trunk, "vision_refusal", None):  # the conversion reads text only
+        log.warning("the vision tower is left out: %s", trunk.vision_refusal)
     stack = None
     if not split.mtp and draft is None:
         msg = f"{source} has no MTP tensors"

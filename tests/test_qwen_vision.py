@@ -468,3 +468,23 @@ def test_graft_onto_an_mlx_vlm_conversion(folder, pictures, tmp_path, qwen):
     expected = ours(*qwen, prompt, pictures[:1], num_draft_tokens=0)[0]
     tokens, stats = ours(model, tokenizer, prompt, pictures[:1], num_draft_tokens=3)
     assert tokens == expected and stats.accepted > 0
+
+
+def test_converting_without_mlx_vlm_says_the_tower_is_left_out(
+    folder, tmp_path, monkeypatch, caplog
+):
+    def missing():
+        raise MTPError(f"{qwen_vision.WHAT} needs mlx-vlm: {vlm.EXTRA}")
+
+    monkeypatch.setattr(qwen_vision, "_config", missing)
+    out = tmp_path / "text-only"
+    with caplog.at_level("WARNING", logger="mlx_mtp"):
+        convert(str(folder()), str(out))
+    assert "the vision tower is left out: Qwen3.5 image input needs mlx-vlm" in (
+        caplog.text
+    )
+    monkeypatch.undo()
+    model, _ = load(str(out))
+    assert not reads_images(model) and model.num_mtp_layers == 1
+    with pytest.raises(MTPError, match="has no vision tower"):
+        prompt_media(model, [1, 2], [])
