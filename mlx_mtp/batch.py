@@ -595,7 +595,8 @@ def run_batch(
     media: Optional[Sequence] = None,
 ) -> Iterator[RowOutput]:
     """Decode ``prompts`` (token ids), prompt i with ``options[i]`` (and its images'
-    ``media[i]``, a `mlx_mtp.media.Media` or None), at most
+    ``media[i]``: a `mlx_mtp.media.Media`, a `mlx_mtp.images.PendingMedia`, made
+    when the prompt joins, or None), at most
     ``max_batch`` at a time: a prompt joins as soon as a row is free. Yields each
     round's `RowOutput` per row (``uid``: the prompt's index), in round order. A
     prompt that fails alone (its rules raise: see the module's docstring; or, one
@@ -625,7 +626,12 @@ def run_batch(
         new = []  # prompts arriving together are prefilled together
         while waiting and len(batch) + len(new) < max_batch:
             i = waiting.pop(0)
-            new.append(batch.admit(i, prompts[i], options[i], media=media and media[i]))
+            try:
+                images = _media_of(media, i)
+            except MTPError as e:  # its images, read now: this prompt's failure
+                yield failed_output(i, e, None, model.args.vocab_size)
+                continue
+            new.append(batch.admit(i, prompts[i], options[i], media=images))
         for group in prefill_groups(new):
             prefill_together(group)
         for admission in new:
@@ -637,14 +643,26 @@ def run_batch(
         yield from batch.step()
 
 
+def _media_of(media: Optional[Sequence], i: int):
+    """Prompt i's `mlx_mtp.media.Media` (None: none), made now if it is a
+    `mlx_mtp.images.PendingMedia`."""
+    found = media[i] if media else None
+    return found() if callable(found) else found
+
+
 def _one_at_a_time(
     model, prompts, options, eos, tokenizer, media=None
 ) -> Iterator[RowOutput]:
     from .speculative import mtp_generate_step
 
     for i, (prompt, opts) in enumerate(zip(prompts, options)):
+        try:
+            images = _media_of(media, i)
+        except MTPError as e:
+            yield failed_output(i, e, None, model.args.vocab_size)
+            continue
         steps = mtp_generate_step(
-            prompt, model, opts, tokenizer=tokenizer, media=media and media[i]
+            prompt, model, opts, tokenizer=tokenizer, media=images
         )
         n, stats = 0, None
         try:

@@ -1027,6 +1027,7 @@ def _generate_file(model, decode, ignore_chat_template, batch: dict, options: di
     path = batch["prompts_file"]
     try:
         prompts = pf.parse(pf.read(path), path)
+        images = {p.line: pf.image_paths(p, path) for p in prompts if p.images}
         per_line = pf.decode_options(prompts, decode, path)
         per_line = {p.line: o for p, o in zip(prompts, per_line)}
         pf.check_output(batch["output"], path)
@@ -1043,6 +1044,7 @@ def _generate_file(model, decode, ignore_chat_template, batch: dict, options: di
             _file_prompt_ids(tokenizer, p, path, ignore_chat_template, options)
             for p in pending
         ]
+        media = _file_media(mdl, pending, ids, images, path)
         todo = [per_line[p.line] for p in pending]
         _check_loaded(mdl, tokenizer, pending, ids, todo, decode, path)
     except pf.PromptsFileError as e:
@@ -1052,7 +1054,9 @@ def _generate_file(model, decode, ignore_chat_template, batch: dict, options: di
     show = options["verbose"] and (batch["progress"] or sys.stderr.isatty())
     progress = pf.Progress(len(prompts), show, done=len(prompts) - len(pending))
     collect = pf.Collector(pending, ids, tokenizer, results, progress, path)
-    response = _decode_file(mdl, tokenizer, ids, todo, batch["max_batch"], collect)
+    response = _decode_file(
+        mdl, tokenizer, ids, todo, batch["max_batch"], collect, media
+    )
     if options["verbose"]:
         click.echo(pf.summary(response), err=True)
     if collect.failed:
@@ -1063,7 +1067,7 @@ def _generate_file(model, decode, ignore_chat_template, batch: dict, options: di
         )
 
 
-def _decode_file(model, tokenizer, ids, options, max_batch: int, collect):
+def _decode_file(model, tokenizer, ids, options, max_batch: int, collect, media=None):
     """`mlx_mtp.batch_generate` of a prompts file's ``ids``, its outputs to
     ``collect`` (`mlx_mtp.prompts_file.Collector`), its results closed at the end.
     Ctrl-C, SIGTERM or SIGHUP: one line saying how many results were written and
@@ -1083,6 +1087,7 @@ def _decode_file(model, tokenizer, ids, options, max_batch: int, collect):
                 options=options,
                 max_batch=max_batch,
                 on_output=collect,
+                media=media,
             )
     except KeyboardInterrupt:
         _exit_interrupted(f"interrupted: {results.state()}")
@@ -1149,6 +1154,29 @@ def _warm_batch_costs(model, rows: int, verbose: bool) -> None:
         warm_batch_costs(model, rows, on_measure=say)
 
 
+def _file_media(model, prompts, ids, images: dict, path: str):
+    """The prompts of a file with ``images`` (line -> files): their ``ids`` made
+    as the model reads them (in place) and their media to make when each joins the
+    batch (`mlx_mtp.images.pending_media`: every image read and sized now), or
+    None when no prompt has images; a failure is a `PromptsFileError` naming the
+    line."""
+    from .errors import MTPError
+    from .images import pending_media
+    from .prompts_file import PromptsFileError, source_name
+
+    if not any(p.line in images for p in prompts):
+        return None
+    media = [None] * len(prompts)
+    for i, prompt in enumerate(prompts):
+        if prompt.line in images:
+            try:
+                ids[i], media[i] = pending_media(model, ids[i], images[prompt.line])
+            except MTPError as e:
+                where = f"{source_name(path)} line {prompt.line}"
+                raise PromptsFileError(f"{where}: {e}") from None
+    return media
+
+
 def _file_prompt_ids(tokenizer, prompt, path, ignore_chat_template, options):
     """Token ids of a `mlx_mtp.prompts_file.FilePrompt`: text as ``--prompt`` (the
     chat template and --system-prompt applied, but no escapes), or a chat's messages
@@ -1164,6 +1192,7 @@ def _file_prompt_ids(tokenizer, prompt, path, ignore_chat_template, options):
                 options["system_prompt"],
                 ignore_chat_template,
                 escapes=False,
+                images=len(prompt.images),
             )
         if ignore_chat_template or not tokenizer.has_chat_template:
             raise MTPError("'messages' need the model's chat template")

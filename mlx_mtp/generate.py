@@ -20,7 +20,7 @@ from .batch import RowOutput, failed_output, run_batch
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
 from .grammar import grammar_fields
-from .images import prompt_media
+from .images import pending_media, prompt_media
 from .options import DecodeOptions
 from .speculative import Session, mtp_generate_step
 from .stats import MTPStats
@@ -299,6 +299,7 @@ def batch_generate(
     max_batch: int = DEFAULT_MAX_BATCH,
     on_output: Optional[Callable[[RowOutput], None]] = None,
     images: Optional[Sequence[Optional[Sequence]]] = None,
+    media: Optional[Sequence] = None,
     **fields,
 ) -> BatchResponse:
     """Generate a response for each prompt, the streams decoded together with MTP
@@ -315,7 +316,12 @@ def batch_generate(
         on_output: Called with every round's `mlx_mtp.batch.RowOutput` (progress).
         images: For a model that reads images: per prompt, its images (as
             `stream_generate` takes them) or None; rows with and without images
-            decode together.
+            decode together. Each is read and sized first (a bad image raises
+            before anything decodes); its features are made when its prompt
+            joins the batch (`mlx_mtp.images.PendingMedia`).
+        media: Instead of ``images``, for prompts given as token ids that
+            `mlx_mtp.images.prompt_media` or ``pending_media`` made: per prompt,
+            its `mlx_mtp.media.Media` or ``PendingMedia``, or None.
 
     Each response is exactly what `generate` gives for its prompt alone under greedy
     decoding, and exact speculative sampling otherwise.
@@ -335,14 +341,16 @@ def batch_generate(
     if isinstance(prompts, (str, mx.array)) or not len(prompts):
         raise MTPError("prompts must be a non-empty list of prompts")
     ids = [_prompt_ids(tokenizer, p, i, model) for i, p in enumerate(prompts)]
-    media = None
-    if images is not None:
-        if len(images) != len(ids):
-            raise MTPError(f"{len(ids)} prompts but {len(images)} lists of images")
+    if images is not None and media is not None:
+        raise MTPError("give images or media, not both")
+    for name, given in (("lists of images", images), ("media", media)):
+        if given is not None and len(given) != len(ids):
+            raise MTPError(f"{len(ids)} prompts but {len(given)} {name}")
+    if images is not None:  # read and sized now, through the tower as rows join
         media = [None] * len(ids)
         for i, pictures in enumerate(images):
             if pictures:
-                ids[i], media[i] = prompt_media(model, ids[i], pictures)
+                ids[i], media[i] = pending_media(model, ids[i], pictures)
     per_prompt = _per_prompt(options, len(ids), grammar_fields(fields), max_tokens)
     n = len(ids)
     tokens = [[] for _ in ids]

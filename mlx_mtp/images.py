@@ -148,7 +148,59 @@ def prompt_media(model, ids: List[int], images: Sequence) -> Tuple[List[int], ob
         MTPError: the model reads no images, or the placeholders are not one per
             image (one line).
     """
-    family = model.family
+    processor, pictures = _processor(model), _pictures(model, images)
+    inputs = _processed(processor, pictures)
+    grid = [list(map(int, g)) for g in inputs["image_grid_thw"]]
+    return model.family.media(model.trunk, list(ids), inputs["pixel_values"], grid)
+
+
+class PendingMedia:
+    """A prompt's images, read and sized, whose `mlx_mtp.media.Media` is made when
+    called (the processor again, then the vision tower): a batch makes a row's at
+    its admission (`mlx_mtp.batch.run_batch`), so that a run of many prompts with
+    images holds the image features of the rows decoding, not of every prompt."""
+
+    def __init__(self, model, ids: List[int], images: Sequence, expanded: List[int]):
+        self.model, self.ids, self.images = model, ids, list(images)
+        self.expanded = expanded
+
+    def __call__(self):
+        """The `mlx_mtp.media.Media`.
+
+        Raises:
+            MTPError: an image cannot be read now, or reads otherwise than when
+                it was sized (a file changed on disk).
+        """
+        ids, media = prompt_media(self.model, self.ids, self.images)
+        if ids != self.expanded:
+            raise ImageError("an image changed since it was read")
+        return media
+
+
+def pending_media(
+    model, ids: List[int], images: Sequence
+) -> Tuple[List[int], PendingMedia]:
+    """`prompt_media`'s ids now, its media later (a `PendingMedia`): each image read
+    (bounded, as `read_image` reads it) and sized by the image processor, and the
+    placeholders repeated for it; nothing goes through the vision tower yet.
+
+    Raises:
+        MTPError: as `prompt_media`.
+    """
+    from .media import expand
+
+    processor, pictures = _processor(model), _pictures(model, images)
+    grid = [
+        list(map(int, g)) for g in _processed(processor, pictures)["image_grid_thw"]
+    ]
+    token, merge = model.family.image_placeholder(model.trunk)
+    expanded, _ = expand(ids, token, merge, grid)
+    return expanded, PendingMedia(model, list(ids), images, expanded)
+
+
+def _pictures(model, images: Sequence) -> list:
+    """``images`` read (`read_image`; ``PIL.Image``s as they are), for a model
+    that reads them on this machine."""
     if not reads_images(model):
         raise MTPError(no_images(model))
     group = getattr(model, "group", None)
@@ -156,20 +208,26 @@ def prompt_media(model, ids: List[int], images: Sequence) -> Tuple[List[int], ob
         raise MTPError(
             f"images are read on one machine; this model runs on {group.size()}"
         )
-    pictures = [
+    return [
         im if hasattr(im, "convert") else read_image(im, _name(im, i))
         for i, im in enumerate(images)
     ]
+
+
+def _processor(model):
+    """The model's image processor, made once."""
     processor = model.__dict__.get("_image_processor")
-    if processor is None:
-        processor = family.image_processor(model.source)
+    if processor is None and reads_images(model):
+        processor = model.family.image_processor(model.source)
         model.__dict__["_image_processor"] = processor
+    return processor
+
+
+def _processed(processor, pictures: list) -> dict:
     try:
-        inputs = processor(images=pictures)
+        return processor(images=pictures)
     except ValueError as e:  # an aspect ratio its resize refuses, say
         raise ImageError(f"the image processor refused an image: {e}") from None
-    grid = [list(map(int, g)) for g in inputs["image_grid_thw"]]
-    return family.media(model.trunk, list(ids), inputs["pixel_values"], grid)
 
 
 def _name(source, i: int) -> str:

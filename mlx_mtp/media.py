@@ -252,6 +252,32 @@ def attach(caches, media: Optional[Media], held: int = 0) -> None:
         c.set(media)
 
 
+def expand(
+    ids: Sequence[int], token: int, merge: int, grid_thw: Sequence[Sequence[int]]
+) -> Tuple[List[int], List[Tuple[int, int]]]:
+    """``ids`` with each image placeholder ``token`` repeated for its image's
+    features (an image of ``grid_thw`` (t, h, w) patches merged ``merge`` x
+    ``merge``: t*h*w / merge**2), and where each image's placeholders are
+    (``[start, end)``).
+
+    Raises:
+        MTPError: the placeholders are not one per image.
+    """
+    if list(ids).count(token) != len(grid_thw):
+        raise MTPError(
+            f"the prompt has {list(ids).count(token)} image placeholders for "
+            f"{len(grid_thw)} images"
+        )
+    counts, places, out = [t * h * w // merge**2 for t, h, w in grid_thw], [], []
+    for t in ids:
+        if t == token:
+            places.append((len(out), len(out) + counts[len(places)]))
+            out += [t] * counts[len(places) - 1]
+        else:
+            out.append(t)
+    return out, places
+
+
 def build(
     ids: Sequence[int],
     token: int,
@@ -282,18 +308,7 @@ def build(
 
     import numpy as np
 
-    if list(ids).count(token) != len(grid_thw):
-        raise MTPError(
-            f"the prompt has {list(ids).count(token)} image placeholders for "
-            f"{len(grid_thw)} images"
-        )
-    counts, places, out = [t * h * w // merge**2 for t, h, w in grid_thw], [], []
-    for t in ids:
-        if t == token:  # its image's placeholders: [start, end)
-            places.append((len(out), len(out) + counts[len(places)]))
-            out += [t] * counts[len(places) - 1]
-        else:
-            out.append(t)
+    out, places = expand(ids, token, merge, grid_thw)
     patches = np.asarray(pixel_values, dtype=np.float32)
     spans, row = [], 0
     for (t, h, w), (start, end) in zip(grid_thw, places):

@@ -3,7 +3,10 @@ results written as they finish, one JSON object per prompt.
 
 The file holds one prompt a line (plain text; blank lines skipped; the text is taken
 as it is, ``\\n`` included), or JSONL: one JSON object a line, ``prompt`` (text) or
-``messages`` (a chat, checked as the server checks one), optional ``id``, and any
+``messages`` (a chat, checked as the server checks one), optional ``id``, optional
+``images`` (image files asked about in ``prompt``, for a model that reads images;
+relative paths from the file's folder; each is read when its prompt is sized, and
+through the vision tower when it joins the batch), and any
 `DecodeOptions` field (``max_tokens``, ``temp``, ``num_draft_tokens``,
 ``logit_bias``, ...) for that prompt alone, or ``json_schema`` / ``json_object`` /
 ``regex`` for its grammar. A file is JSONL when its first line starts with ``{`` or
@@ -30,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from .errors import MTPError, one_line
 from .options import DecodeOptions
 
-KEYS = ("prompt", "messages", "id")  # a JSONL line's keys besides the options
+KEYS = ("prompt", "messages", "id", "images")  # a JSONL line's keys besides options
 GRAMMAR_KEYS = ("json_schema", "json_object", "regex")  # for the grammar option
 
 
@@ -48,6 +51,7 @@ class FilePrompt:
     id: Any
     prompt: Union[str, list]
     options: dict
+    images: Tuple[str, ...] = ()
 
     @property
     def is_chat(self) -> bool:
@@ -195,7 +199,37 @@ def _json_prompt(obj: dict, index: int, where: str) -> FilePrompt:
     if isinstance(id_, bool) or not isinstance(id_, (str, int)):
         raise PromptsFileError(f"{where}: 'id' must be text or an integer")
     options = {k: v for k, v in obj.items() if k not in KEYS}
-    return FilePrompt(index + 1, id_, prompt, options)
+    return FilePrompt(index + 1, id_, prompt, options, _images(obj, where))
+
+
+def _images(obj: dict, where: str) -> Tuple[str, ...]:
+    """A line's ``images``: paths of image files (relative ones from the prompts
+    file's folder, `image_paths`), placed before its ``prompt`` text."""
+    images = obj.get("images", [])
+    if not isinstance(images, list) or not all(
+        isinstance(p, str) and p.strip() for p in images
+    ):
+        raise PromptsFileError(f"{where}: 'images' must be a list of file paths")
+    if images and "prompt" not in obj:
+        raise PromptsFileError(f"{where}: 'images' go with a 'prompt' (text)")
+    return tuple(images)
+
+
+def image_paths(prompt: FilePrompt, path: str) -> List[Path]:
+    """The image files of ``prompt``, relative paths taken from the folder of the
+    prompts file ``path`` (stdin: the working directory).
+
+    Raises:
+        PromptsFileError: one is not a file (naming the line).
+    """
+    folder = Path(path).parent if path != "-" else Path.cwd()
+    found = [folder / Path(p).expanduser() for p in prompt.images]
+    for given, file in zip(prompt.images, found):
+        if not file.is_file():
+            raise PromptsFileError(
+                f"{source_name(path)} line {prompt.line}: no image file {given}"
+            )
+    return found
 
 
 def _check_chat(messages, where: str) -> None:

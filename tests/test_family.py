@@ -113,6 +113,7 @@ DERIVED = {
         "hidden",
         "image_processor",
         "media",
+        "image_placeholder",
     },
     ("qwen3_5_moe", "qwen3_5"): {"split_weights"},
     ("step3p7", "step3p5"): {

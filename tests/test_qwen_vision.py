@@ -488,3 +488,103 @@ def test_converting_without_mlx_vlm_says_the_tower_is_left_out(
     assert not reads_images(model) and model.num_mtp_layers == 1
     with pytest.raises(MTPError, match="has no vision tower"):
         prompt_media(model, [1, 2], [])
+
+
+# -- many prompts with images ---------------------------------------------------------
+
+
+def alone_text(model, tokenizer, text, images, n):
+    prompt = chat(tokenizer, text, len(images))
+    out = stream_generate(model, tokenizer, prompt, images=images or None, max_tokens=n)
+    return "".join(r.text for r in out)
+
+
+def test_a_prompts_file_with_images(folder, pictures, qwen, tmp_path):
+    """JSONL lines with ``images`` (relative to the file's folder) and without,
+    decoded in one batch: each its lone text; the vision tower runs for a prompt
+    when it joins, not before."""
+    model, tokenizer = qwen
+    lines = [
+        {"prompt": "Transcribe.", "images": ["page.png"]},
+        {"prompt": "Tell me a story about a fox."},
+        {"prompt": "What colour is this?", "images": [str(pictures[1])]},
+        {"prompt": "What is in these?", "images": ["page.png", "square.png"]},
+    ]
+    for picture in pictures:
+        (tmp_path / picture.name).write_bytes(picture.read_bytes())
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["generate", "--model", str(folder()), "--prompts-file", str(path)]
+    result = CliRunner().invoke(main, args + ["-m", "12", "--max-batch", "2"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    files = [[tmp_path / "page.png"], [], [pictures[1]], list(pictures)]
+    expected = [
+        alone_text(model, tokenizer, line["prompt"], images, 12)
+        for line, images in zip(lines, files)
+    ]
+    assert [r["text"] for r in rows] == expected
+    assert expected[0] != expected[2]
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ({"prompt": "Hi.", "images": ["missing.png"]}, "line 1: no image file"),
+        ({"prompt": "Hi.", "images": "page.png"}, "must be a list of file paths"),
+        (
+            {"messages": [{"role": "user", "content": "Hi"}], "images": ["a.png"]},
+            "'images' go with a 'prompt'",
+        ),
+    ],
+)
+def test_a_bad_images_line_is_one_line_and_exit_2(folder, tmp_path, line, words):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    args = ["generate", "--model", str(folder()), "--prompts-file", str(path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and words in result.output
+    assert "Traceback" not in result.output
+
+
+def test_images_for_a_text_model_and_unreadable_ones_name_the_line(
+    checkpoint, folder, tmp_path
+):
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    for model_path, image, words in (
+        (checkpoint("qwen3_5"), "bad.png", "line 2: this qwen3_5 checkpoint"),
+        (folder(), "bad.png", "line 2: " + str(tmp_path / "bad.png")),
+    ):
+        path = tmp_path / "prompts.jsonl"
+        lines = [{"prompt": "Hi."}, {"prompt": "Hi.", "images": [image]}]
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        args = ["generate", "--model", str(model_path), "--prompts-file", str(path)]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_an_image_gone_before_its_prompt_joins_fails_that_prompt_only(
+    qwen, pictures, tmp_path
+):
+    """``batch_generate(media=)`` with media made when each prompt joins: an image
+    deleted after it was sized fails its prompt (an error result), and the others
+    decode as alone."""
+    from mlx_mtp.images import pending_media
+
+    model, tokenizer = qwen
+    doomed = tmp_path / "doomed.png"
+    doomed.write_bytes(pictures[0].read_bytes())
+    texts = ["Transcribe.", "Tell me a story about a fox.", "Transcribe."]
+    files = [[doomed], [], [pictures[0]]]
+    ids, media = [], []
+    for text, images in zip(texts, files):
+        prompt = encode_prompt(tokenizer, chat(tokenizer, text, len(images)))
+        made = pending_media(model, prompt, images) if images else (prompt, None)
+        ids.append(made[0])
+        media.append(made[1])
+    doomed.unlink()
+    out = batch_generate(model, tokenizer, ids, max_tokens=12, media=media, max_batch=2)
+    assert out.finish_reasons[0] == "error" and "doomed.png" in out.errors[0]
+    for i in (1, 2):
+        images = files[i]
+        assert out.texts[i] == alone_text(model, tokenizer, texts[i], images, 12)

@@ -315,7 +315,6 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Me
     Raises:
         MTPError: the placeholders are not one per image.
     """
-    config = trunk.config
     tower = trunk.vision_tower
 
     def features(grid, digests):
@@ -327,13 +326,17 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Me
 
     return build(
         ids,
-        config.image_token_id,
-        config.vision_config.spatial_merge_size,
+        *image_placeholder(trunk),
         pixel_values,
         grid_thw,
         features,
         lambda ids, grid: trunk.get_rope_index(ids, image_grid_thw=grid),
     )
+
+
+def image_placeholder(trunk) -> Tuple[int, int]:
+    config = trunk.config
+    return config.image_token_id, config.vision_config.spatial_merge_size
 
 
 FAMILY = define(
@@ -350,4 +353,5 @@ FAMILY = define(
     hidden=hidden,
     image_processor=image_processor,
     media=media,
+    image_placeholder=image_placeholder,
 )

@@ -71,4 +71,5 @@ FAMILY = qwen3_next.FAMILY.derive(
     hidden=qwen_vision.hidden,
     image_processor=qwen_vision.image_processor,
     media=qwen_vision.media,
+    image_placeholder=qwen_vision.image_placeholder,
 )

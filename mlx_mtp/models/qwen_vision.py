@@ -354,14 +354,13 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], Med
         return _language().LanguageModel.get_rope_index(holder, ids, grid)
 
     return build(
-        ids,
-        config.image_token_id,
-        config.vision_config.spatial_merge_size,
-        pixel_values,
-        grid_thw,
-        features,
-        rope_index,
+        ids, *image_placeholder(trunk), pixel_values, grid_thw, features, rope_index
     )
+
+
+def image_placeholder(trunk) -> Tuple[int, int]:
+    config = trunk.vlm_config
+    return config.image_token_id, config.vision_config.spatial_merge_size
 
 
 class _RopeIndex:
