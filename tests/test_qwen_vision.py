@@ -125,6 +125,7 @@ def test_two_images_greedy_equals_mlx_vlm(qwen, pictures, mlx_vlm_tokens):
         )
 
 
+@pytest.mark.slow
 def test_moe_image_greedy_equals_mlx_vlm(folder, pictures, mlx_vlm_tokens):
     model, tokenizer = load(str(folder("qwen3_5_moe")))
     prompt = chat(tokenizer, "Transcribe.", 1)
@@ -470,6 +471,7 @@ def test_graft_onto_an_mlx_vlm_conversion(folder, pictures, tmp_path, qwen):
     assert tokens == expected and stats.accepted > 0
 
 
+@pytest.mark.slow
 def test_converting_without_mlx_vlm_says_the_tower_is_left_out(
     folder, tmp_path, monkeypatch, caplog
 ):
