@@ -965,7 +965,10 @@ def _check_image_flags(batch: dict) -> None:
     from .distributed import launched
 
     if batch["prompts_file"] is not None:
-        raise click.UsageError("--image does not go with --prompts-file")
+        raise click.UsageError(
+            "--image does not go with --prompts-file (a JSONL line takes its own "
+            "'images')"
+        )
     if launched() is not None:
         raise click.UsageError("--image does not run under mlx.launch")
 

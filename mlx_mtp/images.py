@@ -132,7 +132,10 @@ def no_images(model) -> str:
     if refusal:
         return refusal
     if model.family.media is not None:
-        return f"this {model.family.name} checkpoint has no vision tower"
+        return (
+            f"this {model.family.name} checkpoint has no vision tower (a text-only "
+            "conversion: `mlx-mtp convert` of the Hugging Face release keeps it)"
+        )
     return f"{model.family.name} reads no images (a text model)"
 
 
