@@ -1043,10 +1043,14 @@ def _generate_file(model, decode, ignore_chat_template, batch: dict, options: di
                 click.echo(f"{done} in {batch['output']} already", err=True)
             return
         mdl, tokenizer = _load_for_decoding(model, options)
-        ids = [
-            _file_prompt_ids(tokenizer, p, path, ignore_chat_template, options)
-            for p in pending
-        ]
+        ids = []
+        for p in pending:
+            tokens, parts = _file_prompt(
+                mdl, tokenizer, p, path, ignore_chat_template, options
+            )
+            ids.append(tokens)
+            if parts:  # a chat's image_url parts
+                images[p.line] = parts
         media = _file_media(mdl, pending, ids, images, path)
         todo = [per_line[p.line] for p in pending]
         _check_loaded(mdl, tokenizer, pending, ids, todo, decode, path)
@@ -1180,16 +1184,20 @@ def _file_media(model, prompts, ids, images: dict, path: str):
     return media
 
 
-def _file_prompt_ids(tokenizer, prompt, path, ignore_chat_template, options):
-    """Token ids of a `mlx_mtp.prompts_file.FilePrompt`: text as ``--prompt`` (the
-    chat template and --system-prompt applied, but no escapes), or a chat's messages
-    rendered by the chat template; a failure is a `PromptsFileError` naming the line."""
+def _file_prompt(model, tokenizer, prompt, path, ignore_chat_template, options):
+    """Token ids of a `mlx_mtp.prompts_file.FilePrompt`, and the encoded images of
+    its chat's ``image_url`` parts (none for text): text as ``--prompt`` (the chat
+    template and --system-prompt applied, but no escapes, and its ``images``' one
+    placeholder each), or a chat's messages rendered by the chat template (each
+    image part a placeholder, refused for a ``model`` that reads none); a failure is
+    a `PromptsFileError` naming the line."""
     from .errors import MTPError
     from .prompts_file import PromptsFileError, source_name
+    from .server_checks import RequestError, check_messages, take_images
 
     try:
         if not prompt.is_chat:
-            return build_prompt(
+            ids = build_prompt(
                 tokenizer,
                 prompt.prompt,
                 options["system_prompt"],
@@ -1197,11 +1205,18 @@ def _file_prompt_ids(tokenizer, prompt, path, ignore_chat_template, options):
                 escapes=False,
                 images=len(prompt.images),
             )
+            return ids, []
         if ignore_chat_template or not tokenizer.has_chat_template:
             raise MTPError("'messages' need the model's chat template")
-        text = check_text(render_chat(tokenizer, prompt.prompt), "the chat")
-        return tokenizer.encode(text, add_special_tokens=False)
-    except MTPError as e:
+        check_messages(prompt.prompt, images=reads_images(model))
+        messages = [dict(m) for m in prompt.prompt]  # the line's own stay as given
+        for m in messages:
+            if isinstance(m.get("content"), list):
+                m["content"] = [dict(part) for part in m["content"]]
+        parts = take_images(messages, read=False)
+        text = check_text(render_chat(tokenizer, messages), "the chat")
+        return tokenizer.encode(text, add_special_tokens=False), parts
+    except (MTPError, RequestError) as e:
         where = source_name(path)
         raise PromptsFileError(f"{where} line {prompt.line}: {e}") from None
 

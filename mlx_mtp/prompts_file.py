@@ -3,13 +3,14 @@ results written as they finish, one JSON object per prompt.
 
 The file holds one prompt a line (plain text; blank lines skipped; the text is taken
 as it is, ``\\n`` included), or JSONL: one JSON object a line, ``prompt`` (text) or
-``messages`` (a chat, checked as the server checks one), optional ``id``, optional
-``images`` (image files asked about in ``prompt``, for a model that reads images;
-relative paths from the file's folder; each is read when its prompt is sized, and
-through the vision tower when it joins the batch), and any
+``messages`` (a chat, checked as the server checks one, ``image_url`` parts with
+``data:`` URLs included), optional ``id``, optional ``images`` (image files asked
+about in ``prompt``; relative paths from the file's folder), and any
 `DecodeOptions` field (``max_tokens``, ``temp``, ``num_draft_tokens``,
 ``logit_bias``, ...) for that prompt alone, or ``json_schema`` / ``json_object`` /
-``regex`` for its grammar. A file is JSONL when its first line starts with ``{`` or
+``regex`` for its grammar. A prompt's images (for a model that reads them) are read
+and sized before decoding, and go through the vision tower when the prompt joins
+the batch. A file is JSONL when its first line starts with ``{`` or
 any line is a JSON object; every line must then be one. Everything is checked before
 a model loads: a bad line is a `PromptsFileError` naming it.
 
@@ -240,7 +241,7 @@ def _check_chat(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise PromptsFileError(f"{where}: 'messages' must be a non-empty list")
     try:
-        check_messages(messages)
+        check_messages(messages, images=True)  # the model tells, once it loads
         check_json(messages, "messages")
     except RequestError as e:
         raise PromptsFileError(f"{where}: {e}") from None

@@ -507,12 +507,12 @@ def image_url(part: dict) -> Optional[str]:
 MAX_IMAGES = 16
 
 
-def take_images(messages: list) -> list:
+def take_images(messages: list, read: bool = True) -> list:
     """The images of checked ``messages``' ``image_url`` parts, in order, read
-    (`mlx_mtp.images`: ``data:`` URLs only, bounded before decoding), each part
-    replaced by ``{"type": "image"}`` for the chat template; 400 for an image that
-    cannot be read, a URL that is not a ``data:`` URL (the server fetches
-    nothing), or more than `MAX_IMAGES`."""
+    (`mlx_mtp.images`: ``data:`` URLs only, bounded before decoding; ``read``
+    False: their encoded bytes), each part replaced by ``{"type": "image"}`` for
+    the chat template; 400 for an image that cannot be read, a URL that is not a
+    ``data:`` URL (the server fetches nothing), or more than `MAX_IMAGES`."""
     found = []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -525,7 +525,8 @@ def take_images(messages: list) -> list:
                     f"a request may carry {MAX_IMAGES} images at most", "messages"
                 )
             try:
-                found.append(read_image(data_url(image_url(part), where), where))
+                data = data_url(image_url(part), where)
+                found.append(read_image(data, where) if read else data)
             except ImageError as e:
                 raise bad_request(one_line(e), "messages") from None
             content[j] = {"type": "image"}

@@ -506,11 +506,17 @@ def test_a_prompts_file_with_images(folder, pictures, qwen, tmp_path):
     decoded in one batch: each its lone text; the vision tower runs for a prompt
     when it joins, not before."""
     model, tokenizer = qwen
+    square = "data:image/png;base64," + _png(pictures[1])
+    parts = [
+        {"type": "image_url", "image_url": {"url": square}},
+        {"type": "text", "text": "What colour is this?"},
+    ]
     lines = [
         {"prompt": "Transcribe.", "images": ["page.png"]},
         {"prompt": "Tell me a story about a fox."},
         {"prompt": "What colour is this?", "images": [str(pictures[1])]},
         {"prompt": "What is in these?", "images": ["page.png", "square.png"]},
+        {"messages": [{"role": "user", "content": parts}]},
     ]
     for picture in pictures:
         (tmp_path / picture.name).write_bytes(picture.read_bytes())
@@ -525,8 +531,10 @@ def test_a_prompts_file_with_images(folder, pictures, qwen, tmp_path):
         alone_text(model, tokenizer, line["prompt"], images, 12)
         for line, images in zip(lines, files)
     ]
-    assert [r["text"] for r in rows] == expected
+    assert [r["text"] for r in rows[:4]] == expected
     assert expected[0] != expected[2]
+    assert rows[4]["text"] == expected[2]  # the same image and question, as a chat
+    assert rows[4]["prompt"] == lines[4]["messages"]  # the line as given
 
 
 @pytest.mark.parametrize(
@@ -537,6 +545,19 @@ def test_a_prompts_file_with_images(folder, pictures, qwen, tmp_path):
         (
             {"messages": [{"role": "user", "content": "Hi"}], "images": ["a.png"]},
             "'images' go with a 'prompt'",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "http://x/a"}}
+                        ],
+                    }
+                ]
+            },
+            "line 1: messages[0].content[0]: only data: URLs are read",
         ),
     ],
 )
