@@ -284,6 +284,7 @@ def test_a_checkpoint_without_tower_or_mlx_vlm_refuses_images(
         prompt_media(model, [1, 2], pictures[:1])
 
 
+@pytest.mark.slow  # the default suite's time
 def test_a_tower_mlx_vlm_cannot_build_leaves_text(folder, tmp_path, pictures):
     """A vision config mlx-vlm refuses (deepstack layers, which it has not for
     Qwen3.5) loads the text model, and an image gets one line saying why."""
@@ -323,6 +324,7 @@ def test_cli_image(folder, pictures, qwen, mlx_vlm_tokens):
     assert tokenizer.decode(expected) in result.output
 
 
+@pytest.mark.slow  # the default suite's time; GLM-OCR's run there
 def test_a_quantized_conversion_reads_images(folder, pictures, tmp_path, qwen):
     """``convert -q`` keeps the tower (in float) and ``vision_config``; the
     conversion reads images and drafts, equal to its own plain decoding."""
@@ -354,6 +356,7 @@ def served(folder):
     server.close()
 
 
+@pytest.mark.slow  # the default suite's time; GLM-OCR's run there
 def test_server_apis_take_images(served, qwen, pictures):
     model, tokenizer = qwen
     prompt = chat(tokenizer, "Transcribe.", 1)
@@ -570,6 +573,7 @@ def test_a_bad_images_line_is_one_line_and_exit_2(folder, tmp_path, line, words)
     assert "Traceback" not in result.output
 
 
+@pytest.mark.slow  # the default suite's time
 def test_images_for_a_text_model_and_unreadable_ones_name_the_line(
     checkpoint, folder, tmp_path
 ):
