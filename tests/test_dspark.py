@@ -511,7 +511,8 @@ def test_sampling_is_exact_with_each_markov_head(smalls, markov):
     assert not sampling_fails(smalls(markov, tau=0.0), BLOCK_SIZE)
 
 
-@pytest.mark.parametrize("markov", SAMPLED_MARKOV)  # gated, rnn: with -m slow
+@pytest.mark.slow  # about 7 s per head: with -m slow (CI runs both)
+@pytest.mark.parametrize("markov", MARKOV)
 def test_sampling_test_catches_q_without_the_markov_correction(
     smalls, markov, monkeypatch
 ):
@@ -611,6 +612,7 @@ def test_batched_rows_with_different_draft_vocabularies(ranked):
             assert out[i] == [t.token for t in mtp_generate_step(p, ranked, o)], i
 
 
+@pytest.mark.slow  # about 9 s: with -m slow (CI runs both)
 def test_sampling_from_a_draft_vocabulary_is_exact(ranked):
     assert not sampling_fails(ranked, BLOCK_SIZE, draft_vocab=V // 4)
 

@@ -141,7 +141,9 @@ def test_batched_rows_mix_text_and_images(ocr, pictures):
     assert alone[0] != alone[2]  # the images, not only the text, decide
 
 
-@pytest.mark.parametrize("rule", [None, accept_always])
+@pytest.mark.parametrize(
+    "rule", [None, pytest.param(accept_always, marks=pytest.mark.slow)]
+)
 def test_image_sampling_matches_target(ocr, pictures, monkeypatch, rule):
     """The first two tokens after an image, drafted (k=2) and accepted by rejection
     sampling, follow the target's joint distribution (chi-square); a wrong
