@@ -45,10 +45,19 @@ from .cache import Caches, check_rollback, keep_below, make_caches
 from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError, one_line
 from .media import attach as attach_media
+from .media import of_caches
 from .options import DecodeOptions, longest_draft
 from .resolve import drafting
 from .round import DecodeState, Round, commit, draft, launch, plan
-from .speculative import Run, Session, append, extend_mtp, kept_state, prefill
+from .speculative import (
+    Run,
+    Session,
+    append,
+    chunk_stop,
+    extend_mtp,
+    kept_state,
+    prefill,
+)
 from .stats import MTPStats
 
 
@@ -162,6 +171,7 @@ class Admission:
         key = mx.random.key(seed)
         self.run = Run(model, session, plan, options, key, batch.tokenizer)
         self.todo = prompt
+        self.held = len(session.tokens)  # the token index of prompt[0]
         self.step = options.prefill_step_size
         # after ``mark`` tokens of ``prompt``, ``on_mark(snapshot)`` (the server
         # keeps a system prompt's caches apart); a marked admission prefills alone
@@ -186,6 +196,7 @@ class Admission:
         size = self.step
         if self.mark is not None and self.ran < self.mark:
             size = min(size, self.mark - self.ran)
+        size = self._whole_images(size)
         chunk, self.todo = self.todo[:size], self.todo[size:]
         model, s, kv = self.batch.model, self.run.session, self.options.kv
         if s.state is None:
@@ -196,6 +207,26 @@ class Admission:
         if self.ran == self.mark and self.on_mark is not None:
             self.on_mark(s.snapshot())
         return len(chunk)
+
+    def _whole_images(self, size: int) -> int:
+        """``size`` tokens of the prompt next, or as many as end the chunk's trunk
+        pass (which leaves its last token pending) off the inside of an image
+        (`mlx_mtp.speculative.chunk_stop`)."""
+        done = self.held + self.ran  # committed before this chunk
+        if not done:  # the first pass holds no pending token
+            return chunk_stop(self.batch.model, self.session.caches, 0, 0, size - 1) + 1
+        end = chunk_stop(
+            self.batch.model, self.session.caches, 0, done - 1, done + size - 1
+        )
+        return end + 1 - done
+
+    @property
+    def whole_images(self) -> bool:
+        """Whether its prompt has images that must each be in one pass: it is then
+        prefilled alone (`prefill_together` pads and cuts prompts together)."""
+        return bool(getattr(self.batch.model.trunk, "images_whole", False)) and (
+            of_caches(self.session.caches) is not None
+        )
 
     def row(self, eos: Iterable[int]) -> Row:
         self.run.begin()
@@ -230,7 +261,7 @@ def prefill_together(admissions: Sequence[Admission]) -> None:
     prompts left-padded to the longest, in one-off batch caches (padded entries
     hidden, recurrent layers masked as mlx-lm's batched prefill masks them). Each is
     then ready, its session as its own `Admission.advance` calls would leave it."""
-    alone = [a for a in admissions if not a.fresh or len(a.todo) < 2]
+    alone = [a for a in admissions if not a.fresh or len(a.todo) < 2 or a.whole_images]
     if len(admissions) - len(alone) < 2:
         alone = admissions
     for a in alone:  # a one-token prompt runs no trunk pass

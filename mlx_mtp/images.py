@@ -196,8 +196,7 @@ def pending_media(
     grid = [
         list(map(int, g)) for g in _processed(processor, pictures)["image_grid_thw"]
     ]
-    token, merge = model.family.image_placeholder(model.trunk)
-    expanded, _ = expand(ids, token, merge, grid)
+    expanded, _ = expand(ids, model.family.image_placeholder(model.trunk), grid)
     return expanded, PendingMedia(model, list(ids), images, expanded)
 
 

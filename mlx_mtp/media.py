@@ -19,7 +19,7 @@ holds None: its positions are its indices.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -135,6 +135,18 @@ class MediaCache:
         feature = media.features[mx.argmax(hit, axis=1)].astype(e.dtype)  # (n, H)
         return mx.where(found, feature, e)
 
+    def images(self, offsets: Offsets, n: int) -> mx.array:
+        """``(B, n)`` bool: which of the pass's inputs are image features."""
+        idx = _indices(offsets, n, len(self.rows))  # (B, n)
+        return mx.stack([_row_images(m, idx[b]) for b, m in enumerate(self.rows)])
+
+    def same_image(self, offsets: Offsets, n: int) -> mx.array:
+        """``(B, n, n)`` bool: whether a row's inputs i and j are features of one
+        image."""
+        idx = _indices(offsets, n, len(self.rows))  # (B, n)
+        blocks = mx.stack([_row_blocks(m, idx[b]) for b, m in enumerate(self.rows)])
+        return (blocks[:, :, None] == blocks[:, None, :]) & (blocks >= 0)[:, :, None]
+
     # -- the cache protocol -------------------------------------------------------
 
     def can_roll_back(self) -> bool:
@@ -191,6 +203,24 @@ class MediaCache:
 
     def read_kv(self, positions: Sequence[int], window: Optional[int] = None):
         raise ValueError("a MediaCache holds no keys or values")
+
+
+def _row_images(media: Optional[Media], idx: mx.array) -> mx.array:
+    if media is None or media.index.size == 0:
+        return mx.zeros(idx.shape, dtype=mx.bool_)
+    return (idx[:, None] == media.index[None, :]).any(axis=1)
+
+
+def _row_blocks(media: Optional[Media], idx: mx.array) -> mx.array:
+    """``(n,)`` int32: the image (its number in the prompt) each index is a feature
+    of, -1 for none."""
+    if media is None or not media.spans:
+        return mx.full(idx.shape, -1, dtype=mx.int32)
+    starts = mx.array([a for a, _, _ in media.spans], dtype=mx.int32)
+    ends = mx.array([b for _, b, _ in media.spans], dtype=mx.int32)
+    inside = (idx[:, None] >= starts[None]) & (idx[:, None] < ends[None])  # (n, S)
+    first = mx.argmax(inside.astype(mx.int32), axis=1).astype(mx.int32)
+    return mx.where(inside.any(axis=1), first, -1)
 
 
 def _indices(offsets: Offsets, n: int, rows: int) -> mx.array:
@@ -252,17 +282,28 @@ def attach(caches, media: Optional[Media], held: int = 0) -> None:
         c.set(media)
 
 
+class Placeholder(NamedTuple):
+    """How a family's prompt holds an image: the chat template writes ``token``
+    once per image; the model reads it repeated once per feature (an image of
+    t x h x w patches merged ``merge`` x ``merge`` has t*h*w / merge**2), between
+    ``before`` and ``after`` (Gemma 4's begin- and end-of-image tokens)."""
+
+    token: int
+    merge: int
+    before: Tuple[int, ...] = ()
+    after: Tuple[int, ...] = ()
+
+
 def expand(
-    ids: Sequence[int], token: int, merge: int, grid_thw: Sequence[Sequence[int]]
+    ids: Sequence[int], placeholder: Placeholder, grid_thw: Sequence[Sequence[int]]
 ) -> Tuple[List[int], List[Tuple[int, int]]]:
-    """``ids`` with each image placeholder ``token`` repeated for its image's
-    features (an image of ``grid_thw`` (t, h, w) patches merged ``merge`` x
-    ``merge``: t*h*w / merge**2), and where each image's placeholders are
-    (``[start, end)``).
+    """``ids`` with each image placeholder expanded as the model reads it
+    (`Placeholder`), and where each image's features go (``[start, end)``).
 
     Raises:
         MTPError: the placeholders are not one per image.
     """
+    token, merge, before, after = placeholder
     if list(ids).count(token) != len(grid_thw):
         raise MTPError(
             f"the prompt has {list(ids).count(token)} image placeholders for "
@@ -271,8 +312,10 @@ def expand(
     counts, places, out = [t * h * w // merge**2 for t, h, w in grid_thw], [], []
     for t in ids:
         if t == token:
+            out += before
             places.append((len(out), len(out) + counts[len(places)]))
             out += [t] * counts[len(places) - 1]
+            out += after
         else:
             out.append(t)
     return out, places
@@ -280,26 +323,25 @@ def expand(
 
 def build(
     ids: Sequence[int],
-    token: int,
-    merge: int,
+    placeholder: Placeholder,
     pixel_values,
     grid_thw: Sequence[Sequence[int]],
     features,
-    rope_index,
+    rope_index=None,
 ) -> Tuple[List[int], Media]:
     """A prompt's ids as the model reads them, and its `Media`.
 
     Args:
-        ids: The prompt, with one image placeholder ``token`` per image, in order
-            (as a chat template writes them).
-        merge: The vision tower's spatial merge: an image of ``grid_thw`` (t, h, w)
-            patches gives t*h*w / merge**2 features, and its placeholder is
-            repeated that many times (as the families' processors repeat it).
-        pixel_values: ``(patches, C*T*P*P)``, the images' patches, in order.
+        ids: The prompt, with one image placeholder per image, in order (as a chat
+            template writes them), expanded as `expand` does.
+        pixel_values: The images' pixels, in order: ``(patches, C*T*P*P)``, each
+            image ``t*h*w`` rows of it, or a list of one array per image.
+        grid_thw: Per image its (t, h, w) patches.
         features: ``features(grid, digests) -> (N, H)``, the tower's features of all
             the images (``grid`` ``(images, 3)`` int32; ``digests`` one per image).
         rope_index: ``rope_index(ids (1, P), grid) -> (positions (3, 1, P), delta)``,
-            the family's M-RoPE positions of the expanded prompt.
+            the family's M-RoPE positions of the expanded prompt (None: a family
+            whose positions are the token indices).
 
     Raises:
         MTPError: the placeholders are not one per image.
@@ -308,26 +350,47 @@ def build(
 
     import numpy as np
 
-    out, places = expand(ids, token, merge, grid_thw)
-    patches = np.asarray(pixel_values, dtype=np.float32)
-    spans, row = [], 0
-    for (t, h, w), (start, end) in zip(grid_thw, places):
-        image = patches[row : row + t * h * w]  # the image's
-        digest = hashlib.sha256(repr((t, h, w)).encode() + image.tobytes())
+    out, places = expand(ids, placeholder, grid_thw)
+    if isinstance(pixel_values, (list, tuple)):
+        per_image = [np.asarray(p, dtype=np.float32) for p in pixel_values]
+    else:
+        patches, per_image, row = np.asarray(pixel_values, dtype=np.float32), [], 0
+        for t, h, w in grid_thw:
+            per_image.append(patches[row : row + t * h * w])
+            row += t * h * w
+    spans = []
+    for thw, (start, end), image in zip(grid_thw, places, per_image):
+        digest = hashlib.sha256(repr(tuple(thw)).encode() + image.tobytes())
         spans.append([start, end, digest.hexdigest()[:32]])
-        row += t * h * w
     grid = mx.array(grid_thw, dtype=mx.int32)
     found = features(grid, tuple(d for *_, d in spans))
-    positions, delta = rope_index(mx.array([out]), grid)
+    if rope_index is None:
+        positions, delta = (
+            mx.broadcast_to(mx.arange(len(out))[None, None], (3, 1, len(out))),
+            0,
+        )
+    else:
+        positions, delta = rope_index(mx.array([out]), grid)
     key = hashlib.sha256(repr(spans).encode()).hexdigest()[:32]
     return out, Media(
         positions=positions[:, 0].astype(mx.int32),  # (3, P)
         delta=int(mx.array(delta).reshape(-1)[0].item()),
-        index=mx.array([i for i, t in enumerate(out) if t == token], dtype=mx.int32),
+        index=mx.array([i for a, b, _ in spans for i in range(a, b)], dtype=mx.int32),
         features=found,
         key=key,
         spans=spans,
     )
+
+
+def chunk_end(media: Optional[Media], start: int, end: int) -> int:
+    """The end of a prefill chunk of token indices ``[start, end)`` moved off the
+    inside of an image (for a trunk whose images attend within themselves both
+    ways, each must be in one pass): to the image's start when the chunk holds
+    tokens before it, else to its end."""
+    for a, b, _ in media.spans if media is not None else ():
+        if a < end < b:
+            return a if a > start else b
+    return end
 
 
 # The vision tower's features of the last few sets of images (a conversation's

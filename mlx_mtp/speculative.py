@@ -32,7 +32,7 @@ from .draft_length import DraftPolicy, Unverified
 from .errors import MTPError
 from .lookup import continuation
 from .media import attach as attach_media
-from .media import keyed, of_caches
+from .media import chunk_end, keyed, of_caches
 from .options import DecodeOptions
 from .processors import Rules, make_rules
 from .resolve import Drafting, drafting
@@ -96,6 +96,16 @@ def prefill(
     return append(model, caches, state, prompt, step, kv)
 
 
+def chunk_stop(model, caches: Caches, first: int, start: int, stop: int) -> int:
+    """Where a prefill chunk ``[start, stop)`` of tokens whose first is at index
+    ``first`` ends: at ``stop``, or off the inside of an image for a trunk whose
+    images attend within themselves both ways (``images_whole``: Gemma 4's)."""
+    if not getattr(model.trunk, "images_whole", False):
+        return stop
+    media = of_caches(caches)
+    return chunk_end(media, first + start, first + stop) - first
+
+
 def append(
     model,
     caches: Caches,
@@ -107,10 +117,14 @@ def append(
     """Commit ``tokens`` after ``state`` (a fresh one, or one a finished generation
     left): the trunk runs over the pending token and all new ones but the last, which
     becomes the pending token."""
+    first = max(len(state.tokens) - 1, 0)  # the token index of todo[0]
     todo = state.tokens[-1:] + list(tokens[:-1])
     state.tokens.extend(tokens)
-    for start in range(0, len(todo), step):
-        ids = mx.array(todo[start : start + step])[None]
+    start = 0
+    while start < len(todo):
+        stop = chunk_stop(model, caches, first, start, min(start + step, len(todo)))
+        ids = mx.array(todo[start:stop])[None]
+        start = stop
         h = model.hidden(ids, caches.trunk)  # (1, L, H)
         kv.apply(caches.trunk)
         if state.depth:

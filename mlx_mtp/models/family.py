@@ -81,9 +81,10 @@ Optional (default in brackets):
   for its image's features) and its `mlx_mtp.media.Media` (the trunk's caches
   then end with a `mlx_mtp.media.MediaCache`, and each MTP layer keeps one: its
   ``reads_media``);
-- ``image_placeholder(trunk) -> (token_id, merge)``: with ``media``, the image
-  placeholder token and the tower's spatial merge (an image of t x h x w patches
-  takes t*h*w / merge**2 placeholders: `mlx_mtp.media.expand`);
+- ``image_placeholder(trunk) -> mlx_mtp.media.Placeholder``: with ``media``, how
+  the prompt holds an image: the placeholder token, the tower's spatial merge (an
+  image of t x h x w patches takes t*h*w / merge**2 placeholders) and the tokens
+  around them (`mlx_mtp.media.expand`);
 - ``make_drafter(trunk, config)`` [None]: the checkpoint's MTP tensors are a block
   drafter (DeepSeek-V4.1's DSpark stages), not MTP layers: the module ``sanitize``'s
   names load into, attached as the model's drafter (``make_layer`` then refuses).
@@ -207,7 +208,7 @@ class Family:
     make_drafter: Optional[Callable[[Any, dict], Any]] = None
     image_processor: Optional[Callable[[Any], Any]] = None
     media: Optional[Callable[..., Any]] = None
-    image_placeholder: Optional[Callable[[Any], Tuple[int, int]]] = None
+    image_placeholder: Optional[Callable[[Any], Any]] = None
 
     def __post_init__(self):
         # The default count follows MTP_CONFIG_KEYS, also in a derived family that

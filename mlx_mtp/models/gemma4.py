@@ -6,13 +6,15 @@ The trunk is mlx-lm's (``gemma4`` wraps ``gemma4_text`` as ``language_model``; t
 unified variant loads with the same class). What differs from the defaults: the text
 model sits one level down in the multimodal wrapper, the logits are soft-capped
 (``final_logit_softcapping``), and ``embed`` is the embedding as the first layer sees
-it, scaled by sqrt(H): the assistant's input.
+it, scaled by sqrt(H): the assistant's input. A ``gemma4`` checkpoint with its vision
+tower reads images (`mlx_mtp.models.gemma_vision`).
 """
 
 from typing import Optional
 
 import mlx.core as mx
 
+from . import gemma_vision
 from .family import Layout, define
 
 # transformers' Gemma4TextConfig defaults where mlx-lm's ModelArgs defaults differ: a
@@ -95,7 +97,20 @@ def text_args(trunk):
     return text_model(trunk).args
 
 
+def trunk_classes(config: dict):
+    """mlx-lm's class for the checkpoint; a multimodal ``gemma4`` one able to keep
+    its vision tower (`mlx_mtp.models.gemma_vision`)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    if config.get("model_type") == "gemma4" and "vision_config" in config:
+        return gemma_vision.with_vision(model_class, config), args_class
+    return model_class, args_class
+
+
 def hidden(trunk, inputs: mx.array, cache):
+    if gemma_vision.reads_images(trunk):
+        return gemma_vision.hidden(trunk, inputs, cache)
     return text_model(trunk).model(inputs, cache)
 
 
@@ -133,7 +148,11 @@ FAMILY = define(
     sanitize=sanitize,
     make_layer=make_layer,
     text_args=text_args,
+    trunk_classes=trunk_classes,
     hidden=hidden,
+    image_processor=gemma_vision.image_processor,
+    media=gemma_vision.media,
+    image_placeholder=gemma_vision.image_placeholder,
     logits=logits,
     head=head,
     embed=embed,

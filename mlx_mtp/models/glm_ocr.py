@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import MTPError
 from ..media import Media as _Media
-from ..media import MediaCache, build, kept_features
+from ..media import MediaCache, Placeholder, build, kept_features
 from . import deepseek_v3, vlm
 from .base import check_copy, sanitize_layers, split_mtp
 from .family import Layout, define
@@ -326,7 +326,7 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Me
 
     return build(
         ids,
-        *image_placeholder(trunk),
+        image_placeholder(trunk),
         pixel_values,
         grid_thw,
         features,
@@ -334,9 +334,9 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], _Me
     )
 
 
-def image_placeholder(trunk) -> Tuple[int, int]:
+def image_placeholder(trunk) -> Placeholder:
     config = trunk.config
-    return config.image_token_id, config.vision_config.spatial_merge_size
+    return Placeholder(config.image_token_id, config.vision_config.spatial_merge_size)
 
 
 FAMILY = define(

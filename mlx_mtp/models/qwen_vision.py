@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MTPError, one_line
-from ..media import Media, MediaCache, build, kept_features
+from ..media import Media, MediaCache, Placeholder, build, kept_features
 from . import vlm
 from .mtp import MTPLayer
 
@@ -354,13 +354,13 @@ def media(trunk, ids: List[int], pixel_values, grid_thw) -> Tuple[List[int], Med
         return _language().LanguageModel.get_rope_index(holder, ids, grid)
 
     return build(
-        ids, *image_placeholder(trunk), pixel_values, grid_thw, features, rope_index
+        ids, image_placeholder(trunk), pixel_values, grid_thw, features, rope_index
     )
 
 
-def image_placeholder(trunk) -> Tuple[int, int]:
+def image_placeholder(trunk) -> Placeholder:
     config = trunk.vlm_config
-    return config.image_token_id, config.vision_config.spatial_merge_size
+    return Placeholder(config.image_token_id, config.vision_config.spatial_merge_size)
 
 
 class _RopeIndex:

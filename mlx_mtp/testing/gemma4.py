@@ -32,7 +32,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from .fixtures import write_tokenizer
+from .fixtures import CHAT_TEMPLATE, _special_token_ids, write_tokenizer
 
 VOCAB = 512
 HIDDEN = 64
@@ -186,6 +186,107 @@ def _layer(init: _Init, p: str, cfg: dict, i: int) -> Tensors:
     return t
 
 
+# Gemma 4's image markers (begin, placeholder, end), as its tokenizer spells them.
+VISION_TOKENS = ("<|image>", "<|image|>", "<image|>")
+# ChatML, with image parts as Gemma 4's template writes them: one ``<|image|>`` per
+# image (the processor wraps and repeats it).
+VISION_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item %}<|image|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The release's processor settings (16-pixel patches pooled 3 x 3), with a budget of
+# 16 features per image (the release allows 280).
+VISION_PROCESSOR = {
+    "processor_class": "Gemma4Processor",
+    "image_processor": {
+        "image_processor_type": "Gemma4ImageProcessor",
+        "do_convert_rgb": True,
+        "do_normalize": False,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.0, 0.0, 0.0],
+        "image_std": [1.0, 1.0, 1.0],
+        "max_soft_tokens": 16,
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "rescale_factor": 1 / 255,
+        "resample": 3,
+    },
+    "image_seq_length": 16,
+}
+
+
+def vision_config(width: int = 32, layers: int = 2) -> dict:
+    """A tiny ``vision_config`` with the release's keys (its tower is 1152 wide, 27
+    layers of 16 heads of 72)."""
+    return {
+        "model_type": "gemma4_vision",
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": width // 2,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 64,
+        "default_output_length": 16,
+        "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+        "use_clipped_linears": False,
+        "standardize": False,
+    }
+
+
+def _vision_tensors(init: _Init, cfg: dict, text_hidden: int) -> Tensors:
+    """The vision tower under ``model.vision_tower.`` and its projector under
+    ``model.embed_vision.`` (transformers' ``Gemma4VisionModel`` and
+    ``Gemma4MultimodalEmbedder`` names: clippable linears hold ``.linear``)."""
+    p, W = "model.vision_tower.", cfg["hidden_size"]
+    heads, hd, inner = (
+        cfg["num_attention_heads"],
+        cfg["head_dim"],
+        cfg["intermediate_size"],
+    )
+    t = {
+        f"{p}patch_embedder.input_proj.weight": init.normal(W, 3 * 16 * 16, std=0.05),
+        f"{p}patch_embedder.position_embedding_table": init.normal(
+            2, cfg["position_embedding_size"], W, std=0.3
+        ),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"{p}encoder.layers.{i}."
+        for name, shape in (
+            ("self_attn.q_proj", (heads * hd, W)),
+            ("self_attn.k_proj", (cfg["num_key_value_heads"] * hd, W)),
+            ("self_attn.v_proj", (cfg["num_key_value_heads"] * hd, W)),
+            ("self_attn.o_proj", (W, heads * hd)),
+            ("mlp.gate_proj", (inner, W)),
+            ("mlp.up_proj", (inner, W)),
+            ("mlp.down_proj", (W, inner)),
+        ):
+            t[f"{b}{name}.linear.weight"] = init.normal(*shape, std=W**-0.5)
+        t[f"{b}self_attn.q_norm.weight"] = init.norm(hd)
+        t[f"{b}self_attn.k_norm.weight"] = init.norm(hd)
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            t[f"{b}{norm}.weight"] = init.norm(W)
+    t["model.embed_vision.embedding_projection.weight"] = init.normal(
+        text_hidden, W, std=W**-0.5
+    )
+    return t
+
+
 def _target_tensors(cfg: dict, seed: int, std: float, embed_std: float) -> Tensors:
     init = _Init(seed, std)
     p = "model.language_model."
@@ -201,9 +302,6 @@ def _target_tensors(cfg: dict, seed: int, std: float, embed_std: float) -> Tenso
         )
         t[f"{p}per_layer_model_projection.weight"] = init.normal(N * P, H)
         t[f"{p}per_layer_projection_norm.weight"] = init.norm(P)
-    # the multimodal parts mlx-lm's text model drops
-    t["model.vision_tower.encoder.layers.0.mlp.fc1.weight"] = init.normal(16, 8)
-    t["model.embed_vision.embedding_projection.weight"] = init.normal(H, 8)
     return t
 
 
@@ -218,13 +316,24 @@ def write_gemma4(
     damping: Optional[float] = None,
     vocab_size: int = VOCAB,
     layer_types: Optional[list] = None,
+    vision: bool = False,
+    bidirectional: Optional[bool] = None,
 ) -> pathlib.Path:
     """A tiny Gemma 4 target (``kind`` "e2b" or "dense", see the module docstring).
     ``damping`` scales the blocks' output norms of a predictable target (default:
-    the kind's, which gives rounds of every kind with a predictable assistant)."""
+    the kind's, which gives rounds of every kind with a predictable assistant).
+
+    Its vision tower is a placeholder that loading drops, or with ``vision`` a real
+    one (`vision_config`, `VISION_TOKENS`, `VISION_PROCESSOR`), its images open
+    both ways in the sliding layers (``use_bidirectional_attention: "vision"``)
+    for ``bidirectional`` (default: the dense kind, as the 31B release)."""
     text = target_text_config(kind, sliding_window, vocab_size)
     if layer_types is not None:  # a target of another layout, for refusals
         text["layer_types"] = list(layer_types)
+    if bidirectional is None:
+        bidirectional = kind == "dense"
+    if vision and bidirectional:
+        text["use_bidirectional_attention"] = "vision"
     config = {
         "architectures": ["Gemma4ForConditionalGeneration"],
         "model_type": "gemma4",
@@ -245,7 +354,41 @@ def write_gemma4(
     tensors = _target_tensors(text, seed, weight_std, embed_std)
     if predictable:
         damp(tensors, damping or DAMPING[kind])
-    return _write(out_dir, config, tensors)
+    if not vision:  # the multimodal parts mlx-lm's text model drops
+        init = _Init(seed + 7, weight_std)
+        tensors["model.vision_tower.encoder.layers.0.mlp.fc1.weight"] = init.normal(
+            16, 8
+        )
+        tensors["model.embed_vision.embedding_projection.weight"] = init.normal(
+            text["hidden_size"], 8
+        )
+        return _write(out_dir, config, tensors)
+    config["vision_config"] = vision_config()
+    tensors.update(
+        _vision_tensors(
+            _Init(seed + 7, 0.1), config["vision_config"], text["hidden_size"]
+        )
+    )
+    ids = _special_token_ids(VOCAB, VISION_TOKENS)
+    boi, image, eoi = (ids[t] for t in VISION_TOKENS)
+    eos, end = ids["<|endoftext|>"], ids["<|im_end|>"]
+    config.update(
+        image_token_id=image,
+        boi_token_id=boi,
+        eoi_token_id=eoi,
+        eos_token_id=[eos, end],
+        pad_token_id=eos,
+        bos_token_id=eos,
+    )
+    out = _write(out_dir, config, tensors, VISION_TOKENS, VISION_CHAT_TEMPLATE)
+    (out / "processor_config.json").write_text(json.dumps(VISION_PROCESSOR, indent=2))
+    path = out / "tokenizer_config.json"  # the tokenizer's names for its image tokens
+    settings = json.loads(path.read_text())
+    settings["extra_special_tokens"] = dict(
+        zip(("boi_token", "image_token", "eoi_token"), VISION_TOKENS)
+    )
+    path.write_text(json.dumps(settings, indent=2))
+    return out
 
 
 def write_gemma4_assistant(
@@ -295,7 +438,12 @@ def write_gemma4_assistant(
         t["masked_embedding.token_ordering"] = order
         table = t["model.embed_tokens.weight"][order].reshape(num_centroids, -1, Hd)
         t["masked_embedding.centroids.weight"] = table.mean(axis=1) * 4
-    return _write(out_dir, config, t)
+    out = _write(out_dir, config, t)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        source = pathlib.Path(target_dir) / name  # the target's (image tokens too)
+        if source.exists():
+            (out / name).write_bytes(source.read_bytes())
+    return out
 
 
 def _copying(t: Tensors, target_dir, init: _Init, H: int) -> None:
@@ -323,12 +471,14 @@ def damp(t: Tensors, scale: float) -> None:
             t[key] = t[key] * scale
 
 
-def _write(out_dir, config: dict, tensors: Tensors) -> pathlib.Path:
+def _write(
+    out_dir, config: dict, tensors: Tensors, extra=(), template=CHAT_TEMPLATE
+) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = (config.get("text_config") or config)["vocab_size"]
     if vocab_size >= VOCAB:  # smaller ones are for tests that need no tokenizer
-        write_tokenizer(out, VOCAB)
+        write_tokenizer(out, VOCAB, extra, template)
     arrays = {k: mx.array(v) for k, v in tensors.items()}
     mx.save_safetensors(str(out / "model.safetensors"), arrays, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
