@@ -441,3 +441,44 @@ def test_the_releases_tower_names_load_into_the_tower():
     assert "mlp.up_proj.linear.weight is (8, 768)" in gemma_vision._mismatch(
         renamed, tower, projector
     )
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_draft_steps_after_an_image_match_the_numpy_reference(
+    pairs, paths, kind, pictures
+):
+    """Two chained assistant steps after a prompt with an image (its window full of
+    the image's keys and values), reading the trunk's caches in place, equal
+    transformers' math in float64 (`tests/numpy_gemma4.py`), fed every position's
+    keys and values of the same layers from a plain cache of the same prefill."""
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_mtp.cache import assistant_kv
+    from mlx_mtp.media import MediaCache
+
+    from .numpy_gemma4 import assistant_step
+
+    model, tokenizer = pairs(kind)
+    target, assistant = paths(kind)
+    text = chat(tokenizer, "Transcribe.", 1)
+    ids, media = prompt_media(model, encode_prompt(tokenizer, text), pictures[:1])
+    history = [KVCache() for _ in model.trunk.make_cache()[:-1]] + [MediaCache()]
+    history[-1].set(media)
+    h = model.hidden(mx.array([ids]), history)  # (1, P, H)
+    kv_all = {
+        kind: tuple(np.array(a[0], np.float64) for a in history[i].keys_and_values())
+        for kind, i in model.reads.items()
+    }
+    caches = make_caches(model)
+    attach(caches, media)
+    mx.eval(model.hidden(mx.array([ids]), caches.trunk))
+    kv = assistant_kv(model, caches.trunk)
+    hidden, ref_hidden = h[:, -1:], np.array(h[0, -1], np.float64)
+    for token in (7, 300):  # the pending token, then a draft
+        logits, hidden = model.assist(mx.array([[token]]), hidden, kv, len(ids))
+        ref_logits, ref_hidden = assistant_step(
+            assistant, target, token, ref_hidden, kv_all, len(ids)
+        )
+        np.testing.assert_allclose(np.array(logits[0, 0]), ref_logits, atol=1e-4)
+        np.testing.assert_allclose(np.array(hidden[0, 0]), ref_hidden, atol=1e-4)
+        assert int(mx.argmax(logits[0, 0])) == int(np.argmax(ref_logits))
