@@ -3,7 +3,7 @@ against a chat about the same image, and prefill with an image, mlx-mtp against
 mlx-vlm's plain generation on the same files, in one process (one BLAS for both:
 scripts/fast_blas.py).
 
-    python scripts/image_bench.py [--family glm_ocr|qwen3_5] [--model M]
+    python scripts/image_bench.py [--family glm_ocr|qwen3_5|gemma4] [--model M]
         [--size bench|test] [--tokens 48] [--reps 3] [--json out.json]
 
 Without ``--model`` it writes a predictable fixture of the family's layout
@@ -11,7 +11,10 @@ Without ``--model`` it writes a predictable fixture of the family's layout
 the MTP layer often agrees with the trunk): ``--size bench`` a 1024-wide, 8-layer
 text model with an 8-block vision tower (about 100M parameters for GLM-OCR, 120M
 for Qwen3.5 with its Gated-DeltaNet layers, float32), ``test`` the test suite's.
-The image is a rendered page of text. For each prompt (``transcribe``: "Transcribe
+``gemma4`` is the test suite's E2B-shaped pair (a target with per-layer inputs
+and its vision tower, a centroid-head assistant; ``--size test`` only, ``--model``
+then names the target and ``--draft-model`` its assistant). The image is a rendered
+page of text. For each prompt (``transcribe``: "Transcribe
 the page."; ``chat``: a question about the picture) it reports:
 
 - acceptance per position and tokens per verify pass of the MTP layer at k = 3
@@ -50,7 +53,7 @@ SIZES = {
     ),
     "test": {},
 }
-FAMILIES = {"glm_ocr": {}, "qwen3_5": {"vision": True}}  # the fixture's options
+FAMILIES = {"glm_ocr": {}, "qwen3_5": {"vision": True}, "gemma4": {}}
 LINES = [
     "INVOICE 2026-0417",
     "Apples, 12 kg at 3.20 = 38.40",
@@ -107,10 +110,26 @@ def mlx_vlm(model, processor, prompt, image, n):
     return tokens, first, rate
 
 
+def gemma4_pair(tmp: Path, size: str):
+    """The test suite's predictable E2B-shaped Gemma 4 pair, with its tower."""
+    from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
+
+    if size != "test":
+        raise SystemExit("--family gemma4 has the test size only: --size test")
+    target = write_gemma4(
+        tmp / "target", "e2b", predictable=True, vision=True, sliding_window=24
+    )
+    assistant = write_gemma4_assistant(
+        tmp / "assistant", target, centroids=True, predictable=True
+    )
+    return target, assistant
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=sorted(FAMILIES), default="glm_ocr")
     p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--draft-model", type=Path, default=None)
     p.add_argument("--size", choices=sorted(SIZES), default="bench")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--reps", type=int, default=3)
@@ -129,8 +148,10 @@ def main():
     log(f"BLAS: {blas}; device {mx.default_device()}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        path = args.model
-        if path is None:
+        path, draft = args.model, args.draft_model
+        if path is None and args.family == "gemma4":
+            path, draft = gemma4_pair(tmp, args.size)
+        elif path is None:
             path = write_checkpoint(
                 args.family,
                 tmp / "model",
@@ -139,7 +160,7 @@ def main():
                 **FAMILIES[args.family],
             )
         image = render_page(tmp / "page.png")
-        model, tokenizer = load(str(path))
+        model, tokenizer = load(str(path), draft_model=draft and str(draft))
         vlm, processor = vlm_load(str(path), strict=False)  # it skips the MTP layer
         results = {}
         for name, question in PROMPTS.items():
