@@ -864,6 +864,7 @@ def generate(
     from .distributed import Sync
     from .errors import MTPError
     from .generate import format_stats, stream_generate
+    from .media import share as share_media
 
     batch = {k: options.pop(k) for k in ("prompts_file", "max_batch", "output")}
     batch["progress"] = options.pop("progress")
@@ -871,7 +872,8 @@ def generate(
     decode = _decode_options(options, max_tokens=max_tokens, max_kv_size=max_kv_size)
     if images:
         _check_image_flags(batch)
-        pictures = [read_image(path) for path in images]  # bad files fail first
+        if _rank() == 0:  # rank 0 reads the images; bad files fail first
+            pictures = [read_image(path) for path in images]
     if batch["prompts_file"] is not None:
         if prompt_cache is not None:
             raise click.UsageError("--prompt-cache does not go with --prompts-file")
@@ -905,6 +907,8 @@ def generate(
     sync = Sync(mdl.group)
     sync.all_ok(error)
     ids = sync.share_tokens(ids)
+    if images:  # read and encoded on rank 0
+        media = share_media(sync, media)
     _rank_vocabulary(mdl, tokenizer, options, rank)
     session, done, prefilled = None, 0, []
     if prompt_cache is not None:
@@ -961,16 +965,12 @@ def _to_images(model, session, done: int, ids, media, decode):
 
 
 def _check_image_flags(batch: dict) -> None:
-    """--image goes with one prompt on one machine (usage errors otherwise)."""
-    from .distributed import launched
-
+    """--image goes with one prompt (a usage error otherwise)."""
     if batch["prompts_file"] is not None:
         raise click.UsageError(
             "--image does not go with --prompts-file (a JSONL line takes its own "
             "'images')"
         )
-    if launched() is not None:
-        raise click.UsageError("--image does not run under mlx.launch")
 
 
 def _cached_session(path: str, model, ids, decode, media=None):
@@ -1291,12 +1291,16 @@ def chat(model, max_tokens, **options):
             pictures, pending = [], []
             continue
         if text.startswith("/image ") or text == "/image":
-            try:
-                pending.append(_chat_image(mdl, text[len("/image") :].strip()))
-            except MTPError as e:
-                if rank == 0:
+            image, error = None, None
+            if rank == 0:  # rank 0 reads the images (`_next_turn` shares them)
+                try:
+                    image = _chat_image(mdl, text[len("/image") :].strip())
+                except MTPError as e:
+                    error = e
                     click.echo(f"mlx-mtp: error: {e}", err=True)
+            if sync.share_int(int(error is not None)):
                 continue
+            pending.append(image)
             if rank == 0:
                 click.echo(
                     f"(image {len(pending)} goes with your next message)", err=True
@@ -1322,7 +1326,7 @@ def chat(model, max_tokens, **options):
         reply, response, replies = "", None, None
         try:
             ids, session, media = _next_turn(
-                tokenizer, messages, session, mdl, pictures + pending
+                tokenizer, messages, session, mdl, pictures + pending, sync
             )
             pictures, pending = pictures + pending, []
             replies = stream_generate(
@@ -1365,19 +1369,31 @@ def _chat_image(model, path: str):
     return read_image(path)
 
 
-def _next_turn(tokenizer, messages, session, model=None, pictures=()):
+def _next_turn(tokenizer, messages, session, model=None, pictures=(), sync=None):
     """Token ids to feed for the conversation so far, the session to feed them to,
     and the conversation's media (its ``pictures``, for a model that reads images;
     None without): the new tokens only when the session's tokens begin the
     rendered conversation (its images the same), otherwise all of them and a new
-    session."""
+    session. On several ranks (``sync``), rank 0 holds the pictures and makes the
+    ids and media every rank then takes."""
+    from .distributed import Sync
+    from .errors import MTPError
     from .media import keyed
+    from .media import share as share_media
     from .speculative import Session
 
     ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
     media = None
     if pictures:
-        ids, media = prompt_media(model, ids, pictures)
+        sync = sync or Sync(None)
+        error = None
+        if sync.rank == 0:
+            try:
+                ids, media = prompt_media(model, ids, pictures)
+            except MTPError as e:
+                error = e
+        sync.all_ok(error)
+        ids, media = sync.share_tokens(ids), share_media(sync, media)
     held, mine = session.tokens, keyed(ids, media)
     if held and len(ids) > len(held) and mine[: len(held)] == session.key:
         return ids[len(held) :], session, media

@@ -202,14 +202,10 @@ def pending_media(
 
 def _pictures(model, images: Sequence) -> list:
     """``images`` read (`read_image`; ``PIL.Image``s as they are), for a model
-    that reads them on this machine."""
+    that reads them (on several ranks, rank 0 reads them and shares the media:
+    `mlx_mtp.media.share`)."""
     if not reads_images(model):
         raise MTPError(no_images(model))
-    group = getattr(model, "group", None)
-    if group is not None and group.size() > 1:
-        raise MTPError(
-            f"images are read on one machine; this model runs on {group.size()}"
-        )
     return [
         im if hasattr(im, "convert") else read_image(im, _name(im, i))
         for i, im in enumerate(images)

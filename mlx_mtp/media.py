@@ -243,6 +243,48 @@ def keyed(tokens: Sequence[int], media: Optional[Media]) -> list:
     return out
 
 
+def share(sync, media: Optional[Media]) -> Optional[Media]:
+    """Rank 0's ``media`` on every rank of ``sync`` (a `mlx_mtp.distributed.Sync`):
+    images are read and encoded on rank 0 only, so that the files need be on its
+    machine only; the others' ``media`` are ignored. Exact: a sum with zeros."""
+    import json
+
+    if sync.group is None:
+        return media
+    header = None
+    if sync.rank == 0 and media is not None:
+        header = json.dumps(
+            {
+                "features": [list(media.features.shape), str(media.features.dtype)],
+                "length": media.length,
+                "delta": media.delta,
+                "key": media.key,
+                "spans": media.spans,
+            }
+        )
+    header = sync.share_text(header if sync.rank == 0 else None)
+    if header is None:
+        return None
+    about = json.loads(header)
+    (shape, dtype), n = about["features"], about["length"]
+    if sync.rank != 0:
+        dtype = getattr(mx, dtype.split(".")[-1])
+        media = Media(
+            positions=mx.zeros((3, n), mx.int32),
+            delta=0,
+            index=mx.zeros((shape[0],), mx.int32),
+            features=mx.zeros(shape, dtype),
+            key="",
+            spans=[],
+        )
+    arrays = [sync.share(a) for a in (media.positions, media.index, media.features)]
+    mx.eval(arrays)
+    positions, index, features = arrays
+    return Media(
+        positions, about["delta"], index, features, about["key"], about["spans"]
+    )
+
+
 def of_caches(caches) -> Optional[Media]:
     """The `Media` a stream's caches hold (None: none, or a text model)."""
     found = media_caches(caches) if caches is not None else []

@@ -329,6 +329,7 @@ def test_stages_that_do_not_fit_are_refused_in_one_line(
     assert model.drafter is None and model.num_mtp_layers == 0
 
 
+@pytest.mark.slow  # about 9 s: with -m slow (CI runs both)
 def test_batched_rows_decode_as_alone(model):
     """V4.1 rows decoded together, apart (`mlx_mtp.rows.Rows`: each row's trunk
     pass, context rows and block its own, at its own position), joining at

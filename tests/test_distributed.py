@@ -187,3 +187,30 @@ def test_cli_chat_under_mlx_launch(checkpoint):
     )
     assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and two.stdout.count(">>") == 3
+
+
+def test_images_under_mlx_launch(checkpoint, tmp_path):
+    """A Qwen3.5 target with its vision tower on two ranks: ``generate --image`` and
+    chat's ``/image`` print what one process prints (rank 0 reads and encodes the
+    image; every rank takes its media). The file is rank 0's only: rank 1 never
+    opens it."""
+    from PIL import Image, ImageDraw
+
+    path = checkpoint("qwen3_5", True, vision=True)
+    page = tmp_path / "page.png"
+    image = Image.new("RGB", (220, 60), "white")
+    ImageDraw.Draw(image).text((6, 20), "The quick brown fox 1234", fill="black")
+    image.save(page)
+    mlx_mtp = pathlib.Path(sys.executable).with_name("mlx-mtp")
+    generate = [str(mlx_mtp), "generate", "--model", str(path), "--image", str(page)]
+    generate += ["-p", "Transcribe.", "-m", "12", "-k", "2"]
+    chat = [str(mlx_mtp), "chat", "--model", str(path), "-m", "8", "-k", "2", "--quiet"]
+    lines = f"/image {page}\nTranscribe.\nand again\n/image /no/such.png\n/exit\n"
+    for args, given in ((generate, None), (chat, lines)):
+        two = launch("--", *args, input=given)
+        one = subprocess.run(
+            args, input=given, capture_output=True, text=True, timeout=TIMEOUT
+        )
+        assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:]
+        assert two.stdout == one.stdout and two.stdout.strip()
+    assert "cannot read the image /no/such.png" in two.stderr

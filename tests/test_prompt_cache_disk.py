@@ -86,6 +86,7 @@ def chat(client, messages, max_tokens=6):
     return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
 
 
+@pytest.mark.slow  # about 10 s: with -m slow (CI runs both)
 def test_the_server_finds_its_conversations_after_a_restart(
     checkpoint, tmp_path, caplog
 ):
