@@ -140,6 +140,8 @@ def _drafts(path: Path, config: dict) -> str:
         return f"{_layers(len(present))} in the checkpoint"
     if declared:
         return f"none ({_layers(declared)} declared, their tensors absent)"
+    if str(config.get("model_type", "")).startswith("gemma4"):
+        return "none (its Gemma 4 assistant drafts: --draft-model)"
     return "none (prompt lookup; train-heads can add heads)"
 
 

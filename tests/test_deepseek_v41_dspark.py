@@ -173,6 +173,7 @@ def test_greedy_identity_at_every_block_length_and_auto(model):
     assert 0.2 < accepted / drafted < 0.9, hist
 
 
+@pytest.mark.slow  # about 9 s: with -m slow (CI runs both)
 def test_a_random_drafter_and_prompt_lookup_decode_exactly(random_path):
     """A random (rarely accepted) drafter at k = gamma, and prompt lookup (its drafts
     rolled back on the same caches) on a repetitive prompt."""

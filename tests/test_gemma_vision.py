@@ -225,7 +225,9 @@ def test_prefill_chunks_keep_each_image_whole(pairs, pictures, monkeypatch, step
     assert not mx.allclose(last_logits(step), whole, atol=1e-2)
 
 
-@pytest.mark.parametrize("kind", list(PAIRS))
+@pytest.mark.parametrize(  # the E2B shape's: with -m slow (the default suite's time)
+    "kind", ["dense", pytest.param("e2b", marks=pytest.mark.slow)]
+)
 def test_batched_rows_mix_text_and_images(pairs, pictures, kind):
     model, tokenizer = pairs(kind)
     prompts = [
@@ -344,6 +346,7 @@ def test_cli_image(paths, pairs, pictures, mlx_vlm_tokens):
     assert tokenizer.decode(expected) in result.output
 
 
+@pytest.mark.slow  # the default suite's time; GLM-OCR's server images run there
 def test_server_takes_images(paths, pairs, pictures):
     target, assistant = paths("dense")
     model, tokenizer = pairs("dense")

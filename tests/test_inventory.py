@@ -44,6 +44,16 @@ def test_a_folder_of_models_is_described(checkpoint, tmp_path, monkeypatch):
     assert fits[str(models / "ds-4bit")] and not fits[str(source)]
 
 
+def test_a_gemma4_target_names_its_assistant(tmp_path):
+    from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
+
+    target = write_gemma4(tmp_path / "target")
+    write_gemma4_assistant(tmp_path / "assistant", target)
+    entries = {e.name: e.drafts for e in inventory.scan([tmp_path], hub=False)}
+    assert entries[str(target)] == "none (its Gemma 4 assistant drafts: --draft-model)"
+    assert entries[str(tmp_path / "assistant")].startswith("is a Gemma 4 assistant")
+
+
 def test_the_hub_cache_and_the_command(checkpoint, tmp_path, monkeypatch):
     source = checkpoint("qwen3_5")
     monkeypatch.setattr(
