@@ -141,13 +141,15 @@ class VisionText(gemma4_text.Gemma4TextModel):
         if same is None:
             return masks
         layers = list(zip(self.layers, cache))
-        c = next(c for layer, c in layers if layer.layer_type == "sliding_attention")
+        sliding = [c for layer, c in layers if layer.layer_type == "sliding_attention"]
+        if not sliding:  # full-attention layers stay causal
+            return masks
         base = create_attention_mask(
-            h, c, window_size=self.window_size, return_array=True
+            h, sliding[0], window_size=self.window_size, return_array=True
         )
-        sliding = _open_images(base, same, self.window_size)
+        opened = _open_images(base, same, self.window_size)
         return [
-            sliding if layer.layer_type == "sliding_attention" else m
+            opened if layer.layer_type == "sliding_attention" else m
             for (layer, _), m in zip(layers, masks)
         ]
 
