@@ -18,6 +18,7 @@ from mlx_mtp.cli import main
 from mlx_mtp.convert import check, convert, graft_assistant
 from mlx_mtp.convert.check import assistant_predictions
 from mlx_mtp.errors import MTPError
+from mlx_mtp.images import no_images, reads_images
 from mlx_mtp.loading import load_model
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
@@ -325,6 +326,7 @@ def test_unified_pair_with_transformers_defaults(pair, tmp_path):
     assert model.trunk.language_model.args.hidden_size_per_layer_input == 0
     assert model.assistant.args.sliding_window == 1024
     assert tokens(model, 3) == plain(model)
+    assert not reads_images(model) and "encoder-free vision" in no_images(model)
     with pytest.raises(MTPError, match="drafts for gemma4 or gemma4_text"):
         edit_config(assistant, model_type="gemma4_assistant")
         load_model(str(target), draft_model=str(assistant))

@@ -105,6 +105,16 @@ def trunk_classes(config: dict):
     model_class, args_class = _get_classes(config)
     if config.get("model_type") == "gemma4" and "vision_config" in config:
         return gemma_vision.with_vision(model_class, config), args_class
+    if config.get("model_type") == "gemma4_unified":
+
+        class Unified(model_class):
+            vision_refusal = (
+                "Gemma 4 unified's encoder-free vision (vision_embedder) is not "
+                "read: it runs as a text model"
+            )
+
+        Unified.__name__ = Unified.__qualname__ = model_class.__name__
+        return Unified, args_class
     return model_class, args_class
 
 
