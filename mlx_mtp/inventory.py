@@ -15,7 +15,7 @@ from typing import Iterable, List, Optional
 
 from . import assistant, memory
 from .files import safetensors_header
-from .models import dspark, get_family
+from .models import dflash, dspark, get_family
 from .paths import home
 
 
@@ -114,7 +114,7 @@ def _quantization(config: dict) -> str:
 def _drafts(path: Path, config: dict) -> str:
     """What the folder drafts with, read from its config and tensor names."""
     if dspark.is_dspark(config):
-        return "is a DSpark drafter (--draft-model)"
+        return f"is a {dflash.kind(config) or 'DSpark'} drafter (--draft-model)"
     if assistant.is_assistant(config):
         return "is a Gemma 4 assistant (--draft-model)"
     mtp = config.get("mtp")

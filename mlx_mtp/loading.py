@@ -27,7 +27,7 @@ from .heads import (
     quantize_like,
     read_section_file,
 )
-from .models import dspark, get_family
+from .models import dflash, dspark, get_family
 from .models.base import Model
 from .models.mtp import MTPStack
 
@@ -571,7 +571,8 @@ def dspark_with(d_config: dict, weights: dict, where: str) -> dspark.DSpark:
     """The DSpark drafter of ``d_config`` holding exactly ``weights`` (its own
     embedding and head where they are among them; layers that come quantized
     built so); one-line errors for tensors missing or misshapen."""
-    drafter = dspark.DSpark(
+    kind = dflash.drafter_class(d_config) or dspark.DSpark
+    drafter = kind(
         d_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights
     )
     quantize_like(drafter, weights, d_config.get("quantization"))

@@ -729,6 +729,13 @@ def main():
         default=None,
         help="the drafter's first-slot acceptance (default: --acceptance)",
     )
+    p.add_argument(
+        "--drafter-kind",
+        choices=["dspark", "dflash2"],
+        default="dspark",
+        help="the --dspark folder's kind: DSpark (DeepSpec's layout) or DFlash2 "
+        "(z-lab's DFlash2DraftModel, its selector keeping every token)",
+    )
     p.add_argument("--block-size", type=int, default=8, help="the drafter's block")
     p.add_argument("--dspark-layers", type=int, default=1)
     p.add_argument("--markov-rank", type=int, default=64)
@@ -852,8 +859,12 @@ def write_drafter(args, config: dict, features, successor) -> dict:
     carries pi for a share ``agree`` of the tokens, set so that the first slot's
     expected acceptance, ``agree`` times the share of positions at which the trunk's
     greedy token is pi of the current one (on the greedy continuations the head's
-    gamma was set on), is --dspark-acceptance."""
-    from mlx_mtp.testing.dspark import write_dspark
+    gamma was set on), is --dspark-acceptance. With ``--drafter-kind dflash2`` a
+    DFlash2 drafter (`write_dflash2`, predictable: its candidate selector carries pi
+    the same way, every token a candidate) of ``--block-size`` proposals (its
+    config's ``block_size`` counts the anchor row too), the selector of rank
+    --markov-rank."""
+    from mlx_mtp.testing.dspark import write_dflash2, write_dspark
 
     hits = total = 0
     for seq, _, greedy in features:  # past the 8-token random prompts: emitted tokens
@@ -865,23 +876,37 @@ def write_drafter(args, config: dict, features, successor) -> dict:
     layers = config["num_hidden_layers"]
     taps = sorted({1, layers // 2, layers - 2})  # spread, never the last layer
     hidden = config["hidden_size"]
-    write_dspark(
-        args.dspark,
-        args.out,
+    shape = dict(
         predictable=True,
         agree=agree,
-        block_size=args.block_size,
         weight_std=1.0 / np.sqrt(hidden),
         layers=args.dspark_layers,
-        markov_rank=args.markov_rank,
         target_layer_ids=taps,
         successor=successor,
     )
+    if args.drafter_kind == "dflash2":
+        write_dflash2(
+            args.dspark,
+            args.out,
+            block_size=args.block_size + 1,
+            selector_rank=args.markov_rank,
+            group_size=64,
+            **shape,
+        )
+    else:
+        write_dspark(
+            args.dspark,
+            args.out,
+            block_size=args.block_size,
+            markov_rank=args.markov_rank,
+            **shape,
+        )
     weights = mx.load(str(args.dspark / "model.safetensors"))
     shared = ("embed_tokens.weight", "lm_head.weight")  # the target's own copies
     params = sum(v.size for k, v in weights.items() if k not in shared)
     return {
         "path": str(args.dspark),
+        "kind": args.drafter_kind,
         "trunk_follows_pi": follows,
         "agree": agree,
         "expected_first_slot_acceptance": agree * follows,

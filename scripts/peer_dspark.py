@@ -1,7 +1,8 @@
-"""mlx-mtp's DSpark drafter against mlx-vlm's and mlx-dspark's on the same files: a
-peer check, outside the default suite.
+"""mlx-mtp's DSpark drafter against mlx-vlm's and mlx-dspark's on the same files, and
+its DFlash and DFlash2 drafters against mlx-vlm's (``--dflash``): a peer check,
+outside the default suite.
 
-    python scripts/peer_dspark.py [--vlm DIR] [--dspark DIR]
+    python scripts/peer_dspark.py [--vlm DIR] [--dspark DIR] [--dflash]
         [--target PATH --drafter PATH] [--tokens 24] [--tolerance 1e-4]
 
 The peers are installed apart, so that their dependencies stay out of this
@@ -25,6 +26,13 @@ peers are given the target's embedding and head where the folder has none (mlx-v
 ``bind`` asks for a target of its own with speculative rollback), and mlx-dspark
 loads in float (its loader quantizes to 4 bits by default). Prints, per peer, the
 largest difference and whether every slot's argmax agrees; exits 1 if a check fails.
+
+``--dflash`` checks DFlash2 and DFlash drafters (`mlx_mtp.testing.dspark`'s
+``write_dflash2`` and ``write_dflash`` fixtures, or ``--drafter``) against mlx-vlm's
+``DFlash2DraftModel`` and ``DFlashDraftModel``: per row each slot's selector scores
+(DFlash: logits), teacher-forced as above (the same candidates, -inf elsewhere,
+scores within the tolerance), and the block mlx-vlm's greedy ``draft_block``
+proposes equal to the one mlx-mtp's slots draw one after another.
 """
 
 import argparse
@@ -108,6 +116,78 @@ def theirs_dspark(d, taps: mx.array, tokens, n: int, gamma: int) -> mx.array:
     return base + d.markov_head.step_bias(prev)
 
 
+def vlm_dflash(path: Path, trunk):
+    """mlx-vlm's DFlash or DFlash2 drafter of ``path``, reading ``trunk``'s
+    tables."""
+    from mlx_vlm.speculative.drafters import DFlashDraftModel, load_drafter
+
+    model, _ = load_drafter(str(path))
+    if not isinstance(model, DFlashDraftModel):
+        raise SystemExit(f"mlx-vlm loads {path} as {type(model).__name__}")
+    model.embed_tokens = trunk.model.embed_tokens
+    head = getattr(trunk, "lm_head", None)
+    model.lm_head = head if head is not None else trunk.model.embed_tokens.as_linear
+    return model
+
+
+def ours_dflash(model, taps: mx.array, tokens, n: int):
+    """mlx-mtp's DFlash2 selector scores (DFlash: slot logits) ``(gamma, V)`` after
+    context rows 0..n-1, teacher-forced on ``tokens``, and the block its greedy slots
+    draw."""
+    from mlx_mtp.cache import mtp_caches, ops
+
+    caches = mtp_caches(model)
+    model.draft_context(taps[:, :n], caches)
+    context = [ops(c).read_kv([n]) for c in caches]
+    z, g = model.draft_block(mx.array([tokens[n]]), context, n)
+    forced, drawn, prev = [], [], mx.array([tokens[n]])
+    for k in range(z.shape[1]):
+        forced.append(
+            model.slot_logits(z[:, k], mx.array([tokens[n + k]]), g[:, k], None)[0][0]
+        )
+        prev = mx.argmax(model.slot_logits(z[:, k], prev, g[:, k], None)[0], axis=-1)
+        drawn.append(prev.item())
+    return mx.stack(forced), drawn
+
+
+def theirs_dflash(m, taps: mx.array, tokens, n: int, gamma: int):
+    """mlx-vlm's: its block's hidden rows and logits, the selector's candidates and
+    scores built from its own modules (its ``select`` returns the path only),
+    teacher-forced on ``tokens``; and its greedy ``draft_block``."""
+    inputs = mx.array([[tokens[n]] + [int(m.config.mask_token_id)] * gamma])
+    hidden = m._hidden(inputs, taps[:, :n], m.make_cache())[:, 1:]
+    logits = m._logits(hidden)[0]  # (gamma, V)
+    greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    drawn = m.draft_block(tokens[n], taps[:, :n], m.make_cache(), gamma + 1, greedy)
+    if "candidate_selector" not in m:  # DFlash: each slot from its logits
+        return logits, drawn[0].tolist()
+    sel = m.candidate_selector
+    cand = mx.argpartition(logits, -sel.top_k, axis=-1)[..., -sel.top_k :]
+    unary = mx.take_along_axis(logits, cand, axis=-1)
+    prev = mx.array(tokens[n : n + gamma])
+    hp = sel.hidden_projection(hidden)[0]
+    edges = sel.predecessor_codebook(prev)[:, None] * hp[:, None]
+    scores = unary + (edges * sel.successor_codebook(cand)).sum(-1)
+    forced = mx.put_along_axis(mx.full(logits.shape, -mx.inf), cand, scores, axis=-1)
+    return forced, drawn[0].tolist()
+
+
+def compare_dflash(model, peer, taps, tokens, start: int, gamma: int):
+    """(largest score difference over the candidates, same candidates and argmax
+    and greedy blocks everywhere, rows)."""
+    worst, agree, rows = 0.0, True, 0
+    for n in range(start, len(tokens) - gamma):
+        (a, drawn_a), (b, drawn_b) = ours_dflash(model, taps, tokens, n), peer(
+            taps, tokens, n, gamma
+        )
+        live = mx.isfinite(a)
+        agree &= bool(mx.all(live == mx.isfinite(b)).item()) and drawn_a == drawn_b
+        agree &= bool(mx.all(mx.argmax(a, -1) == mx.argmax(b, -1)).item())
+        worst = max(worst, mx.where(live, mx.abs(a - b), 0).max().item())
+        rows += 1
+    return worst, agree, rows
+
+
 def compare(model, peer, taps, tokens, start: int, gamma: int):
     """(largest logit difference, every argmax equal, blocks) over the rows."""
     worst, agree, rows = 0.0, True, 0
@@ -134,6 +214,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vlm", help="the folder mlx-vlm is installed in")
     p.add_argument("--dspark", help="the folder mlx-dspark is installed in")
+    p.add_argument("--dflash", action="store_true", help="check DFlash(2) drafters")
     p.add_argument("--target", type=Path, default=None)
     p.add_argument("--drafter", type=Path, default=None)
     p.add_argument("--tokens", type=int, default=24)
@@ -141,10 +222,16 @@ def main():
     args = p.parse_args()
     if (args.target is None) != (args.drafter is None):
         p.error("give both --target and --drafter, or neither")
-    if not (args.vlm or args.dspark):
-        p.error("give --vlm, --dspark or both")
+    if not (args.vlm or args.dspark or args.dflash):
+        p.error("give --vlm, --dspark, --dflash or several")
     sys.path[:0] = [d for d in (args.vlm, args.dspark) if d]
     from mlx_mtp.loading import load_model
+    from mlx_mtp.testing.dspark import (
+        write_dflash,
+        write_dflash2,
+        write_dspark,
+        write_qwen3_target,
+    )
 
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,20 +240,30 @@ def main():
             peers.append(("mlx-vlm", "nested", vlm_drafter, theirs))
         if args.dspark:
             peers.append(("mlx-dspark", "deepspec", dspark_drafter, theirs_dspark))
+        if args.dflash:
+            peers.append(("mlx-vlm DFlash2", "dflash2", vlm_dflash, theirs_dflash))
+            peers.append(("mlx-vlm DFlash", "dflash", vlm_dflash, theirs_dflash))
         target = args.target
         if target is None:
-            from mlx_mtp.testing.dspark import write_dspark, write_qwen3_target
-
             target = write_qwen3_target(Path(tmp) / "target", predictable=True)
         for name, layout, load_peer, slots in peers:
-            drafter = args.drafter or write_dspark(
-                Path(tmp) / layout, target, layout=layout, predictable=True
-            )
+            drafter = args.drafter
+            if drafter is None and layout == "dflash2":
+                drafter = write_dflash2(Path(tmp) / layout, target, predictable=True)
+            elif drafter is None and layout == "dflash":
+                drafter = write_dflash(
+                    Path(tmp) / layout, target, final_logit_softcapping=3.0
+                )
+            elif drafter is None:
+                drafter = write_dspark(
+                    Path(tmp) / layout, target, layout=layout, predictable=True
+                )
             model = load_model(str(target), draft_model=str(drafter))[0]
             tokens, taps = continuation(model, list(range(10, 30)), args.tokens)
             peer = load_peer(drafter, model.trunk)
             gamma = model.drafter.block_size
-            worst, agree, rows = compare(
+            check = compare_dflash if layout.startswith("dflash") else compare
+            worst, agree, rows = check(
                 model, lambda *a: slots(peer, *a), taps, tokens, 20, gamma
             )
             ok = worst <= args.tolerance and agree

@@ -257,13 +257,12 @@ class Model(nn.Module):
 
     def slot_logits(self, z: mx.array, prev: mx.array, g: mx.array, state, vocab=None):
         """``(B, V)`` logits of a block slot and the Markov head's state after it:
-        the slot's `block_logits` ``z`` (``vocab``'s columns) plus the Markov bias
-        after the tokens ``prev`` (`mlx_mtp.models.dspark.DSpark.markov`, over the
-        same rows), -inf outside `block_rows`; ``g`` ``(B, H)`` its outputs."""
+        the drafter's `slot` of its `block_logits` ``z`` (``vocab``'s columns) after
+        the tokens ``prev`` (a DSpark drafter adds its Markov bias over the same
+        rows), -inf outside `block_rows`; ``g`` ``(B, H)`` its outputs."""
         rows = self.block_rows(vocab)
         w2 = None if rows is None else self._block_vocab(vocab)[2]
-        bias, state = self.drafter.markov(prev, g, state, w2)
-        logits = z if bias is None else z + bias
+        logits, state = self.drafter.slot(z, prev, g, state, w2, rows)
         if rows is not None:
             logits = expand(logits, rows, self.args.vocab_size)
         return logits, state

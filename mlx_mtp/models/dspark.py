@@ -59,8 +59,10 @@ NESTED_KEYS = ("mask_token_id", "target_layer_ids", "num_target_layers")
 
 
 def is_dspark(config: dict) -> bool:
-    """Whether a ``config.json`` is a DSpark drafter's (either spelling)."""
-    if any(a in ARCHITECTURES for a in config.get("architectures") or ()):
+    """Whether a ``config.json`` is a DSpark drafter's (either spelling), or one of
+    its kin's (DFlash, DFlash2: `mlx_mtp.models.dflash`)."""
+    names = ARCHITECTURES + ("DFlashDraftModel", "DFlash2DraftModel")
+    if any(a in names for a in config.get("architectures") or ()):
         return True
     nested = config.get("dflash_config")
     keys = nested if isinstance(nested, dict) else config
@@ -356,6 +358,13 @@ class DSpark(nn.Module):
         u, state = self.markov_head.features(prev, g, state)
         return (self.markov_head.markov_w2 if w2 is None else w2)(u), state
 
+    def slot(self, z: mx.array, prev: mx.array, g: mx.array, state, w2=None, rows=None):
+        """A slot's logits over ``z``'s columns (token ids ``rows``, or all: the
+        columns of ``w2``, `markov`'s): ``z`` plus the Markov bias after ``prev``;
+        and the Markov head's state after the slot."""
+        bias, state = self.markov(prev, g, state, w2)
+        return (z if bias is None else z + bias), state
+
     def confidence(self, g: mx.array, prev: mx.array) -> mx.array:
         """``(...)`` float32 confidence logits c of slot outputs ``g`` ``(..., H)``
         after tokens ``prev`` ``(...)`` (spec §2.6)."""
@@ -385,13 +394,17 @@ class DSpark(nn.Module):
 
 
 def sanitize(weights: dict) -> dict:
-    """Drafter tensors -> `DSpark`'s names: the nested spelling's ``model.`` prefix
-    dropped, RoPE buffers dropped."""
+    """Drafter tensors -> `DSpark`'s (and `mlx_mtp.models.dflash`'s)
+    names: the nested spelling's ``model.`` prefix dropped, RoPE buffers dropped,
+    DFlash2's selector codebooks (bare tables) named as embeddings' ``.weight``."""
     out = {}
     for key, value in weights.items():
         if "rotary_emb" in key:
             continue
-        out[key[len("model.") :] if key.startswith("model.") else key] = value
+        key = key[len("model.") :] if key.startswith("model.") else key
+        if key.startswith("candidate_selector.") and key.endswith("_codebook"):
+            key += ".weight"
+        out[key] = value
     return out
 
 

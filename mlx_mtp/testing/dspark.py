@@ -295,6 +295,154 @@ def _predictable(
         t["markov_head.markov_w2.weight"] *= np.float32(RNN_GAIN)
 
 
+def write_dflash2(
+    out_dir,
+    target_dir,
+    *,
+    seed: int = 1,
+    predictable: bool = False,
+    agree: float = 0.9,
+    block_size: int = BLOCK_SIZE + 1,
+    weight_std: float = 0.2,
+    layers: int = DRAFT_LAYERS,
+    kernel_size: int = 2,
+    group_size: int = 8,
+    selector_rank: int = MARKOV_RANK,
+    top_k: Optional[int] = None,
+    target_layer_ids: Optional[List[int]] = None,
+    successor: Optional[np.ndarray] = None,
+    **dflash_keys,
+) -> pathlib.Path:
+    """A DFlash2 drafter for the target in ``target_dir``, in the released layout
+    (z-lab's ``DFlash2DraftModel``: the target's Qwen3 keys with the drafter's
+    layer count, ``dflash_config`` holding ``block_size`` (anchor row included),
+    the convolutions' and the selector's shapes, the mask token and the taps; bare
+    tensor names, the codebooks as bare tables; no embedding or head). ``top_k``:
+    the selector's candidates (default: a quarter of the vocabulary; all of it when
+    predictable); ``dflash_keys``: more ``dflash_config`` keys
+    (``output_multiplier``, ``final_logit_softcapping``, ...).
+
+    ``predictable``: the selector carries the target's greedy bigram (as
+    `write_dspark`'s Markov head does) for a share ``agree`` of the tokens, every
+    token a candidate; the layers' outputs are damped, so that each mask row's
+    output g stays near that of the mask token's embedding alone, g0, and
+    ``hidden_projection`` maps g0 to a constant vector."""
+    target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
+    V, H, r = target["vocab_size"], target["hidden_size"], selector_rank
+    top_k = V if predictable else (top_k or V // 4)
+    keys = {
+        "block_size": block_size,
+        "conv_kernel_size": kernel_size,
+        "conv_group_size": group_size,
+        "selector_rank": r,
+        "selector_top_k": top_k,
+        **dflash_keys,
+    }
+    config = _dflash_config(target, "DFlash2DraftModel", layers, target_layer_ids)
+    config["dflash_config"].update(keys)
+    init = _Init(seed, weight_std)
+    damp = np.float32(0.05 if predictable else 1.0)
+    groups = H // group_size
+    t = _dflash_tensors(init, config, damp)
+    for i in range(layers):
+        p = f"layers.{i}."
+        for conv in ("attention_conv", "mlp_conv"):
+            base = init.normal(2, kernel_size, H, std=0.3)
+            base[:, 0] += 1.0  # near the identity, as trained kernels are
+            t[f"{p}{conv}.base_kernel"] = base
+            t[f"{p}{conv}.kernel_projection.weight"] = init.normal(
+                2 * kernel_size * groups, H, std=weight_std / 2
+            )
+    t["candidate_selector.predecessor_codebook"] = init.normal(V, r, std=0.5)
+    t["candidate_selector.successor_codebook"] = init.normal(V, r, std=0.5)
+    t["candidate_selector.hidden_projection.weight"] = init.normal(r, H)
+    if predictable:
+        _predictable_selector(t, target_dir, init, agree, successor)
+    return _write(out_dir, config, t)
+
+
+def write_dflash(
+    out_dir,
+    target_dir,
+    *,
+    seed: int = 1,
+    block_size: int = BLOCK_SIZE + 1,
+    weight_std: float = 0.2,
+    layers: int = DRAFT_LAYERS,
+    target_layer_ids: Optional[List[int]] = None,
+    **keys,
+) -> pathlib.Path:
+    """A random DFlash drafter (z-lab's ``DFlashDraftModel``, as mlx-vlm's
+    ``qwen3_dflash`` reads it) for the target in ``target_dir``: the target's Qwen3
+    keys with the drafter's layer count and ``block_size`` (anchor row included) at
+    the top level, ``dflash_config`` holding the mask token and the taps; bare
+    tensor names, no embedding or head. ``keys``: more top-level keys
+    (``final_logit_softcapping``, ...)."""
+    target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
+    config = _dflash_config(target, "DFlashDraftModel", layers, target_layer_ids)
+    config.update(block_size=block_size, **keys)
+    t = _dflash_tensors(_Init(seed, weight_std), config, np.float32(1.0))
+    return _write(out_dir, config, t)
+
+
+def _dflash_config(target: dict, architecture: str, layers: int, taps) -> dict:
+    """The target's config as a DFlash-kin drafter's (its layer count, the taps and
+    the mask token in ``dflash_config``)."""
+    taps = list(TARGET_LAYER_IDS if taps is None else taps)
+    config = {**target, "num_hidden_layers": layers, "tie_word_embeddings": False}
+    config.update(
+        architectures=[architecture],
+        layer_types=["full_attention"] * layers,
+        is_causal=False,
+        num_target_layers=target["num_hidden_layers"],
+        dflash_config={
+            "target_layer_ids": taps,
+            "mask_token_id": target["vocab_size"] - 1,
+        },
+    )
+    return config
+
+
+def _dflash_tensors(init: _Init, config: dict, damp) -> Tensors:
+    """A DFlash drafter's Qwen3 layers (their outputs scaled by ``damp``), ``fc``
+    and norms."""
+    H, taps = config["hidden_size"], config["dflash_config"]["target_layer_ids"]
+    t = {}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        t.update(_layer(init, p, config))
+        t[f"{p}self_attn.o_proj.weight"] *= damp
+        t[f"{p}mlp.down_proj.weight"] *= damp
+    t["fc.weight"] = init.normal(H, len(taps) * H)
+    t["hidden_norm.weight"] = init.norm(H)
+    t["norm.weight"] = init.norm(H)
+    return t
+
+
+def _predictable_selector(t: Tensors, target_dir, init: _Init, agree, successor):
+    """`write_dflash2`'s predictable selector: the codebooks carry the bigram as
+    `_predictable`'s Markov head does, and ``hidden_projection`` sends g0 (the
+    final norm of the mask token's embedding) to ones."""
+    weights = mx.load(str(pathlib.Path(target_dir) / "model.safetensors"))
+    embed = np.array(weights["model.embed_tokens.weight"], np.float32)
+    markov = {
+        "markov_head.markov_w1.weight": t["candidate_selector.predecessor_codebook"],
+        "norm.weight": t["norm.weight"],
+    }
+    _predictable(markov, target_dir, init, agree, "vanilla", successor)
+    t["candidate_selector.predecessor_codebook"] = markov[
+        "markov_head.markov_w1.weight"
+    ]
+    t["candidate_selector.successor_codebook"] = markov["markov_head.markov_w2.weight"]
+    t["norm.weight"] = markov["norm.weight"]  # damped: the slots' own logits are weak
+    m = embed[-1]
+    g0 = m / np.sqrt(np.mean(m * m) + 1e-6) * t["norm.weight"]
+    r = t["candidate_selector.hidden_projection.weight"].shape[0]
+    t["candidate_selector.hidden_projection.weight"] = (
+        np.ones((r, 1), np.float32) * g0[None] / np.float32(g0 @ g0)
+    )
+
+
 def _write(out_dir, config: dict, tensors: Tensors) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,378 @@
+"""Qwen3 targets with DFlash2 block drafters (``--draft-model``, the released
+``DFlash2DraftModel`` layout), and with DFlash ones: a block equals the float64
+reference of the release's numerics (dynamic convolutions, candidate selector), the
+pair decodes exactly as plain decoding of the target (greedy token for token at every
+block length and ``auto``, batched rows, draft vocabularies, sampling in
+distribution, with a negative control), the context cache rolls back with the round,
+conversion and graft keep it exact, and drafters that do not fit are refused in one
+line."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlx_mtp.round as rounds
+from mlx_mtp.cache import mtp_caches, ops
+from mlx_mtp.cli import main
+from mlx_mtp.convert import convert
+from mlx_mtp.errors import MTPError
+from mlx_mtp.loading import load_model
+from mlx_mtp.models.dflash import DFlash, DFlash2
+from mlx_mtp.options import DecodeOptions
+from mlx_mtp.speculative import mtp_generate_step
+from mlx_mtp.testing import HEADS
+from mlx_mtp.testing.dspark import (
+    BLOCK_SIZE,
+    TARGET_LAYER_IDS,
+    write_dflash,
+    write_dflash2,
+    write_qwen3_target,
+)
+
+from .test_dspark import (
+    PROMPTS,
+    SAMPLE_PROMPT,
+    V,
+    fresh_context,
+    greedy_run,
+    plain,
+    rejections,
+)
+
+GAMMA = BLOCK_SIZE  # the fixtures' block_size is gamma + 1 (the anchor row)
+VARIANTS = {
+    "released": {},
+    "wider": dict(
+        kernel_size=3,
+        output_multiplier=0.7,
+        final_logit_softcapping=2.0,
+        input_embedding_scale=1.3,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_qwen3_target(tmp_path_factory.mktemp("dflash2") / "target")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A predictable pair: acceptance about 0.55 at the block's first slot."""
+    root = tmp_path_factory.mktemp("dflash2-predictable")
+    target = write_qwen3_target(root / "target", predictable=True)
+    path = write_dflash2(root / "drafter", target, predictable=True)
+    return load_model(str(target), draft_model=str(path))[0]
+
+
+def test_the_released_layout_loads_with_the_targets_embedding_and_head(target):
+    path = write_dflash2(target.parent / "layout", target)
+    d = load_model(str(target), draft_model=str(path))[0].drafter
+    assert isinstance(d, DFlash2) and d.block_size == GAMMA
+    assert d.spec.target_layer_ids == tuple(TARGET_LAYER_IDS)
+    assert not d.spec.sample_from_anchor and not d.cuts
+    assert "embed_tokens" not in d and "lm_head" not in d and "markov_head" not in d
+    assert d.candidate_selector.top_k == 16  # a quarter of the fixture's 64 tokens
+    assert d.layers[0].attention_conv.base_kernel.shape == (2, 2, 32)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_block_matches_the_numpy_reference(target, variant):
+    """One block after a prompt's context rows: every slot's selector scores
+    (candidates, unary logits and edges, each slot after a given previous token)
+    equal the float64 reference (`tests/numpy_dflash.py`), -inf off the same
+    candidates."""
+    from .numpy_dflash import dflash_block
+    from .numpy_dspark import target_taps
+
+    path = write_dflash2(target.parent / variant, target, **VARIANTS[variant])
+    model = load_model(str(target), draft_model=str(path))[0]
+    prompt, anchor, prevs = list(range(10, 30)), 7, [7, 3, 9, 11]
+    taps = target_taps(str(target), prompt, TARGET_LAYER_IDS)
+    caches = mtp_caches(model)
+    model.draft_context(model.hidden(mx.array(prompt)[None]), caches)
+    context = [ops(c).read_kv([len(prompt)]) for c in caches]
+    z, g = model.draft_block(mx.array([anchor]), context, len(prompt))
+    ref = dflash_block(str(path), str(target), taps, anchor, prevs)
+    for k, prev in enumerate(prevs):
+        ours, _ = model.slot_logits(z[:, k], mx.array([prev]), g[:, k], None)
+        ours = np.array(ours[0])
+        assert (np.isinf(ours) == np.isinf(ref[k])).all(), k
+        live = np.isfinite(ref[k])
+        np.testing.assert_allclose(ours[live], ref[k][live], rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_identity_at_every_block_length_and_auto(model):
+    """k = 1..gamma, a random k per round and ``auto``; at k = gamma rounds reject
+    at the block's first slot and accept it whole."""
+    from .test_window import greedy_identity
+
+    ks = tuple(range(1, GAMMA + 1))
+    hist = greedy_identity(model, PROMPTS, n=60, ks=ks, policies=("auto",))
+    assert hist[GAMMA][0] > 0 and hist[GAMMA][-1] > 0, hist
+
+
+def test_random_drafters_decode_exactly(target):
+    from .test_window import greedy_identity
+
+    for variant, keys in VARIANTS.items():
+        path = write_dflash2(target.parent / f"random-{variant}", target, **keys)
+        model = load_model(str(target), draft_model=str(path))[0]
+        greedy_identity(model, PROMPTS[1:], n=40, ks=(GAMMA,))
+
+
+def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
+    """After each round that rejects at position j (every j of the block), the
+    drafter's context rows equal those of a fresh pass over the committed tokens."""
+    rejected = set()
+    for a, caches, state in rejections(model, PROMPTS[1], 60):
+        rejected.add(a)
+        ref = fresh_context(model, state.tokens[: state.frontier])
+        for ours, theirs in zip(caches.mtp, ref):
+            assert ours.offset == theirs.offset == state.frontier
+            for x, y in zip(ours.keys_and_values(), theirs.keys_and_values()):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+    assert rejected == set(range(GAMMA)), rejected
+
+
+def test_batched_rows_decode_as_alone(model):
+    """Rows joining at different rounds: greedy rows equal plain decoding, seeded
+    sampled rows and auto rows their lone runs."""
+    from mlx_mtp.batch import Batch
+
+    from .test_batch import drive
+
+    prompts = [[5, 17, 30], list(range(10, 40)), [9, 8], list(range(40, 51))]
+    for opts in (
+        HEADS.replace(num_draft_tokens=GAMMA, max_tokens=30),
+        DecodeOptions(num_draft_tokens=3, max_tokens=20, temp=0.9, seed=7),
+        DecodeOptions(max_tokens=20),
+    ):
+        joins = {0: [(i, p, opts) for i, p in enumerate(prompts[:2])]}
+        joins[2] = [(i + 2, p, opts) for i, p in enumerate(prompts[2:])]
+        out, _ = drive(Batch(model, opts), joins)
+        for i, p in enumerate(prompts):
+            alone = [o.token for o in mtp_generate_step(p, model, opts)]
+            assert out[i] == alone, (opts.temp, i)
+            if not opts.temp:
+                assert out[i] == plain(model, p, opts.max_tokens)
+
+
+# --- sampling and draft vocabularies ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 16-token predictable pair whose selector keeps half of the vocabulary."""
+    root = tmp_path_factory.mktemp("dflash2-small")
+    t = write_qwen3_target(root / "t", vocab_size=V)
+    d = write_dflash2(root / "d", t, predictable=True, agree=0.5)
+    config = json.loads((d / "config.json").read_text())
+    config["dflash_config"]["selector_top_k"] = V // 2
+    (d / "config.json").write_text(json.dumps(config))
+    return load_model(str(t), draft_model=str(d))[0]
+
+
+def sampling_fails(model, n=600, **options) -> bool:
+    from .test_sampling import sampling_after_prompt_fails
+
+    return sampling_after_prompt_fails(model, SAMPLE_PROMPT, V, GAMMA, n, **options)
+
+
+def test_sampling_is_exact(small):
+    assert not sampling_fails(small)
+
+
+@pytest.mark.slow  # about 7 s: with -m slow (CI runs both)
+def test_sampling_test_catches_q_without_the_selectors_edges(small, monkeypatch):
+    """Negative control: drafts drawn from the selector's scores but reported with
+    q from the slot's own logits over the vocabulary (no edges, no candidate
+    set) must fail the same test."""
+    slot, pick, last = small.drafter.slot, rounds._pick, {}
+
+    def recording(z, prev, g, state, w2=None, rows=None):
+        last["z"] = z
+        return slot(z, prev, g, state, w2, rows)
+
+    def uncorrected(runs, logits, keys):
+        tokens, q = pick(runs, logits, keys)
+        z = last["z"]
+        lp = z - mx.logsumexp(z, axis=-1, keepdims=True)  # (B, V)
+        return tokens, [None if x is None else lp[b : b + 1] for b, x in enumerate(q)]
+
+    monkeypatch.setattr(small.drafter, "slot", recording)
+    monkeypatch.setattr(rounds, "_pick", uncorrected)
+    assert sampling_fails(small)
+
+
+@pytest.fixture
+def ranked(small):
+    from mlx_mtp import draft_vocab
+
+    ids = np.random.default_rng(0).integers(0, V, 96).tolist()
+    small.vocab_ranking = draft_vocab.rank_tokens(small, ids)
+    yield small
+    small.vocab_ranking = None
+    small.__dict__.pop("_block_vocabs", None)
+
+
+def test_a_block_drafts_from_a_draft_vocabulary(ranked):
+    """From half of the vocabulary, each slot's candidates are its top-k among
+    those rows (token ids mapped through them, so the codebooks read the right
+    rows); greedy decoding from it at k = 1, gamma and auto is plain decoding."""
+    model, n = ranked, V // 2
+    rows = np.array(model.vocab_ranking.rows(n))
+    caches = mtp_caches(model)
+    prompt = [3, 7, 5, 3, 7, 1]
+    model.draft_context(model.hidden(mx.array(prompt[:-1])[None]), caches)
+    context = [ops(c).read_kv([len(prompt) - 1]) for c in caches]
+    anchor, at = mx.array(prompt[-1:]), len(prompt) - 1
+    full, g = model.draft_block(anchor, context, at)
+    some, _ = model.draft_block(anchor, context, at, n)
+    part, _ = model.slot_logits(some[:, 0], anchor, g[:, 0], None, n)
+    part = np.array(part)[0]
+    assert np.isinf(np.delete(part, rows)).all()
+    sel = model.drafter.candidate_selector
+    kept = rows[np.argsort(-np.array(full[0, 0])[rows], kind="stable")[: sel.top_k]]
+    assert set(np.flatnonzero(np.isfinite(part))) == set(kept.tolist())
+    e = sel.predecessor_codebook(anchor) * sel.hidden_projection(g[:, 0])
+    edges = np.array((e * sel.successor_codebook(mx.array(kept))).sum(-1))
+    np.testing.assert_allclose(
+        part[kept], np.array(full[0, 0])[kept] + edges, rtol=1e-5, atol=1e-5
+    )
+    for k in (1, GAMMA, "auto"):
+        steps = list(
+            mtp_generate_step(
+                prompt, model, num_draft_tokens=k, max_tokens=24, draft_vocab=n
+            )
+        )
+        assert [o.token for o in steps] == plain(model, prompt, 24), k
+
+
+# --- files --------------------------------------------------------------------------
+
+
+def refused(target, path, match):
+    with pytest.raises(MTPError, match=match) as e:
+        load_model(str(target), draft_model=str(path))
+    assert "\n" not in str(e.value)
+
+
+def edited(target, name, top=None, **dflash):
+    path = write_dflash2(target.parent / name, target)
+    config = json.loads((path / "config.json").read_text())
+    config.update(top or {})
+    config["dflash_config"].update(dflash)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_drafters_mlx_mtp_cannot_run_are_refused_in_one_line(target):
+    refused(target, edited(target, "causal", {"is_causal": True}), "causal blocks")
+    refused(
+        target, edited(target, "sinks", attention_sink_bias=True), "attention sinks"
+    )
+    mixed = {"layer_types": ["sliding_attention", "full_attention"]}
+    refused(
+        target, edited(target, "mixed", {**mixed, "sliding_window": 8}), "mixes sliding"
+    )
+    refused(target, edited(target, "group", conv_group_size=5), "does not divide")
+    refused(target, edited(target, "top", selector_top_k=V * 8), "exceeds")
+    refused(target, edited(target, "block", block_size=1), "block_size")
+    refused(target, edited(target, "taps", target_layer_ids=[0, 9]), "taps layer 9")
+
+
+def test_a_sliding_drafter_attends_to_its_window_only(target):
+    """Sliding layers (the released configs' kind) read the last sliding_window - 1
+    context rows (the round reads the drafter's ``context_window``), which changes
+    the block; decoding stays exact."""
+    from .test_window import greedy_identity
+
+    sliding = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 6}
+    path = edited(target, "sliding", sliding)
+    model = load_model(str(target), draft_model=str(path))[0]
+    assert model.drafter.context_window == 5
+    prompt = list(range(10, 30))
+    caches = mtp_caches(model)
+    model.draft_context(model.hidden(mx.array(prompt)[None]), caches)
+    blocks = []
+    for window in (None, 5):
+        context = [ops(c).read_kv([len(prompt)], window) for c in caches]
+        blocks.append(np.array(model.draft_block(mx.array([7]), context, 20)[0]))
+    assert np.abs(blocks[0] - blocks[1]).max() > 1e-3
+    greedy_identity(model, PROMPTS[1:], n=40, ks=(GAMMA,), policies=("auto",))
+
+
+def test_a_converted_drafter_decodes_exactly_beside_a_quantized_target(model, tmp_path):
+    """``convert -q`` of a DFlash2 drafter alone (its widths that allow it at 8
+    bits), beside a quantized conversion of its target, and ``graft`` of it onto
+    that conversion: greedy exact with drafts accepted."""
+    src = model.drafter_source
+    target = src.parent / "target"
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    out = convert(str(src), tmp_path / "d8", quantize=True, progress=False)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    saved = mx.load(str(out / "model.safetensors"))
+    assert "fc.scales" in saved and "layers.0.attention_conv.base_kernel" in saved
+    assert "candidate_selector.predecessor_codebook.weight" in saved
+    quantized = convert(
+        str(target), tmp_path / "t4", quantize=True, q_group_size=32, progress=False
+    )
+    pair = load_model(str(quantized), draft_model=str(out))[0]
+    tokens, stats = greedy_run(pair, PROMPTS[1])
+    assert tokens == plain(pair, PROMPTS[1], 24) and stats.accepted > 0, stats
+    args = ["graft", "--from", str(src), "--mlx-path", str(quantized)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    grafted = load_model(str(quantized))[0]
+    assert isinstance(grafted.drafter, DFlash2)
+    tokens, stats = greedy_run(grafted, PROMPTS[1])
+    assert tokens == plain(grafted, PROMPTS[1], 24) and stats.accepted > 0, stats
+
+
+def test_cli_generate_with_the_drafter_prints_the_plain_text(tmp_path):
+    t = write_qwen3_target(tmp_path / "t", vocab_size=512, predictable=True)
+    d = write_dflash2(tmp_path / "d", t, predictable=True)
+    base = ["generate", "--model", str(t), "-p", "def f(x):", "-m", "40", "--quiet"]
+    runs = [
+        CliRunner().invoke(main, base + ["--draft-model", str(d), "-k", str(GAMMA)]),
+        CliRunner().invoke(main, base + ["--draft-model", str(d)]),
+        CliRunner().invoke(main, base + ["-k", "0"]),
+    ]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+    assert runs[0].output == runs[1].output == runs[2].output
+    models = CliRunner().invoke(main, ["models", str(d)])
+    assert "DFlash2 drafter" in models.output, models.output
+
+
+# --- DFlash (the first version) -----------------------------------------------------
+
+
+def test_a_dflash_drafter_drops_its_anchor_row_and_matches_the_reference(target):
+    """A ``DFlashDraftModel`` folder (``block_size`` counting the anchor row, which
+    mlx-mtp read as DSpark's gamma before) loads as DFlash: gamma = block_size - 1,
+    slot k the output of block row k + 1; its logits (soft-capped) equal the
+    float64 reference, and it decodes exactly."""
+    from .numpy_dflash import dflash_block
+    from .numpy_dspark import target_taps
+    from .test_window import greedy_identity
+
+    path = write_dflash(target.parent / "v1", target, final_logit_softcapping=3.0)
+    model = load_model(str(target), draft_model=str(path))[0]
+    d = model.drafter
+    assert type(d) is DFlash and d.block_size == GAMMA
+    assert not d.spec.sample_from_anchor and "markov_head" not in d
+    prompt, anchor = list(range(10, 30)), 7
+    taps = target_taps(str(target), prompt, TARGET_LAYER_IDS)
+    caches = mtp_caches(model)
+    model.draft_context(model.hidden(mx.array(prompt)[None]), caches)
+    context = [ops(c).read_kv([len(prompt)]) for c in caches]
+    z, g = model.draft_block(mx.array([anchor]), context, len(prompt))
+    ref = dflash_block(str(path), str(target), taps, anchor, [anchor] * GAMMA)
+    for k in range(GAMMA):
+        ours, _ = model.slot_logits(z[:, k], mx.array([anchor]), g[:, k], None)
+        np.testing.assert_allclose(np.array(ours[0]), ref[k], rtol=1e-4, atol=1e-4)
+    greedy_identity(model, PROMPTS[1:], n=40, ks=(GAMMA,), policies=("auto",))
