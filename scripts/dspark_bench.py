@@ -11,7 +11,9 @@ Made for the synthetic pair of ``make_synthetic_model.py --layout qwen3 --dspark
 (a ~300M Qwen3 target with a DSpark drafter of 6% of its parameters and a one-layer
 MTP head at ``model.layers.{L}``), but any Qwen3 target with a DeepSpec-layout drafter
 folder runs. mlx-vlm reads the nested spelling (``dflash_config``), so the drafter is
-copied into it in a temporary folder (the same tensors). The peers are installed apart
+copied into it in a temporary folder (the same tensors). A DFlash2 drafter
+(``--drafter-kind dflash2``) is read by mlx-vlm as it is; mlx-dspark has no DFlash2
+(run it with ``--dspark-settings`` and no setting). The peers are installed apart
 (see peer_dspark.py) and driven by peer_decode.py; each runs a few settings (its
 defaults, its adaptive policy, its whole block, a fixed length) so that its best one is
 found in the same run.
@@ -166,6 +168,8 @@ def peer_engines(args, tmp: Path) -> list:
         return []
     from peer_decode import DsparkPeer, VlmPeer
 
+    from mlx_mtp.models import dflash
+
     trunk = args.trunk or args.target
     engines = []
     if args.dspark_settings:
@@ -174,7 +178,11 @@ def peer_engines(args, tmp: Path) -> list:
             label, options = DSPARK_SETTINGS[name]
             engines.append(Peer(ds, label, **options))
     if args.vlm_settings:
-        vlm = VlmPeer(trunk, nested_copy(args.drafter, tmp / "nested"))
+        config = json.loads((args.drafter / "config.json").read_text())
+        folder = args.drafter  # a DFlash-kin folder: mlx-vlm reads it as it is
+        if not dflash.kind(config):
+            folder = nested_copy(args.drafter, tmp / "nested")
+        vlm = VlmPeer(trunk, folder)
         for name in args.vlm_settings:
             label, options = VLM_SETTINGS[name]
             engines.append(Peer(vlm, label, **options))
@@ -289,7 +297,7 @@ def main():
         np.random.default_rng(0).integers(0, 512, 32).tolist(),
     ]
     engines = [Plain(model.trunk)]
-    engines += [Ours(f"mlx-mtp dspark k={k}", model, k) for k in args.k]
+    engines += [Ours(f"mlx-mtp drafter k={k}", model, k) for k in args.k]
     heads = None
     if not args.no_heads:
         heads = load(str(args.target))[0]

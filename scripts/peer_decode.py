@@ -390,7 +390,7 @@ class VlmPeer:
 
     def __init__(self, target_dir, drafter_dir):
         import mlx.core as mx
-        from mlx_vlm.speculative.drafters import DSparkDraftModel, load_drafter
+        from mlx_vlm.speculative.drafters import DFlashDraftModel, load_drafter
         from mlx_vlm.utils import load_model
 
         self.target_dir, self.drafter_dir = str(target_dir), str(drafter_dir)
@@ -411,11 +411,14 @@ class VlmPeer:
             if not mx.allclose(want, got, atol=1e-4).item():
                 raise RuntimeError("the tapped qwen3 forward differs from mlx-vlm's")
         self.drafter, self.kind = load_drafter(self.drafter_dir)
-        if not isinstance(self.drafter, DSparkDraftModel):
+        if not isinstance(self.drafter, DFlashDraftModel):  # DSpark's, DFlash2's base
             raise ValueError(
                 f"mlx-vlm loads {drafter_dir} as {type(self.drafter).__name__}, "
-                "not DSparkDraftModel"
+                "not a DSpark or DFlash drafter"
             )
+        # the class's own width policy (DSpark's and DFlash2's adapt), unless a
+        # DSpark config says otherwise (block_size_policy)
+        self.adapts = not type(self.drafter).prefer_requested_block_size
         self.eos = _eos_ids(target_dir)
 
     def _width(self, block: Block) -> Optional[int]:
@@ -445,9 +448,9 @@ class VlmPeer:
 
         d = self.drafter
         width = self._width(block)
-        fixed = (
-            d.config.block_size_policy == "fixed" if adaptive is None else not adaptive
-        )
+        policy = getattr(d.config, "block_size_policy", None)
+        default = policy == "fixed" if policy else not self.adapts
+        fixed = default if adaptive is None else not adaptive
         d.prefer_requested_block_size = fixed
         ids = mx.array([list(prompt_ids)], dtype=mx.int32)
         tokens = []
