@@ -302,6 +302,15 @@ def media_caches(caches) -> List[MediaCache]:
     return found
 
 
+def split(cache):
+    """(the text model's caches, the `MediaCache` or None) of a vision trunk's
+    per-pass ``cache`` list, whose last entry is its `MediaCache` when it has a
+    tower."""
+    if cache is not None and cache and isinstance(cache[-1], MediaCache):
+        return cache[:-1], cache[-1]
+    return cache, None
+
+
 def attach(caches, media: Optional[Media], held: int = 0) -> None:
     """Give a stream's caches, holding ``held`` tokens, the prompt's ``media``.
 

@@ -147,7 +147,7 @@ class Peer:
 
 
 # each peer's settings (`Peer` options), by name: its defaults, its adaptive
-# policy, its whole block and a fixed length of 4
+# policy, its whole block and fixed lengths (4; mlx-vlm's 3 to 7)
 DSPARK_SETTINGS = {
     "defaults": ("defaults (static cap, lookup)", dict(block=None)),
     "auto": ("auto cap", dict(block="auto")),
@@ -157,7 +157,7 @@ DSPARK_SETTINGS = {
 VLM_SETTINGS = {
     "defaults": ("defaults (adaptive)", dict(block=None)),
     "full": ("whole block", dict(block="full", adaptive=False)),
-    "4": ("k 4", dict(block=4, adaptive=False)),
+    **{str(k): (f"k {k}", dict(block=k, adaptive=False)) for k in range(3, 8)},
 }
 
 

@@ -5,7 +5,9 @@ runtimes the same trunk.
 
     python scripts/strip_mtp.py SRC DST
 
-The other files of SRC are copied as they are; DST must not exist.
+An mlx-mtp conversion's heads file (``mtp.safetensors``, its config's ``mtp``
+section) is left out too. The other files of SRC are copied as they are; DST must
+not exist.
 """
 
 import json
@@ -23,6 +25,8 @@ def main():
         raise SystemExit(f"{dst} exists")
     import mlx.core as mx
 
+    from mlx_mtp.heads import HEADS_FILE
+
     layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
 
     def is_mtp(name: str) -> bool:
@@ -33,7 +37,13 @@ def main():
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for f in src.iterdir():
-        if f.suffix == ".safetensors":
+        if f.name == HEADS_FILE:
+            continue
+        if f.name == "config.json":
+            config = json.loads(f.read_text())
+            config.pop("mtp", None)
+            (tmp / f.name).write_text(json.dumps(config, indent=2))
+        elif f.suffix == ".safetensors":
             weights = mx.load(str(f))
             kept = {k: v for k, v in weights.items() if not is_mtp(k)}
             mx.save_safetensors(str(tmp / f.name), kept, metadata={"format": "mlx"})

@@ -376,3 +376,33 @@ def test_a_dflash_drafter_drops_its_anchor_row_and_matches_the_reference(target)
         ours, _ = model.slot_logits(z[:, k], mx.array([anchor]), g[:, k], None)
         np.testing.assert_allclose(np.array(ours[0]), ref[k], rtol=1e-4, atol=1e-4)
     greedy_identity(model, PROMPTS[1:], n=40, ks=(GAMMA,), policies=("auto",))
+
+
+def test_serving_a_target_with_its_dflash2_drafter(tmp_path):
+    """``serve --model TARGET --draft-model DFLASH2``: a request drafts, and its text
+    is plain decoding's."""
+    import openai
+
+    from mlx_mtp.generate import generate as mtp_generate
+    from mlx_mtp.loading import load
+    from mlx_mtp.server import Server, server_args
+
+    t = write_qwen3_target(tmp_path / "t", vocab_size=512, predictable=True)
+    d = write_dflash2(tmp_path / "d", t, predictable=True)
+    server = Server(server_args(model=str(t), draft_model=str(d), port=0)).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        r = client.completions.create(
+            model="default_model",
+            prompt="def f(x):",
+            max_tokens=12,
+            extra_body={"num_draft_tokens": GAMMA},
+        )
+    finally:
+        server.close()
+    model, tokenizer = load(str(t), draft_model=str(d))
+    want = mtp_generate(
+        model, tokenizer, "def f(x):", max_tokens=12, num_draft_tokens=0
+    )
+    assert r.choices[0].text == want
+    assert r.model_extra["mtp"]["drafted"] > 0

@@ -71,17 +71,18 @@ SHARDED = {
     "qwen3+dspark": "tensor",  # a DSpark drafter whole on each rank
     "deepseek_v41": "tensor",  # its own DSpark drafter whole on each rank
     "qwen3_next+dspark": "pipeline",  # the drafter's taps summed over the ranks
+    "qwen3+dflash2": "tensor",  # a DFlash2 drafter whole on each rank
 }
-DRAFTERS = {"qwen3+dspark", "deepseek_v41", "qwen3_next+dspark"}
-GREEDY_SAMPLERS = {"qwen3+dspark", "deepseek_v41"}  # sample as they decode
+DRAFTERS = {"qwen3+dspark", "deepseek_v41", "qwen3_next+dspark", "qwen3+dflash2"}
+GREEDY_SAMPLERS = {"qwen3+dspark", "deepseek_v41", "qwen3+dflash2"}  # sample as greedy
 
 
 @pytest.fixture(scope="module")
 def folders(checkpoint, tmp_path_factory):
     """``folders(family)``: the predictable checkpoint of a `SHARDED` family; for
     "qwen3+dspark" and "qwen3_next+dspark", a Qwen3 (tensor-parallel) or
-    Qwen3-Next (pipelined) target with a DSpark drafter grafted beside it; V4.1's
-    carries its own."""
+    Qwen3-Next (pipelined) target with a DSpark drafter grafted beside it, and
+    "qwen3+dflash2" a Qwen3 one with a DFlash2 drafter; V4.1's carries its own."""
 
     def get(family):
         if family == "deepseek_v41":
@@ -89,13 +90,20 @@ def folders(checkpoint, tmp_path_factory):
 
             root = tmp_path_factory.mktemp("v41-ranks")
             return write_deepseek_v41(root / "m", predictable=True, agree=0.8)
-        if not family.endswith("+dspark"):
+        if "+" not in family:
             return checkpoint(family, predictable=True)
         from mlx_mtp.convert.drafter import graft_drafter
-        from mlx_mtp.testing.dspark import write_dspark, write_qwen3_target
+        from mlx_mtp.testing.dspark import (
+            write_dflash2,
+            write_dspark,
+            write_qwen3_target,
+        )
 
         root = tmp_path_factory.mktemp("dspark-ranks")
-        if family == "qwen3+dspark":
+        if family == "qwen3+dflash2":
+            target = write_qwen3_target(root / "target", predictable=True)
+            drafter = write_dflash2(root / "drafter", target, predictable=True)
+        elif family == "qwen3+dspark":
             target = write_qwen3_target(root / "target", predictable=True)
             drafter = write_dspark(root / "drafter", target, predictable=True)
         else:  # a random drafter: the predictable one is built for a Qwen3 target

@@ -22,7 +22,7 @@ from mlx_mtp.cache import make_caches
 from mlx_mtp.cli import main
 from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
-from mlx_mtp.generate import batch_generate, encode_prompt, stream_generate
+from mlx_mtp.generate import encode_prompt, stream_generate
 from mlx_mtp.images import image_messages, prompt_media, reads_images
 from mlx_mtp.media import attach
 from mlx_mtp.models import gemma_vision, vlm
@@ -32,6 +32,7 @@ from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant
 
 from .test_sampling import accept_always, chi_square_rejects
+from .vision_checks import assert_rows_mix_text_and_images
 
 N = 24
 W = 24  # the fixtures' sliding window: wider than an image (16 features), as released
@@ -230,30 +231,9 @@ def test_prefill_chunks_keep_each_image_whole(pairs, pictures, monkeypatch, step
 )
 def test_batched_rows_mix_text_and_images(pairs, pictures, kind):
     model, tokenizer = pairs(kind)
-    prompts = [
-        chat(tokenizer, "Transcribe.", 1),
-        chat(tokenizer, "Tell me a story about a fox.", 0),
-        chat(tokenizer, "What colour is this?", 1),
-        chat(tokenizer, "Transcribe.", 1),
-    ]
-    images = [[pictures[0]], None, [pictures[1]], [pictures[0]]]
-    alone = [
-        ours(model, tokenizer, p, im, num_draft_tokens=0)[0]
-        for p, im in zip(prompts, images)
-    ]
-    for k in (2, "auto"):
-        batch = batch_generate(
-            model,
-            tokenizer,
-            prompts,
-            max_tokens=N,
-            images=images,
-            num_draft_tokens=k,
-            max_batch=3,
-            prefill_step_size=5,
-        )
-        assert batch.token_ids == alone
-    assert alone[0] != alone[2]  # the images, not only the text, decide
+    assert_rows_mix_text_and_images(
+        model, tokenizer, pictures, chat, ours, N, prefill_step_size=5
+    )
 
 
 @pytest.mark.slow  # the default suite's time; GLM-OCR's runs there

@@ -34,6 +34,7 @@ from mlx_mtp.testing import HEADS
 from .numpy_glm_ocr import rope_index
 from .numpy_qwen_vl import forward
 from .test_sampling import accept_always, chi_square_rejects
+from .vision_checks import assert_rows_mix_text_and_images
 
 N = 24
 
@@ -153,29 +154,7 @@ def test_bfloat16_image_greedy_equals_mlx_vlm(folder, pictures, mlx_vlm_tokens):
 
 def test_batched_rows_mix_text_and_images(qwen, pictures):
     model, tokenizer = qwen
-    prompts = [
-        chat(tokenizer, "Transcribe.", 1),
-        chat(tokenizer, "Tell me a story about a fox.", 0),
-        chat(tokenizer, "What colour is this?", 1),
-        chat(tokenizer, "Transcribe.", 1),
-    ]
-    images = [[pictures[0]], None, [pictures[1]], [pictures[0]]]
-    alone = [
-        ours(model, tokenizer, p, im, num_draft_tokens=0)[0]
-        for p, im in zip(prompts, images)
-    ]
-    for k in (2, "auto"):
-        batch = batch_generate(
-            model,
-            tokenizer,
-            prompts,
-            max_tokens=N,
-            images=images,
-            num_draft_tokens=k,
-            max_batch=3,
-        )
-        assert batch.token_ids == alone
-    assert alone[0] != alone[2]  # the images, not only the text, decide
+    assert_rows_mix_text_and_images(model, tokenizer, pictures, chat, ours, N)
 
 
 @pytest.mark.slow  # GLM-OCR's runs in the default suite: the same round and media

@@ -41,7 +41,7 @@ from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import create_attention_mask
 
 from ..errors import MTPError, one_line
-from ..media import Media, MediaCache, Placeholder, build, kept_features
+from ..media import Media, MediaCache, Placeholder, build, kept_features, split
 from ..private import check_private
 from . import vlm
 
@@ -325,18 +325,11 @@ def reads_images(trunk) -> bool:
     return getattr(trunk, "vision_tower", None) is not None
 
 
-def _split(cache):
-    """(the text model's caches, the `MediaCache` or None) of a pass's ``cache``."""
-    if cache is not None and cache and isinstance(cache[-1], MediaCache):
-        return cache[:-1], cache[-1]
-    return cache, None
-
-
 def hidden(trunk, inputs: mx.array, cache) -> mx.array:
     """``(B, L, H)`` post-norm hidden states of ``inputs`` ``(B, L)``: with the
     image features of the rows that have images, their per-layer inputs and (for
     ``images_whole``) their images open both ways in the sliding layers."""
-    layer_caches, media = _split(cache)
+    layer_caches, media = split(cache)
     text = trunk.language_model.model
     if media is None or not media.any:
         return text(inputs, layer_caches)

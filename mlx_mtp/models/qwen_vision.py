@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MTPError, one_line
-from ..media import Media, MediaCache, Placeholder, build, kept_features
+from ..media import Media, MediaCache, Placeholder, build, kept_features, split
 from . import vlm
 from .mtp import MTPLayer
 
@@ -241,13 +241,6 @@ def _attention(layers) -> list:
     return [layer.self_attn for layer in layers if not layer.is_linear]
 
 
-def _split(cache):
-    """(the text model's caches, the `MediaCache` or None) of a pass's ``cache``."""
-    if cache is not None and cache and isinstance(cache[-1], MediaCache):
-        return cache[:-1], cache[-1]
-    return cache, None
-
-
 def _offsets(trunk, layer_caches):
     """The token index of each row's first input (an int or ``(B,)``), from the
     first full-attention layer's cache."""
@@ -260,7 +253,7 @@ def _offsets(trunk, layer_caches):
 def hidden(trunk, inputs: mx.array, cache) -> mx.array:
     """``(B, L, H)`` post-norm hidden states of ``inputs`` ``(B, L)``: with the
     image features and M-RoPE positions of the rows that have images."""
-    layer_caches, media = _split(cache)
+    layer_caches, media = split(cache)
     text = trunk.language_model.model
     if media is None or not media.any:
         return text(inputs, layer_caches)
