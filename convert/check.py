@@ -172,6 +172,11 @@ def check(
     section = config.get("mtp")
     if isinstance(config.get("assistant"), dict) and not isinstance(section, dict):
         return check_assistant(path, config, source, threshold, text, trust_remote_code)
+    if not isinstance(section, dict) and isinstance(config.get("drafter"), dict):
+        raise MTPError(
+            f"{path} drafts with a grafted block drafter; check tests MTP heads and "
+            "assistants only"
+        )
     if not isinstance(section, dict):
         raise MTPError(
             f"{path} has no mlx-mtp MTP heads nor assistant (not converted by mlx-mtp?)"

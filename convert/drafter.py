@@ -34,7 +34,7 @@ from mlx_mtp.loading import (
     load_trunk,
     read_config,
 )
-from mlx_mtp.models import dspark, get_family
+from mlx_mtp.models import dflash, dspark, get_family
 
 from .assistant import _float_dtype, _source_name, _write_json
 from .output import locked, remove_stale, replace_files, staged_folder
@@ -163,8 +163,10 @@ def graft_drafter(
     return dst
 
 
-def is_drafter_source(path_or_repo: str, revision=None) -> bool:
-    """Whether a source (folder or hub repo) is a DSpark drafter (only its config
-    is fetched)."""
-    src = resolve_source(path_or_repo, revision, ["config.json"])
-    return dspark.is_dspark(read_config(src))
+def drafter_kind(path_or_repo: str, revision=None) -> Optional[str]:
+    """The kind of block drafter a source (folder or hub repo) is: "DSpark",
+    "DFlash" or "DFlash2"; None for none (only its config is fetched)."""
+    config = read_config(resolve_source(path_or_repo, revision, ["config.json"]))
+    if not dspark.is_dspark(config):
+        return None
+    return dflash.kind(config) or "DSpark"

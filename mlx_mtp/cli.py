@@ -1622,15 +1622,15 @@ def graft(source, mlx_path, **options):
 def _graft(source, mlx_path, options: dict) -> None:
     from .convert import graft_assistant, graft_heads
     from .convert.assistant import is_assistant_source
-    from .convert.drafter import graft_drafter, is_drafter_source
+    from .convert.drafter import drafter_kind, graft_drafter
 
     if not mlx_path:
         raise click.UsageError("--mlx-path is required")
     extra = {}
     if is_assistant_source(source, options["revision"]):
         graft, what = graft_assistant, "the assistant"
-    elif is_drafter_source(source, options["revision"]):
-        graft, what = graft_drafter, "the DSpark drafter"
+    elif kind := drafter_kind(source, options["revision"]):
+        graft, what = graft_drafter, f"the {kind} drafter"
     else:
         graft, what = graft_heads, "MTP heads"
         extra = {"rank_vocab": options.get("rank_vocab", True)}

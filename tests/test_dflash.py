@@ -326,7 +326,10 @@ def test_a_converted_drafter_decodes_exactly_beside_a_quantized_target(model, tm
     assert tokens == plain(pair, PROMPTS[1], 24) and stats.accepted > 0, stats
     args = ["graft", "--from", str(src), "--mlx-path", str(quantized)]
     result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0 and "the DFlash2 drafter" in result.output
+    check = CliRunner().invoke(main, ["check", str(quantized)])
+    assert check.exit_code == 1 and "grafted block drafter" in check.output
+    assert check.output.count("\n") == 1, check.output
     grafted = load_model(str(quantized))[0]
     assert isinstance(grafted.drafter, DFlash2)
     tokens, stats = greedy_run(grafted, PROMPTS[1])
