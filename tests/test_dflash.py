@@ -409,3 +409,31 @@ def test_serving_a_target_with_its_dflash2_drafter(tmp_path):
     )
     assert r.choices[0].text == want
     assert r.model_extra["mtp"]["drafted"] > 0
+
+
+def test_a_qwen3_5_target_rolls_back_its_recurrent_state_with_blocks(tmp_path):
+    """A Qwen3.5-layout target (Gated-DeltaNet and gated attention layers, the
+    layout of Qwen3.8-27B, which the released DFlash2 drafters serve) with a DFlash2
+    drafter of its widths: greedy identity at several block lengths and auto, the
+    recurrent state rolled back wherever a block is rejected (k = 2 and gamma, a
+    random k per round), batched rows too."""
+    from mlx_mtp.batch import Batch
+    from mlx_mtp.testing.fixtures import write_checkpoint
+
+    from .test_batch import drive
+    from .test_window import greedy_identity
+
+    t = write_checkpoint("qwen3_5", tmp_path / "t", predictable=True)
+    d = write_dflash2(tmp_path / "d", t, predictable=True)
+    model = load_model(str(t), draft_model=str(d))[0]
+    hist = greedy_identity(model, PROMPTS, n=48, ks=(2, GAMMA), policies=("auto",))
+    assert sum(hist[GAMMA][1:]) > 0, hist  # blocks accepted in part
+    opts = HEADS.replace(num_draft_tokens=GAMMA, max_tokens=24)
+    prompts = [[5, 17, 30], list(range(10, 40)), [9, 8]]
+    joins = {
+        0: [(0, prompts[0], opts)],
+        1: [(1, prompts[1], opts), (2, prompts[2], opts)],
+    }
+    out, _ = drive(Batch(model, opts), joins)
+    for i, p in enumerate(prompts):
+        assert out[i] == plain(model, p, 24), i

@@ -328,7 +328,8 @@ def write_dflash2(
     output g stays near that of the mask token's embedding alone, g0, and
     ``hidden_projection`` maps g0 to a constant vector."""
     target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
-    V, H, r = target["vocab_size"], target["hidden_size"], selector_rank
+    text = target.get("text_config") or target
+    V, H, r = text["vocab_size"], text["hidden_size"], selector_rank
     top_k = V if predictable else (top_k or V // 4)
     keys = {
         "block_size": block_size,
@@ -385,19 +386,40 @@ def write_dflash(
     return _write(out_dir, config, t)
 
 
+# a DFlash-kin drafter's Qwen3 keys, copied from its target's text config
+QWEN3_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "attention_bias",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "torch_dtype",
+)
+
+
 def _dflash_config(target: dict, architecture: str, layers: int, taps) -> dict:
-    """The target's config as a DFlash-kin drafter's (its layer count, the taps and
-    the mask token in ``dflash_config``)."""
+    """A DFlash-kin drafter's config for the ``target`` config (a Qwen3 one, or a
+    Qwen3.5 one's text config): a Qwen3 backbone of the target's widths and
+    ``layers`` layers, the taps and the mask token in ``dflash_config``."""
     taps = list(TARGET_LAYER_IDS if taps is None else taps)
-    config = {**target, "num_hidden_layers": layers, "tie_word_embeddings": False}
+    text = target.get("text_config") or target
+    config = {k: text[k] for k in QWEN3_KEYS if k in text}
+    rope = text.get("rope_theta") or text["rope_parameters"]["rope_theta"]
+    config.update(model_type="qwen3", rope_theta=rope, num_hidden_layers=layers)
     config.update(
         architectures=[architecture],
+        tie_word_embeddings=False,
         layer_types=["full_attention"] * layers,
         is_causal=False,
-        num_target_layers=target["num_hidden_layers"],
+        num_target_layers=text["num_hidden_layers"],
         dflash_config={
             "target_layer_ids": taps,
-            "mask_token_id": target["vocab_size"] - 1,
+            "mask_token_id": text["vocab_size"] - 1,
         },
     )
     return config
@@ -424,7 +446,8 @@ def _predictable_selector(t: Tensors, target_dir, init: _Init, agree, successor)
     `_predictable`'s Markov head does, and ``hidden_projection`` sends g0 (the
     final norm of the mask token's embedding) to ones."""
     weights = mx.load(str(pathlib.Path(target_dir) / "model.safetensors"))
-    embed = np.array(weights["model.embed_tokens.weight"], np.float32)
+    name = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    embed = np.array(weights[name], np.float32)
     markov = {
         "markov_head.markov_w1.weight": t["candidate_selector.predecessor_codebook"],
         "norm.weight": t["norm.weight"],
