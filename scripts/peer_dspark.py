@@ -43,12 +43,13 @@ from pathlib import Path
 import mlx.core as mx
 
 
-def vlm_drafter(path: Path, trunk):
-    """mlx-vlm's DSpark drafter of ``path``, reading ``trunk``'s tables."""
-    from mlx_vlm.speculative.drafters import DSparkDraftModel, load_drafter
+def vlm_drafter(path: Path, trunk, kind: str = "DSparkDraftModel"):
+    """mlx-vlm's drafter of ``path`` (a ``kind``, or a subclass), reading
+    ``trunk``'s tables."""
+    from mlx_vlm.speculative import drafters
 
-    model, kind = load_drafter(str(path))  # DSpark runs as its "dflash" kind
-    if not isinstance(model, DSparkDraftModel):
+    model, _ = drafters.load_drafter(str(path))  # DSpark runs as its "dflash" kind
+    if not isinstance(model, getattr(drafters, kind)):
         raise SystemExit(f"mlx-vlm loads {path} as {type(model).__name__}")
     model.embed_tokens = trunk.model.embed_tokens
     head = getattr(trunk, "lm_head", None)
@@ -119,15 +120,7 @@ def theirs_dspark(d, taps: mx.array, tokens, n: int, gamma: int) -> mx.array:
 def vlm_dflash(path: Path, trunk):
     """mlx-vlm's DFlash or DFlash2 drafter of ``path``, reading ``trunk``'s
     tables."""
-    from mlx_vlm.speculative.drafters import DFlashDraftModel, load_drafter
-
-    model, _ = load_drafter(str(path))
-    if not isinstance(model, DFlashDraftModel):
-        raise SystemExit(f"mlx-vlm loads {path} as {type(model).__name__}")
-    model.embed_tokens = trunk.model.embed_tokens
-    head = getattr(trunk, "lm_head", None)
-    model.lm_head = head if head is not None else trunk.model.embed_tokens.as_linear
-    return model
+    return vlm_drafter(path, trunk, "DFlashDraftModel")
 
 
 def ours_dflash(model, taps: mx.array, tokens, n: int):

@@ -21,7 +21,6 @@ from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load_model
 from mlx_mtp.models.dflash import DFlash, DFlash2
-from mlx_mtp.options import DecodeOptions
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.dspark import (
@@ -36,10 +35,12 @@ from .test_dspark import (
     PROMPTS,
     SAMPLE_PROMPT,
     V,
-    fresh_context,
+    assert_context_rolls_back,
+    assert_rows_decode_as_alone,
+    assert_served_as_plain,
     greedy_run,
     plain,
-    rejections,
+    ranked_by_hand,
 )
 
 GAMMA = BLOCK_SIZE  # the fixtures' block_size is gamma + 1 (the anchor row)
@@ -125,40 +126,11 @@ def test_random_drafters_decode_exactly(target):
 
 
 def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
-    """After each round that rejects at position j (every j of the block), the
-    drafter's context rows equal those of a fresh pass over the committed tokens."""
-    rejected = set()
-    for a, caches, state in rejections(model, PROMPTS[1], 60):
-        rejected.add(a)
-        ref = fresh_context(model, state.tokens[: state.frontier])
-        for ours, theirs in zip(caches.mtp, ref):
-            assert ours.offset == theirs.offset == state.frontier
-            for x, y in zip(ours.keys_and_values(), theirs.keys_and_values()):
-                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
-    assert rejected == set(range(GAMMA)), rejected
+    assert_context_rolls_back(model)
 
 
 def test_batched_rows_decode_as_alone(model):
-    """Rows joining at different rounds: greedy rows equal plain decoding, seeded
-    sampled rows and auto rows their lone runs."""
-    from mlx_mtp.batch import Batch
-
-    from .test_batch import drive
-
-    prompts = [[5, 17, 30], list(range(10, 40)), [9, 8], list(range(40, 51))]
-    for opts in (
-        HEADS.replace(num_draft_tokens=GAMMA, max_tokens=30),
-        DecodeOptions(num_draft_tokens=3, max_tokens=20, temp=0.9, seed=7),
-        DecodeOptions(max_tokens=20),
-    ):
-        joins = {0: [(i, p, opts) for i, p in enumerate(prompts[:2])]}
-        joins[2] = [(i + 2, p, opts) for i, p in enumerate(prompts[2:])]
-        out, _ = drive(Batch(model, opts), joins)
-        for i, p in enumerate(prompts):
-            alone = [o.token for o in mtp_generate_step(p, model, opts)]
-            assert out[i] == alone, (opts.temp, i)
-            if not opts.temp:
-                assert out[i] == plain(model, p, opts.max_tokens)
+    assert_rows_decode_as_alone(model)
 
 
 # --- sampling and draft vocabularies ------------------------------------------------
@@ -210,13 +182,7 @@ def test_sampling_test_catches_q_without_the_selectors_edges(small, monkeypatch)
 
 @pytest.fixture
 def ranked(small):
-    from mlx_mtp import draft_vocab
-
-    ids = np.random.default_rng(0).integers(0, V, 96).tolist()
-    small.vocab_ranking = draft_vocab.rank_tokens(small, ids)
-    yield small
-    small.vocab_ranking = None
-    small.__dict__.pop("_block_vocabs", None)
+    yield from ranked_by_hand(small)
 
 
 def test_a_block_drafts_from_a_draft_vocabulary(ranked):
@@ -382,33 +348,8 @@ def test_a_dflash_drafter_drops_its_anchor_row_and_matches_the_reference(target)
 
 
 def test_serving_a_target_with_its_dflash2_drafter(tmp_path):
-    """``serve --model TARGET --draft-model DFLASH2``: a request drafts, and its text
-    is plain decoding's."""
-    import openai
-
-    from mlx_mtp.generate import generate as mtp_generate
-    from mlx_mtp.loading import load
-    from mlx_mtp.server import Server, server_args
-
     t = write_qwen3_target(tmp_path / "t", vocab_size=512, predictable=True)
-    d = write_dflash2(tmp_path / "d", t, predictable=True)
-    server = Server(server_args(model=str(t), draft_model=str(d), port=0)).start()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
-        r = client.completions.create(
-            model="default_model",
-            prompt="def f(x):",
-            max_tokens=12,
-            extra_body={"num_draft_tokens": GAMMA},
-        )
-    finally:
-        server.close()
-    model, tokenizer = load(str(t), draft_model=str(d))
-    want = mtp_generate(
-        model, tokenizer, "def f(x):", max_tokens=12, num_draft_tokens=0
-    )
-    assert r.choices[0].text == want
-    assert r.model_extra["mtp"]["drafted"] > 0
+    assert_served_as_plain(t, write_dflash2(tmp_path / "d", t, predictable=True))
 
 
 def test_a_qwen3_5_target_rolls_back_its_recurrent_state_with_blocks(tmp_path):

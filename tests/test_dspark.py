@@ -385,6 +385,10 @@ def rejections(model, prompt, rounds_at_most):
 
 
 def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
+    assert_context_rolls_back(model)
+
+
+def assert_context_rolls_back(model):
     """After each round that rejects at position j (every j of the block), the
     drafter's context rows equal those of a fresh pass over the committed tokens."""
     rejected = set()
@@ -395,7 +399,7 @@ def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
             assert ours.offset == theirs.offset == state.frontier
             for x, y in zip(ours.keys_and_values(), theirs.keys_and_values()):
                 np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
-    assert rejected == set(range(BLOCK_SIZE)), rejected
+    assert rejected == set(range(model.drafter.block_size)), rejected
 
 
 def refused(target, path, match):
@@ -548,9 +552,14 @@ def fails_with_q_without_the_markov_correction(model, monkeypatch) -> bool:
 @pytest.fixture
 def ranked(smalls):
     """The 16-token pair, its ranking set by hand (it has no tokenizer)."""
+    yield from ranked_by_hand(smalls())
+
+
+def ranked_by_hand(model):
+    """Yield ``model`` with a draft-vocabulary ranking of random tokens (a pair
+    without a tokenizer), then take it away."""
     from mlx_mtp import draft_vocab
 
-    model = smalls()
     ids = np.random.default_rng(0).integers(0, V, 96).tolist()
     model.vocab_ranking = draft_vocab.rank_tokens(model, ids)
     yield model
@@ -706,15 +715,22 @@ def test_batched_rows_decode_as_alone(pairs, tau, monkeypatch):
     (left-padded into the context caches) and positions: greedy rows equal plain
     decoding, seeded sampled rows their lone runs, auto rows too. With the cut,
     rows whose blocks were cut to different lengths verify together."""
+    model = pairs(tau=tau)
+    seen = recorded_cuts(model, monkeypatch) if tau else []
+    assert_rows_decode_as_alone(model)
+    assert not tau or any(len(set(ls)) > 1 for _, ls in seen), seen
+
+
+def assert_rows_decode_as_alone(model):
+    """Rows joining at different rounds: greedy rows (k = gamma) equal plain
+    decoding, seeded sampled rows and auto rows their lone runs."""
     from mlx_mtp.batch import Batch
 
     from .test_batch import drive
 
-    model = pairs(tau=tau)
-    seen = recorded_cuts(model, monkeypatch) if tau else []
     prompts = [[5, 17, 30], list(range(10, 40)), [9, 8], list(range(40, 51))]
     for opts in (
-        HEADS.replace(num_draft_tokens=BLOCK_SIZE, max_tokens=30),
+        HEADS.replace(num_draft_tokens=model.drafter.block_size, max_tokens=30),
         DecodeOptions(num_draft_tokens=3, max_tokens=20, temp=0.9, seed=7),
         DecodeOptions(max_tokens=20),  # auto: the batch costs timed with the drafter
     ):
@@ -726,7 +742,6 @@ def test_batched_rows_decode_as_alone(pairs, tau, monkeypatch):
             assert out[i] == alone, (opts.temp, i)
             if not opts.temp:
                 assert out[i] == plain(model, p, opts.max_tokens)
-    assert not tau or any(len(set(ls)) > 1 for _, ls in seen), seen
 
 
 def test_rows_prefilled_together_decode_exactly(model):
@@ -818,14 +833,20 @@ def test_chunked_prefill_and_sessions(model):
 def test_serving_a_target_with_its_drafter(tmp_path):
     """``serve --model TARGET --draft-model DSPARK``: a request drafts, and its
     text is plain decoding's."""
+    t = write_qwen3_target(tmp_path / "t", vocab_size=512, predictable=True)
+    assert_served_as_plain(t, write_dspark(tmp_path / "d", t, predictable=True))
+
+
+def assert_served_as_plain(t, d):
+    """``serve --model t --draft-model d``: a request drafts whole blocks, and its
+    text is plain decoding's."""
     import openai
 
     from mlx_mtp.generate import generate as mtp_generate
     from mlx_mtp.loading import load
     from mlx_mtp.server import Server, server_args
 
-    t = write_qwen3_target(tmp_path / "t", vocab_size=512, predictable=True)
-    d = write_dspark(tmp_path / "d", t, predictable=True)
+    model, tokenizer = load(str(t), draft_model=str(d))
     server = Server(server_args(model=str(t), draft_model=str(d), port=0)).start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
@@ -833,11 +854,10 @@ def test_serving_a_target_with_its_drafter(tmp_path):
             model="default_model",
             prompt="def f(x):",
             max_tokens=12,
-            extra_body={"num_draft_tokens": BLOCK_SIZE},
+            extra_body={"num_draft_tokens": model.drafter.block_size},
         )
     finally:
         server.close()
-    model, tokenizer = load(str(t), draft_model=str(d))
     want = mtp_generate(
         model, tokenizer, "def f(x):", max_tokens=12, num_draft_tokens=0
     )
