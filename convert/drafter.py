@@ -135,7 +135,7 @@ def graft_drafter(
     family = get_family(config)
     trunk, _, _ = load_trunk(dst, family, lazy=True)
     weights = dspark.sanitize(assistants.read_weights(src))
-    weights = drop_shared_copies(trunk, family, trunk.args, weights)
+    weights = drop_shared_copies(trunk, family, family.text_args(trunk), weights)
     drafter = read_drafter(src, d_config, where, weights)
     quantization = d_config.get("quantization")
     if not quantization:

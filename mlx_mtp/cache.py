@@ -126,17 +126,22 @@ def mtp_caches(model) -> List[Any]:
     window (``MTPLayer.window``), or a `ListCache` of KV caches for an attention that
     keeps several (``MTPLayer.kv_caches``); with a block drafter, one cache per
     drafter layer, its context rows (row i: committed position i): a KV cache, or
-    a `WindowCache` when its blocks see the last ``context_window`` rows only,
+    a `WindowCache` when its blocks see the last ``context_windows`` rows only,
     whose streams batch apart (`mlx_mtp.rows.Rows`) when the drafter's passes take
     one stream (its ``rows_apart``)."""
     drafter = model.drafter
     if drafter is not None:
-        window = drafter.context_window
-        if window is None:
-            return [KVCache() for _ in drafter.layers]
         kind = ApartWindowCache if drafter.rows_apart else WindowCache
-        return [kind(window) for _ in drafter.layers]
+        return [KVCache() if w is None else kind(w) for w in drafter.context_windows]
     return [_mtp_cache(layer) for layer in model.mtp.layers]
+
+
+def block_context(drafter, caches: List[Any], positions) -> List[Any]:
+    """Per layer of the block ``drafter``, what a block after ``positions`` (one
+    per row) reads of its context cache in ``caches`` (`mtp_caches`): the last rows
+    of the layer's window (its ``context_windows``), or all."""
+    windows = drafter.context_windows
+    return [ops(c).read_kv(positions, w) for c, w in zip(caches, windows)]
 
 
 def _mtp_cache(layer):

@@ -124,7 +124,8 @@ def _drafts(path: Path, config: dict) -> str:
         n = mtp.get("num_layers", 0)
         return f"MTP heads ({n} layer{'' if n == 1 else 's'}{precision})"
     if isinstance(config.get("drafter"), dict):
-        return "a DSpark drafter"
+        kept = config["drafter"].get("config") or {}
+        return f"a {dflash.kind(kept) or 'DSpark'} drafter"
     if isinstance(config.get("assistant"), dict):
         return "a Gemma 4 assistant"
     try:

@@ -41,9 +41,9 @@ import mlx.core as mx
 from .cache import (
     assistant_view,
     begin_verify,
+    block_context,
     filter_mark,
     keep_below,
-    ops,
     prepare,
     rewind_rows,
 )
@@ -384,8 +384,7 @@ def draft_block(model, caches, runs: Sequence[Any], rp: RoundPlan, depth: int):
         return mx.zeros((len(runs), 0), dtype=mx.int32), None, None
     _write_context(model, caches.mtp, runs)
     n = [len(r.state.tokens) - 1 for r in runs]
-    window = model.drafter.context_window  # None: every context row
-    context = [ops(c).read_kv(n, window) for c in caches.mtp]
+    context = block_context(model.drafter, caches.mtp, n)
     position = n[0] if len(runs) == 1 else mx.array(n, dtype=mx.int32)
     anchor = mx.array([r.state.tokens[-1] for r in runs], dtype=mx.int32)  # (B,)
     vocabs = [v for v, k in zip(rp.vocabs, ks) if k] or [None]

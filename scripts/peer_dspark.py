@@ -28,8 +28,10 @@ loads in float (its loader quantizes to 4 bits by default). Prints, per peer, th
 largest difference and whether every slot's argmax agrees; exits 1 if a check fails.
 
 ``--dflash`` checks DFlash2 and DFlash drafters (`mlx_mtp.testing.dspark`'s
-``write_dflash2`` and ``write_dflash`` fixtures, or ``--drafter``) against mlx-vlm's
-``DFlash2DraftModel`` and ``DFlashDraftModel``: per row each slot's selector scores
+``write_dflash2`` and ``write_dflash`` fixtures, and ``write_gemma4_dflash``'s Gemma 4
+one, sliding and full layers, beside a Gemma 4 target; or ``--drafter``) against
+mlx-vlm's ``DFlash2DraftModel``, ``DFlashDraftModel`` and ``Gemma4DFlashDraftModel``
+(bound to the target by its ``bind``): per row each slot's selector scores
 (DFlash: logits), teacher-forced as above (the same candidates, -inf elsewhere,
 scores within the tolerance), and the block mlx-vlm's greedy ``draft_block``
 proposes equal to the one mlx-mtp's slots draw one after another.
@@ -60,12 +62,12 @@ def vlm_drafter(path: Path, trunk, kind: str = "DSparkDraftModel"):
 def ours(model, taps: mx.array, tokens, n: int) -> mx.array:
     """mlx-mtp's slot logits ``(gamma, V)`` after context rows 0..n-1 (``taps``:
     the trunk's packed rows), teacher-forced on ``tokens``."""
-    from mlx_mtp.cache import mtp_caches, ops
+    from mlx_mtp.cache import block_context, mtp_caches
 
     d = model.drafter
     caches = mtp_caches(model)
     model.draft_context(taps[:, :n], caches)
-    context = [ops(c).read_kv([n]) for c in caches]
+    context = block_context(model.drafter, caches, [n])
     z, g = model.draft_block(mx.array([tokens[n]]), context, n)
     state, rows = d.markov_start(1, g.dtype), []
     for k in range(z.shape[1]):
@@ -118,20 +120,32 @@ def theirs_dspark(d, taps: mx.array, tokens, n: int, gamma: int) -> mx.array:
 
 
 def vlm_dflash(path: Path, trunk):
-    """mlx-vlm's DFlash or DFlash2 drafter of ``path``, reading ``trunk``'s
-    tables."""
-    return vlm_drafter(path, trunk, "DFlashDraftModel")
+    """mlx-vlm's DFlash or DFlash2 drafter of ``path`` (Gemma 4's included), given
+    ``trunk``'s tables as its ``bind`` takes them (which also asks the target for
+    speculative rollback): the embedding with the target's scale (Gemma's sqrt(H))
+    and the head."""
+    from mlx_vlm.speculative import drafters
+
+    model, _ = drafters.load_drafter(str(path))
+    if not isinstance(model, drafters.DFlashDraftModel):
+        raise SystemExit(f"mlx-vlm loads {path} as {type(model).__name__}")
+    text = getattr(trunk, "language_model", trunk)
+    model.embed_tokens = text.model.embed_tokens
+    model.embed_scale = getattr(text.model, "embed_scale", 1.0)
+    head = getattr(text, "lm_head", None)
+    model.lm_head = head if head is not None else model.embed_tokens.as_linear
+    return model
 
 
 def ours_dflash(model, taps: mx.array, tokens, n: int):
     """mlx-mtp's DFlash2 selector scores (DFlash: slot logits) ``(gamma, V)`` after
     context rows 0..n-1, teacher-forced on ``tokens``, and the block its greedy slots
     draw."""
-    from mlx_mtp.cache import mtp_caches, ops
+    from mlx_mtp.cache import block_context, mtp_caches
 
     caches = mtp_caches(model)
     model.draft_context(taps[:, :n], caches)
-    context = [ops(c).read_kv([n]) for c in caches]
+    context = block_context(model.drafter, caches, [n])
     z, g = model.draft_block(mx.array([tokens[n]]), context, n)
     forced, drawn, prev = [], [], mx.array([tokens[n]])
     for k in range(z.shape[1]):
@@ -223,8 +237,10 @@ def main():
         write_dflash,
         write_dflash2,
         write_dspark,
+        write_gemma4_dflash,
         write_qwen3_target,
     )
+    from mlx_mtp.testing.gemma4 import write_gemma4
 
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
@@ -236,12 +252,19 @@ def main():
         if args.dflash:
             peers.append(("mlx-vlm DFlash2", "dflash2", vlm_dflash, theirs_dflash))
             peers.append(("mlx-vlm DFlash", "dflash", vlm_dflash, theirs_dflash))
-        target = args.target
-        if target is None:
-            target = write_qwen3_target(Path(tmp) / "target", predictable=True)
+            if args.drafter is None:
+                peers.append(
+                    ("mlx-vlm Gemma 4 DFlash", "gemma4", vlm_dflash, theirs_dflash)
+                )
+        qwen3 = args.target
+        if qwen3 is None:
+            qwen3 = write_qwen3_target(Path(tmp) / "target", predictable=True)
         for name, layout, load_peer, slots in peers:
-            drafter = args.drafter
-            if drafter is None and layout == "dflash2":
+            drafter, target = args.drafter, qwen3
+            if layout == "gemma4":
+                target = write_gemma4(Path(tmp) / "gemma4-target", "dense")
+                drafter = write_gemma4_dflash(Path(tmp) / layout, target)
+            elif drafter is None and layout == "dflash2":
                 drafter = write_dflash2(Path(tmp) / layout, target, predictable=True)
             elif drafter is None and layout == "dflash":
                 drafter = write_dflash(
@@ -255,7 +278,7 @@ def main():
             tokens, taps = continuation(model, list(range(10, 30)), args.tokens)
             peer = load_peer(drafter, model.trunk)
             gamma = model.drafter.block_size
-            check = compare_dflash if layout.startswith("dflash") else compare
+            check = compare if layout in ("nested", "deepspec") else compare_dflash
             worst, agree, rows = check(
                 model, lambda *a: slots(peer, *a), taps, tokens, 20, gamma
             )

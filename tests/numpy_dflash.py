@@ -18,7 +18,11 @@ mlx or mlx_lm.
     C = top-k of z;   score(c) = z(c) + sum_r P[prev]_r (W_h g)_r S[c]_r on C
 
 A DFlash drafter (no ``*_conv`` or ``candidate_selector`` tensors) is the same with
-every convolution the identity and each slot's scores its logits z.
+every convolution the identity and each slot's scores its logits z. A sliding layer
+attends to the last ``sliding_window - 1`` context rows only (mlx-vlm's rule); a
+Gemma 4 target's embedding is scaled by sqrt(H), as its own first layer sees it, and
+its head (the tied embedding) is read without the target's soft cap; a Gemma 4
+drafter's mask token is Gemma's ``<mask>`` (4) when its config names none.
 """
 
 from __future__ import annotations
@@ -58,17 +62,26 @@ def dflash_block(drafter_dir, target_dir, taps, anchor, prevs):
     d = {**cfg, **cfg["dflash_config"]}  # a key in dflash_config wins
     eps, p, R = cfg["rms_norm_eps"], len(taps), d["block_size"]
     group = d.get("conv_group_size", 1)
-    embed = T["model.embed_tokens.weight"]
+    gemma = tcfg.get("model_type") == "gemma4"
+    embed = T[
+        (
+            "model.language_model.embed_tokens.weight"
+            if gemma
+            else "model.embed_tokens.weight"
+        )
+    ]
     head = T.get("lm_head.weight", embed)
+    scale = np.sqrt(cfg["hidden_size"]) if gemma else 1.0
+    mask = d.get("mask_token_id", 4 if cfg["model_type"] == "gemma4" else None)
     c = rmsnorm(taps @ W["fc.weight"].T, W["hidden_norm.weight"], eps)
-    x = embed[[anchor] + [d["mask_token_id"]] * (R - 1)] * d.get(
-        "input_embedding_scale", 1.0
-    )
-    for i in range(cfg["num_hidden_layers"]):
+    x = embed[[anchor] + [mask] * (R - 1)] * scale * d.get("input_embedding_scale", 1.0)
+    layers = cfg["num_hidden_layers"]
+    for i, kind in enumerate(cfg.get("layer_types") or ["full_attention"] * layers):
         L, a = f"layers.{i}.", f"layers.{i}.self_attn."
         n = rmsnorm(x, W[L + "input_layernorm.weight"], eps)
         w = _kernels(W, L + "attention_conv.", n, group)
-        _, kc, vc = _qkv(W, a, cfg, c, np.arange(p))
+        seen = p if kind == "full_attention" else min(p, d["sliding_window"] - 1)
+        _, kc, vc = _qkv(W, a, cfg, c[p - seen :], np.arange(p - seen, p))
         q, kb, vb = _qkv(W, a, cfg, _conv(n, w[0]), p + np.arange(R))
         k, v = np.concatenate([kc, kb], axis=1), np.concatenate([vc, vb], axis=1)
         out = _attention(q, k, v, cfg["head_dim"] ** -0.5, False)

@@ -15,11 +15,12 @@ import pytest
 from click.testing import CliRunner
 
 import mlx_mtp.round as rounds
-from mlx_mtp.cache import mtp_caches, ops
+from mlx_mtp.cache import block_context, mtp_caches, ops
 from mlx_mtp.cli import main
 from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
 from mlx_mtp.loading import load_model
+from mlx_mtp.models import dflash
 from mlx_mtp.models.dflash import DFlash, DFlash2
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
@@ -28,8 +29,10 @@ from mlx_mtp.testing.dspark import (
     TARGET_LAYER_IDS,
     write_dflash,
     write_dflash2,
+    write_gemma4_dflash,
     write_qwen3_target,
 )
+from mlx_mtp.testing.gemma4 import write_gemma4
 
 from .test_dspark import (
     PROMPTS,
@@ -95,7 +98,7 @@ def test_a_block_matches_the_numpy_reference(target, variant):
     taps = target_taps(str(target), prompt, TARGET_LAYER_IDS)
     caches = mtp_caches(model)
     model.draft_context(model.hidden(mx.array(prompt)[None]), caches)
-    context = [ops(c).read_kv([len(prompt)]) for c in caches]
+    context = block_context(model.drafter, caches, [len(prompt)])
     z, g = model.draft_block(mx.array([anchor]), context, len(prompt))
     ref = dflash_block(str(path), str(target), taps, anchor, prevs)
     for k, prev in enumerate(prevs):
@@ -194,7 +197,7 @@ def test_a_block_drafts_from_a_draft_vocabulary(ranked):
     caches = mtp_caches(model)
     prompt = [3, 7, 5, 3, 7, 1]
     model.draft_context(model.hidden(mx.array(prompt[:-1])[None]), caches)
-    context = [ops(c).read_kv([len(prompt) - 1]) for c in caches]
+    context = block_context(model.drafter, caches, [len(prompt) - 1])
     anchor, at = mx.array(prompt[-1:]), len(prompt) - 1
     full, g = model.draft_block(anchor, context, at)
     some, _ = model.draft_block(anchor, context, at, n)
@@ -242,9 +245,9 @@ def test_drafters_mlx_mtp_cannot_run_are_refused_in_one_line(target):
         target, edited(target, "sinks", attention_sink_bias=True), "attention sinks"
     )
     mixed = {"layer_types": ["sliding_attention", "full_attention"]}
-    refused(
-        target, edited(target, "mixed", {**mixed, "sliding_window": 8}), "mixes sliding"
-    )
+    refused(target, edited(target, "open", mixed), "sliding_window must be")
+    three = {"layer_types": ["full_attention"] * 3}
+    refused(target, edited(target, "three", three), "3 layer types for 2 layers")
     refused(target, edited(target, "group", conv_group_size=5), "does not divide")
     refused(target, edited(target, "top", selector_top_k=V * 8), "exceeds")
     refused(target, edited(target, "block", block_size=1), "block_size")
@@ -253,14 +256,14 @@ def test_drafters_mlx_mtp_cannot_run_are_refused_in_one_line(target):
 
 def test_a_sliding_drafter_attends_to_its_window_only(target):
     """Sliding layers (the released configs' kind) read the last sliding_window - 1
-    context rows (the round reads the drafter's ``context_window``), which changes
+    context rows (the round reads the drafter's ``context_windows``), which changes
     the block; decoding stays exact."""
     from .test_window import greedy_identity
 
     sliding = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 6}
     path = edited(target, "sliding", sliding)
     model = load_model(str(target), draft_model=str(path))[0]
-    assert model.drafter.context_window == 5
+    assert model.drafter.context_windows == (5, 5)
     prompt = list(range(10, 30))
     caches = mtp_caches(model)
     model.draft_context(model.hidden(mx.array(prompt)[None]), caches)
@@ -338,13 +341,72 @@ def test_a_dflash_drafter_drops_its_anchor_row_and_matches_the_reference(target)
     taps = target_taps(str(target), prompt, TARGET_LAYER_IDS)
     caches = mtp_caches(model)
     model.draft_context(model.hidden(mx.array(prompt)[None]), caches)
-    context = [ops(c).read_kv([len(prompt)]) for c in caches]
+    context = block_context(model.drafter, caches, [len(prompt)])
     z, g = model.draft_block(mx.array([anchor]), context, len(prompt))
     ref = dflash_block(str(path), str(target), taps, anchor, [anchor] * GAMMA)
     for k in range(GAMMA):
         ours, _ = model.slot_logits(z[:, k], mx.array([anchor]), g[:, k], None)
         np.testing.assert_allclose(np.array(ours[0]), ref[k], rtol=1e-4, atol=1e-4)
     greedy_identity(model, PROMPTS[1:], n=40, ks=(GAMMA,), policies=("auto",))
+
+
+def test_a_dflash_config_is_told_from_a_dspark_one_by_mlx_vlms_rule():
+    """mlx-vlm's ``get_model_type``: a ``dflash_config`` names a DFlash drafter
+    unless DSpark's marks are there (``projector_type`` "dspark", a Markov head, a
+    DSpark architecture); mlx-mtp read every unnamed one as DSpark (gamma off by
+    the anchor row)."""
+    taps = {"target_layer_ids": [0, 2], "mask_token_id": 5}
+    bare = {"model_type": "qwen3", "dflash_config": taps}
+    assert dflash.kind(bare) == "DFlash"
+    assert dflash.kind({**bare, "markov_rank": 8}) is None
+    assert dflash.kind({**bare, "architectures": ["DSparkDraftModel"]}) is None
+    spark = {**bare, "dflash_config": {**taps, "projector_type": "dspark"}}
+    assert dflash.kind(spark) is None
+    assert dflash.kind({"target_layer_ids": [0], "mask_token_id": 5}) is None
+
+
+def test_a_gemma4_dflash_drafter_matches_the_reference_and_decodes_exactly(tmp_path):
+    """Gemma 4's DFlash drafters (z-lab's, as mlx-vlm's ``gemma4_dflash`` reads
+    them) say ``model_type`` gemma4, name no architecture nor mask token, and mix
+    sliding and full layers. One loads as DFlash with Gemma's ``<mask>`` (4), each
+    layer reading its own window of the context; its slot logits equal the float64
+    reference (the target's embedding scaled by sqrt(H), the target's head without
+    the target's soft cap, then the drafter's own), on the taps of mlx-mtp's Gemma 4
+    trunk; and it decodes exactly. ``scripts/peer_dspark.py --dflash`` checks the
+    same folder against mlx-vlm's drafter."""
+    from .numpy_dflash import dflash_block
+    from .test_window import greedy_identity
+
+    t = write_gemma4(tmp_path / "t", "dense")
+    path = write_gemma4_dflash(tmp_path / "d", t)
+    model = load_model(str(t), draft_model=str(path))[0]
+    d = model.drafter
+    assert type(d) is DFlash and d.block_size == GAMMA and d.spec.mask_token_id == 4
+    assert d.context_windows == (3, None)
+    prompt, anchor = list(range(10, 30)), 7
+    caches = mtp_caches(model)
+    taps = model.hidden(mx.array(prompt)[None])
+    model.draft_context(taps, caches)
+    context = block_context(model.drafter, caches, [len(prompt)])
+    z, g = model.draft_block(mx.array([anchor]), context, len(prompt))
+    taps = np.array(taps[0, :, : d.tap_width].astype(mx.float32), np.float64)
+    ref = dflash_block(str(path), str(t), taps, anchor, [anchor] * GAMMA)
+    for k in range(GAMMA):
+        ours, _ = model.slot_logits(z[:, k], mx.array([anchor]), g[:, k], None)
+        np.testing.assert_allclose(np.array(ours[0]), ref[k], rtol=1e-4, atol=1e-4)
+    greedy_identity(model, PROMPTS[1:], n=40, ks=(2, GAMMA), policies=("auto",))
+    converted = convert(str(t), tmp_path / "t4", quantize=True, progress=False)
+    args = ["graft", "--from", str(path), "--mlx-path", str(converted)]
+    result = CliRunner().invoke(main, args)  # the target's args are its text model's
+    assert result.exit_code == 0 and "the DFlash drafter" in result.output
+    listed = CliRunner().invoke(main, ["models", str(path), str(converted)])
+    assert listed.output.count("DFlash drafter") == 2, listed.output
+    grafted = load_model(str(converted))[0]
+    assert type(grafted.drafter) is DFlash and grafted.drafter.context_windows == (
+        3,
+        None,
+    )
+    greedy_identity(grafted, PROMPTS[1:2], n=24, ks=(GAMMA,), policies=("auto",))
 
 
 def test_serving_a_target_with_its_dflash2_drafter(tmp_path):

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from mlx_lm.generate import generate_step
 
 import mlx_mtp.round as rounds
-from mlx_mtp.cache import make_caches, mtp_caches, ops
+from mlx_mtp.cache import block_context, make_caches, mtp_caches
 from mlx_mtp.cli import main
 from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
@@ -453,7 +453,7 @@ def test_taps_and_a_block_match_the_numpy_reference(target, markov):
     )
     caches = mtp_caches(model)
     model.draft_context(h, caches)
-    context = [ops(c).read_kv([len(prompt)]) for c in caches]
+    context = block_context(model.drafter, caches, [len(prompt)])
     z, g = model.draft_block(mx.array([anchor]), context, len(prompt))
     ref_z, ref_markov, ref_c = dspark_block(str(path), taps, anchor, drafts)
     np.testing.assert_allclose(np.array(z[0]), ref_z, rtol=1e-4, atol=1e-4)
@@ -571,7 +571,6 @@ def test_a_block_drafts_from_a_draft_vocabulary(ranked):
     """A block's slots from a quarter of the vocabulary: its logits are the full
     head's at the ranking's first rows (Markov bias included) and -inf elsewhere;
     greedy decoding from it at k = 1, gamma and auto is plain decoding."""
-    from mlx_mtp.cache import mtp_caches, ops
 
     model, n = ranked, V // 4
     rows = np.array(model.vocab_ranking.rows(n))
@@ -579,7 +578,7 @@ def test_a_block_drafts_from_a_draft_vocabulary(ranked):
     prompt = [3, 7, 5, 3, 7, 1]
     h = model.hidden(mx.array(prompt[:-1])[None])
     model.draft_context(h, caches)
-    context = [ops(c).read_kv([len(prompt) - 1]) for c in caches]
+    context = block_context(model.drafter, caches, [len(prompt) - 1])
     anchor, at = mx.array(prompt[-1:]), len(prompt) - 1
     full, g = model.draft_block(anchor, context, at)
     some, _ = model.draft_block(anchor, context, at, n)

@@ -247,7 +247,12 @@ class Model(nn.Module):
             return self._block_vocab(vocab)[1](h)
         if "lm_head" in d:
             return d.lm_head(h)
-        return self.family.logits(self.trunk, h)
+        head = self.family.output_head(self.trunk)
+        if head is None:
+            return self.family.logits(self.trunk, h)
+        # the target's projection alone, as the peers bind it: a drafter's `slot`
+        # applies its own soft cap, not the target's (Gemma's)
+        return head.as_linear(h) if hasattr(head, "as_linear") else head(h)
 
     def block_rows(self, vocab: Optional[int]) -> Optional[mx.array]:
         """The token ids of `block_logits`' columns with ``vocab`` (None: all)."""

@@ -28,14 +28,20 @@ reference of the release's numerics:
   rejection sampling stays exact.
 
 Its logits are ``lm_head(g) * output_multiplier``, soft-capped when set; the
-embedding is the target's times ``input_embedding_scale``. In both, sliding-window
-layers attend to the last ``sliding_window - 1`` context rows (mlx-vlm's rule; the
-torch reference's per-query window differs by at most gamma rows past the window),
-as does ``draft_window_size``.
+embedding is the target's (with its own scale: Gemma's sqrt(H)) times
+``input_embedding_scale``. In both, sliding-window layers attend to the last
+``sliding_window - 1`` context rows (mlx-vlm's rule; the torch reference's per-query
+window differs by at most gamma rows past the window), full ones to all, each
+capped by ``draft_window_size``.
+
+Gemma 4's DFlash drafters (z-lab's ``gemma-4-*-DFlash``, mlx-vlm's ``gemma4_dflash``,
+dflash-mlx's Gemma path) are DFlash drafters of the same Qwen3-style layers whose
+config names the target's ``model_type`` (``gemma4``), may leave the mask token out
+(Gemma's ``<mask>``, 4) and mixes sliding and full layers.
 """
 
 from dataclasses import replace
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,14 +55,22 @@ OWN_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_to
 
 def kind(config: dict) -> Optional[str]:
     """``"DFlash2"``, ``"DFlash"``, or None for a drafter ``config.json`` of
-    neither (a DSpark one, say)."""
+    neither (a DSpark one, say), by mlx-vlm's rule (``get_model_type``): a
+    ``dflash_config`` names a DFlash drafter unless it is DSpark's (``projector_type``
+    "dspark", a Markov head, or a DSpark architecture), whatever ``model_type``
+    (Gemma 4's DFlash drafters say ``gemma4``)."""
     names = config.get("architectures") or ()
     nested = config.get("dflash_config")
     if "DFlash2DraftModel" in names or (
         isinstance(nested, dict) and all(k in nested for k in OWN_KEYS)
     ):
         return "DFlash2"
-    return "DFlash" if "DFlashDraftModel" in names else None
+    if "DFlashDraftModel" in names:
+        return "DFlash"
+    if not isinstance(nested, dict) or any(a in dspark.ARCHITECTURES for a in names):
+        return None
+    markov = nested.get("markov_rank") or config.get("markov_rank") or 0
+    return None if nested.get("projector_type") == "dspark" or markov else "DFlash"
 
 
 def _get(config: dict, key: str, default=None):
@@ -79,26 +93,26 @@ def _number(config: dict, key: str, where: str, default) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def _context_window(config: dict, where: str) -> Optional[int]:
-    """The context rows a block attends to (None: all): ``sliding_window - 1`` for
-    sliding layers (every layer's type must then be the same), capped by
-    ``draft_window_size``."""
+def _context_windows(config: dict, where: str) -> List[Optional[int]]:
+    """Per layer, the context rows a block attends to (None: all): the last
+    ``sliding_window - 1`` for a sliding layer, every row for a full one, both
+    capped by ``draft_window_size``."""
     layers = config.get("num_hidden_layers")
-    types = config.get("layer_types") or ["full_attention"] * (layers or 0)
+    if type(layers) is not int or layers < 1:
+        raise MTPError(f"{where}: num_hidden_layers must be a whole number >= 1")
+    types = config.get("layer_types") or ["full_attention"] * layers
     if set(types) - {"full_attention", "sliding_attention"}:
         raise MTPError(f"{where}: unknown layer types {sorted(set(types))}")
-    window = None
+    if len(types) != layers:
+        raise MTPError(f"{where}: {len(types)} layer types for {layers} layers")
+    sliding = None
     if "sliding_attention" in types:
-        if len(set(types)) > 1:
-            raise MTPError(
-                f"{where} mixes sliding and full attention layers; mlx-mtp runs "
-                "drafters whose layers are all of one kind"
-            )
-        window = _whole(config, "sliding_window", where, least=2) - 1
+        sliding = _whole(config, "sliding_window", where, least=2) - 1
+    cap = None
     if _get(config, "draft_window_size") is not None:
-        rows = _whole(config, "draft_window_size", where)
-        window = rows if window is None else min(window, rows)
-    return window
+        cap = _whole(config, "draft_window_size", where)
+    windows = [sliding if t == "sliding_attention" else None for t in types]
+    return [cap if w is None else w if cap is None else min(w, cap) for w in windows]
 
 
 class DynamicConv(nn.Module):
@@ -190,12 +204,12 @@ class DFlash(dspark.DSpark):
         self.input_embedding_scale = _number(config, "input_embedding_scale", where, 1)
         self.output_multiplier = _number(config, "output_multiplier", where, 1)
         self.softcap = _number(config, "final_logit_softcapping", where, None)
-        self.context_window = _context_window(config, where)
+        self.windows = tuple(_context_windows(config, where))
 
     @classmethod
     def check(cls, config: dict) -> None:
         """One-line errors for a config mlx-mtp cannot run as its references do: a
-        causal block, attention sinks, sliding layers mixed with full ones."""
+        causal block, attention sinks, a sliding layer without its window."""
         where = cls.WHERE
         if _get(config, "is_causal", False) or _get(config, "causal", False):
             raise MTPError(
@@ -210,7 +224,11 @@ class DFlash(dspark.DSpark):
         if not isinstance(config.get("hidden_size"), int):
             raise MTPError(f"{where}: hidden_size must be a whole number")
         _whole(config, "block_size", where, least=2)
-        _context_window(config, where)
+        _context_windows(config, where)
+
+    @property
+    def context_windows(self) -> List[Optional[int]]:
+        return self.windows
 
     def block(self, x: mx.array, context, position) -> mx.array:
         """`DSpark.block` after scaling the target's embeddings ``x`` of the block's

@@ -36,7 +36,7 @@ Qwen3 blocks (`mlx_lm.models.qwen3.TransformerBlock`), called part by part.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,6 +55,9 @@ ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Lfm2DSparkDraftModel")
 # (Fig. 5) shows acceptance rising with tau, so a config may ask for one.
 DEFAULT_CONFIDENCE_THRESHOLD = 0.0
 # Keys the nested spelling keeps in ``dflash_config`` (spec §1a, variant B).
+# The mask token of a drafter whose config leaves it out, by its ``model_type``:
+# Gemma's ``<mask>`` for Gemma 4's DFlash drafters (mlx-vlm's ``gemma4_dflash``)
+IMPLIED_MASK = {"gemma4": 4, "gemma4_text": 4}
 NESTED_KEYS = ("mask_token_id", "target_layer_ids", "num_target_layers")
 
 
@@ -65,8 +68,9 @@ def is_dspark(config: dict) -> bool:
     if any(a in names for a in config.get("architectures") or ()):
         return True
     nested = config.get("dflash_config")
-    keys = nested if isinstance(nested, dict) else config
-    return "target_layer_ids" in keys and "mask_token_id" in keys
+    if isinstance(nested, dict):  # mlx-vlm's mark of its block drafters
+        return "target_layer_ids" in nested
+    return "target_layer_ids" in config and "mask_token_id" in config
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,12 @@ class DSparkSpec:
         ids = get("target_layer_ids")
         if not isinstance(ids, list) or not all(type(i) is int for i in ids) or not ids:
             raise MTPError(f"{where}: target_layer_ids must be a list of layer indices")
-        for key, least in (("block_size", 1), ("mask_token_id", 0)):
-            if type(get(key)) is not int or get(key) < least:
+        mask = get("mask_token_id", IMPLIED_MASK.get(config.get("model_type")))
+        for key, value, least in (
+            ("block_size", get("block_size"), 1),
+            ("mask_token_id", mask, 0),
+        ):
+            if type(value) is not int or value < least:
                 raise MTPError(f"{where}: {key} must be a whole number >= {least}")
         tau = get("confidence_threshold", DEFAULT_CONFIDENCE_THRESHOLD)
         tau = 0.0 if tau is None else tau
@@ -113,7 +121,7 @@ class DSparkSpec:
         spec = cls(
             block_size=get("block_size"),
             target_layer_ids=tuple(ids),
-            mask_token_id=get("mask_token_id"),
+            mask_token_id=mask,
             num_target_layers=get("num_target_layers"),
             markov_rank=get("markov_rank", 0) or 0,
             markov_head_type=str(get("markov_head_type") or "vanilla").lower(),
@@ -239,11 +247,16 @@ class DSpark(nn.Module):
         TAPS: The kind of `Taps` its context reads (the outputs of the tapped
             layers, before the final norm: spec §2.1).
         context_window: The last context rows a block attends to (None: all).
+        context_windows: The same per drafter layer.
     """
 
     TAPS = Taps
     rows_apart = False  # its passes batch streams (see `mlx_mtp.cache.mtp_caches`)
     context_window = None
+
+    @property
+    def context_windows(self) -> List[Optional[int]]:
+        return [self.context_window] * len(self.layers)
 
     def __init__(self, config: dict, own_embed: bool = True, own_head: bool = True):
         super().__init__()
