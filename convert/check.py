@@ -8,6 +8,10 @@ the converted heads run on the source's trunk (its hidden states, embedding and 
 so trunk quantization does not blur it, and a double-shifted norm, a swapped
 concatenation or a broken head quantization drops it far below the threshold.
 End-to-end agreement, through the converted trunk, is reported beside it.
+
+A folder drafting with a Gemma 4 assistant or a grafted block drafter (DSpark, DFlash,
+DFlash2) is checked the same way on its own trunk: the converted drafter's top-1 against
+the source drafter's, run on the same target (`check_assistant`, `check_drafter`).
 """
 
 from dataclasses import dataclass, field
@@ -173,11 +177,16 @@ def check(
     if isinstance(config.get("assistant"), dict) and not isinstance(section, dict):
         return check_assistant(path, config, source, threshold, text, trust_remote_code)
     if not isinstance(section, dict) and isinstance(config.get("drafter"), dict):
-        raise MTPError(
-            f"{path} drafts with a grafted block drafter; check tests MTP heads and "
-            "assistants only"
-        )
+        return check_drafter(path, config, source, threshold, text, trust_remote_code)
     if not isinstance(section, dict):
+        from mlx_mtp.models import dflash, dspark
+
+        if dspark.is_dspark(config):
+            raise MTPError(
+                f"{path} is a {dflash.kind(config) or 'DSpark'} drafter alone; check "
+                f"reads one beside its target: mlx-mtp graft --from {path} --mlx-path "
+                "TARGET, then mlx-mtp check TARGET"
+            )
         raise MTPError(
             f"{path} has no mlx-mtp MTP heads nor assistant (not converted by mlx-mtp?)"
         )
@@ -330,4 +339,128 @@ def check_assistant(
     attach_assistant(reference, config, path, source)
     report.source = source
     report.agreement = float((assistant_predictions(reference, tokens) == ours).mean())
+    return report
+
+
+@dataclass
+class DrafterReport:
+    """What `check_drafter` found (``passed`` as `CheckReport`'s)."""
+
+    path: Path
+    kind: str
+    layers: int
+    gamma: int
+    quantization: Optional[dict]
+    parameters: int
+    threshold: float
+    tokens: int = 0
+    # per slot: its token vs the target's greedy one (teacher-forced)
+    self_agreement: List[float] = field(default_factory=list)
+    source: Optional[str] = None
+    agreement: Optional[float] = None  # every slot vs the source drafter's
+    missing_source: Optional[str] = None
+
+    @property
+    def passed(self) -> bool:
+        return self.agreement is not None and self.agreement >= self.threshold
+
+    def lines(self) -> List[str]:
+        slots = " ".join(f"{a:.2f}" for a in self.self_agreement)
+        out = [
+            f"{self.path}:",
+            f"  drafter: {self.kind}, {self.layers} layers, {self.gamma} slots a "
+            f"block, {_bits(self.quantization)}, {self.parameters / 1e6:.2f}M "
+            "parameters",
+            f"  each slot vs the target's greedy token (teacher-forced, acceptance "
+            f"proxy, {self.tokens} tokens): {slots}",
+        ]
+        if self.missing_source:
+            return out + [
+                f"  the recorded source {self.missing_source} is not there any more: "
+                "agreement with it not checked (pass --hf-path SOURCE)"
+            ]
+        if self.source is None:
+            return out + ["  no source recorded: agreement with it not checked"]
+        verdict = "ok" if self.passed else "FAIL"
+        return out + [
+            f"  top-1 agreement with {self.source} on this target, every slot over "
+            f"{self.tokens} tokens: {self.agreement:.3f} (threshold "
+            f"{self.threshold:.2f}) {verdict}"
+        ]
+
+
+def drafter_predictions(model, tokens: List[int]) -> np.ndarray:
+    """``(rows, gamma)`` top-1 of every slot of a block drafter's block after each
+    position n >= 1, teacher-forced: context rows 0..n-1, anchor t_n, slot k after
+    t_{n+k} (its Markov state so), predicting t_{n+k+1}, as decoding does when
+    the drafts before it were accepted."""
+    from mlx_mtp.cache import block_context, mtp_caches
+
+    d = model.drafter
+    taps = model.hidden(mx.array(tokens)[None])  # (1, n, packed width)
+    caches = mtp_caches(model)
+    rows = []
+    for n in range(1, len(tokens) - d.block_size):
+        model.draft_context(taps[:, n - 1 : n], caches)
+        z, g = model.draft_block(
+            mx.array([tokens[n]]), block_context(d, caches, [n]), n
+        )
+        state, slots = d.markov_start(1, g.dtype), []
+        for k in range(d.block_size):
+            prev = mx.array([tokens[n + k]])
+            logits, state = model.slot_logits(z[:, k], prev, g[:, k], state)
+            slots.append(mx.argmax(logits, axis=-1))
+        rows.append(mx.concatenate(slots))
+        mx.eval(rows[-1])
+    return np.array(mx.stack(rows))
+
+
+def check_drafter(
+    path: Path,
+    config: dict,
+    source: Optional[str],
+    threshold: float,
+    text: str,
+    trust_remote_code: bool,
+) -> DrafterReport:
+    """`check` for a folder with a grafted block drafter (``graft`` of a DSpark,
+    DFlash or Gemma 4 DSpark drafter): each slot against the target's greedy
+    tokens, and every slot against the source drafter it was grafted from, run on
+    the same target."""
+    from mlx_mtp.loading import attach_assistant
+    from mlx_mtp.models import dflash
+
+    model, tokenizer = load(str(path), trust_remote_code=trust_remote_code)
+    if model.drafter is None:
+        raise MTPError(f"{path}: the grafted drafter could not be loaded")
+    section, d = config["drafter"], model.drafter
+    report = DrafterReport(
+        path=path,
+        kind=dflash.kind(section.get("config") or {}) or "DSpark",
+        layers=len(d.layers),
+        gamma=d.block_size,
+        quantization=section.get("quantization"),
+        parameters=_parameters(d),
+        threshold=threshold,
+    )
+    tokens = tokenizer.encode(text)[:MAX_TOKENS]
+    if len(tokens) <= d.block_size + 1:
+        raise MTPError(f"the check text is too short for {d.block_size}-slot blocks")
+    report.tokens = len(tokens)
+    ours = drafter_predictions(model, tokens)
+    greedy = np.array(mx.argmax(model.logits(model.hidden(mx.array(tokens)[None])), -1))
+    rows = ours.shape[0]
+    report.self_agreement = [
+        float((ours[:, k] == greedy[0, 1 + k : 1 + k + rows]).mean())
+        for k in range(d.block_size)
+    ]
+    source = _source(source, section, report)
+    if not source:
+        return report
+    reference = Model(model.trunk, model.mtp, model.family)
+    attach_assistant(reference, config, path, source)
+    if reference.drafter is None or reference.drafter.block_size != d.block_size:
+        raise MTPError(f"{source} is not the block drafter grafted onto {path}")
+    report.source = source
+    report.agreement = float((drafter_predictions(reference, tokens) == ours).mean())
     return report

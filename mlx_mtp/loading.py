@@ -27,7 +27,7 @@ from .heads import (
     quantize_like,
     read_section_file,
 )
-from .models import dflash, dspark, get_family
+from .models import dflash, dspark, gemma4_dspark, get_family
 from .models.base import Model
 from .models.mtp import MTPStack
 
@@ -572,6 +572,8 @@ def dspark_with(d_config: dict, weights: dict, where: str) -> dspark.DSpark:
     embedding and head where they are among them; layers that come quantized
     built so); one-line errors for tensors missing or misshapen."""
     kind = dflash.drafter_class(d_config) or dspark.DSpark
+    if gemma4_dspark.is_gemma4_dspark(d_config):
+        kind = gemma4_dspark.Gemma4DSpark
     drafter = kind(
         d_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights
     )

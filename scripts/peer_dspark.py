@@ -16,7 +16,11 @@ environment (mlx-dspark imports mlx-vlm: give both for it):
 Without ``--target``/``--drafter`` it writes the tiny fixtures of the test suite
 (`mlx_mtp.testing.dspark`: a Qwen3 target and a predictable drafter) to a temporary
 folder, in the spelling each peer reads: the nested ``dflash_config`` one for
-mlx-vlm, DeepSpec's top-level one for mlx-dspark.
+mlx-vlm, DeepSpec's top-level one for mlx-dspark; with ``--vlm``, also a Gemma 4
+DSpark drafter (``write_gemma4_dspark``: Gemma 4 layers, own embedding and head)
+beside a Gemma 4 target, against mlx-vlm's ``Gemma4DSparkDraftModel`` (whose fused
+context projection is bypassed: it reads a ``v_proj`` that layers sharing keys and
+values lack).
 
 Teacher-forced on every row of the target's own greedy continuation of a prompt: for
 each position n, the block after the context rows 0..n-1 with anchor t_n, both
@@ -59,6 +63,21 @@ def vlm_drafter(path: Path, trunk, kind: str = "DSparkDraftModel"):
     return model
 
 
+def vlm_gemma4_dspark(path: Path, trunk):
+    """mlx-vlm's Gemma 4 DSpark drafter of ``path``, with its own embedding (at
+    its scale) and head, as its ``bind`` keeps them."""
+    from mlx_vlm.speculative import drafters
+
+    model, _ = drafters.load_drafter(str(path))
+    if type(model).__name__ != "Gemma4DSparkDraftModel":
+        raise SystemExit(f"mlx-vlm loads {path} as {type(model).__name__}")
+    # its fused context projection reads every layer's v_proj, which a layer with
+    # attention_k_eq_v lacks (an AttributeError in 0.7.10); each layer's own
+    # projection (its _project_kv: values = keys' projection) is what it means
+    model._project_context_kv = lambda hidden: None
+    return model
+
+
 def ours(model, taps: mx.array, tokens, n: int) -> mx.array:
     """mlx-mtp's slot logits ``(gamma, V)`` after context rows 0..n-1 (``taps``:
     the trunk's packed rows), teacher-forced on ``tokens``."""
@@ -71,8 +90,9 @@ def ours(model, taps: mx.array, tokens, n: int) -> mx.array:
     z, g = model.draft_block(mx.array([tokens[n]]), context, n)
     state, rows = d.markov_start(1, g.dtype), []
     for k in range(z.shape[1]):
-        bias, state = d.markov(mx.array([tokens[n + k]]), g[:, k], state)
-        rows.append(z[0, k] if bias is None else z[0, k] + bias[0])
+        prev = mx.array([tokens[n + k]])
+        logits, state = model.slot_logits(z[:, k], prev, g[:, k], state)
+        rows.append(logits[0])
     return mx.stack(rows)
 
 
@@ -238,6 +258,7 @@ def main():
         write_dflash2,
         write_dspark,
         write_gemma4_dflash,
+        write_gemma4_dspark,
         write_qwen3_target,
     )
     from mlx_mtp.testing.gemma4 import write_gemma4
@@ -256,14 +277,21 @@ def main():
                 peers.append(
                     ("mlx-vlm Gemma 4 DFlash", "gemma4", vlm_dflash, theirs_dflash)
                 )
+        if args.vlm and args.drafter is None:
+            peers.append(
+                ("mlx-vlm Gemma 4", "gemma4-dspark", vlm_gemma4_dspark, theirs)
+            )
         qwen3 = args.target
         if qwen3 is None:
             qwen3 = write_qwen3_target(Path(tmp) / "target", predictable=True)
         for name, layout, load_peer, slots in peers:
             drafter, target = args.drafter, qwen3
-            if layout == "gemma4":
+            if layout.startswith("gemma4"):
                 target = write_gemma4(Path(tmp) / "gemma4-target", "dense")
+            if layout == "gemma4":
                 drafter = write_gemma4_dflash(Path(tmp) / layout, target)
+            elif layout == "gemma4-dspark":
+                drafter = write_gemma4_dspark(Path(tmp) / layout, target)
             elif drafter is None and layout == "dflash2":
                 drafter = write_dflash2(Path(tmp) / layout, target, predictable=True)
             elif drafter is None and layout == "dflash":
@@ -278,7 +306,8 @@ def main():
             tokens, taps = continuation(model, list(range(10, 30)), args.tokens)
             peer = load_peer(drafter, model.trunk)
             gamma = model.drafter.block_size
-            check = compare if layout in ("nested", "deepspec") else compare_dflash
+            dflash = layout in ("dflash2", "dflash", "gemma4")
+            check = compare_dflash if dflash else compare
             worst, agree, rows = check(
                 model, lambda *a: slots(peer, *a), taps, tokens, 20, gamma
             )

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from mlx_lm.generate import generate_step
 from mlx_lm.models import deepseek_v41 as lm
 
-from mlx_mtp.cache import make_caches, mtp_caches, ops
+from mlx_mtp.cache import block_context, make_caches, mtp_caches
 from mlx_mtp.cli import main
 from mlx_mtp.errors import MissingHeadsError
 from mlx_mtp.loading import load_model
@@ -58,7 +58,7 @@ def test_the_drafter_loads_from_the_main_checkpoint(random_path):
     model = load_model(str(random_path))[0]
     d, w = model.drafter, mx.load(str(random_path / "model.safetensors"))
     assert isinstance(d, DSparkV41) and d.block_size == GAMMA
-    assert d.spec.target_layer_ids == (2, 3, 4) and d.context_window == 8
+    assert d.spec.target_layer_ids == (2, 3, 4) and set(d.context_windows) == {8}
     assert len(d.layers) == 3 and "embed_tokens" not in d and "lm_head" not in d
     same = [
         (d.main_proj.weight, w["mtp.0.main_proj.weight"]),
@@ -140,8 +140,7 @@ def test_a_block_matches_the_numpy_reference(random_path):
     taps = h[0, :, : model.drafter.tap_width]
     caches = mtp_caches(model)
     model.draft_context(h, caches)
-    window = model.drafter.context_window
-    context = [ops(c).read_kv([len(prompt)], window) for c in caches]
+    context = block_context(model.drafter, caches, [len(prompt)])
     z, x = model.draft_block(mx.array([anchor]), context, len(prompt))
     ref_z, ref_markov, ref_confidence = dspark_block(
         str(random_path), np.array(taps), anchor, drafts

@@ -296,13 +296,32 @@ def test_a_converted_drafter_decodes_exactly_beside_a_quantized_target(model, tm
     args = ["graft", "--from", str(src), "--mlx-path", str(quantized)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0 and "the DFlash2 drafter" in result.output
-    check = CliRunner().invoke(main, ["check", str(quantized)])
-    assert check.exit_code == 1 and "grafted block drafter" in check.output
-    assert check.output.count("\n") == 1, check.output
     grafted = load_model(str(quantized))[0]
     assert isinstance(grafted.drafter, DFlash2)
     tokens, stats = greedy_run(grafted, PROMPTS[1])
     assert tokens == plain(grafted, PROMPTS[1], 24) and stats.accepted > 0, stats
+
+
+def test_check_compares_a_grafted_drafter_with_its_source(tmp_path):
+    """``check`` of a conversion with a grafted drafter: every slot's top-1,
+    teacher-forced over the built-in text, agrees with its source drafter's on the
+    same target, and not with another drafter's (exit 1); a drafter folder alone is
+    refused in one line naming the way to check it."""
+    t = write_qwen3_target(tmp_path / "t", vocab_size=512, predictable=True)
+    d = write_dflash2(tmp_path / "d", t, predictable=True)
+    quantized = convert(str(t), tmp_path / "t4", quantize=True, progress=False)
+    args = ["graft", "--from", str(d), "--mlx-path", str(quantized)]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    check = CliRunner().invoke(main, ["check", str(quantized)])
+    assert check.exit_code == 0 and "DFlash2, 2 layers" in check.output, check.output
+    assert f"agreement with {d} " in check.output and ") ok" in check.output
+    other = write_dflash2(tmp_path / "other", t, seed=3, predictable=True, agree=0.5)
+    args = ["check", str(quantized), "--hf-path", str(other)]
+    check = CliRunner().invoke(main, args)
+    assert check.exit_code == 1 and ") FAIL" in check.output, check.output
+    alone = CliRunner().invoke(main, ["check", str(d)])
+    assert alone.exit_code == 1 and "graft --from" in alone.output
+    assert alone.output.count("\n") == 1, alone.output
 
 
 def test_cli_generate_with_the_drafter_prints_the_plain_text(tmp_path):

@@ -388,17 +388,19 @@ def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
     assert_context_rolls_back(model)
 
 
-def assert_context_rolls_back(model):
-    """After each round that rejects at position j (every j of the block), the
-    drafter's context rows equal those of a fresh pass over the committed tokens."""
+def assert_context_rolls_back(model, prompts=PROMPTS[1:]):
+    """After each round that rejects at position j (every j of the block, over
+    ``prompts``), the drafter's context rows equal those of a fresh pass over the
+    committed tokens."""
     rejected = set()
-    for a, caches, state in rejections(model, PROMPTS[1], 60):
-        rejected.add(a)
-        ref = fresh_context(model, state.tokens[: state.frontier])
-        for ours, theirs in zip(caches.mtp, ref):
-            assert ours.offset == theirs.offset == state.frontier
-            for x, y in zip(ours.keys_and_values(), theirs.keys_and_values()):
-                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
+    for prompt in prompts:
+        for a, caches, state in rejections(model, prompt, 60):
+            rejected.add(a)
+            ref = fresh_context(model, state.tokens[: state.frontier])
+            for ours, theirs in zip(caches.mtp, ref):
+                assert ours.offset == theirs.offset == state.frontier
+                for x, y in zip(ours.keys_and_values(), theirs.keys_and_values()):
+                    np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5)
     assert rejected == set(range(model.drafter.block_size)), rejected
 
 

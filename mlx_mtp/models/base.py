@@ -231,7 +231,7 @@ class Model(nn.Module):
             return mx.concatenate(logits), mx.concatenate(g)
         d = self.drafter
         ids = d.block_ids(anchor)
-        x = d.embed_tokens(ids) if "embed_tokens" in d else self.embed(ids)
+        x = d.embed(ids) if "embed_tokens" in d else self.embed(ids)
         g = d.block(x, context, position)
         return self.block_logits(g, vocab), g
 

@@ -184,9 +184,10 @@ class DSparkV41(dspark.DSpark):
         text = text_config(config)
         self.spec = spec_of(text)
         self.args = args
-        self.context_window = args.sliding_window
         H, V, r = args.hidden_size, args.vocab_size, self.spec.markov_rank
         stages = text.get("num_nextn_predict_layers") or 0
+        self.windows = (args.sliding_window,) * stages
+        self.softcap = None
         self.main_proj = nn.Linear(len(self.spec.target_layer_ids) * H, H, bias=False)
         self.main_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         L = args.num_hidden_layers
@@ -207,7 +208,7 @@ class DSparkV41(dspark.DSpark):
     def block(self, x: mx.array, context, position: int) -> mx.array:
         """The block pass: ``x`` ``(B, gamma, H)`` embedded block rows at positions
         ``position ..``; ``context[j]``: stage j's ``read_kv`` (its last
-        ``context_window`` rows). Returns ``(B, gamma, H)``: the last stage's
+        ``context_windows`` rows). Returns ``(B, gamma, H)``: the last stage's
         streams collapsed by its pre-mix, before ``norm`` (what the confidence head
         reads; `head_input` norms them), slot k predicting position ``position + k
         + 1``. Nothing is written to any cache."""

@@ -41,7 +41,7 @@ config names the target's ``model_type`` (``gemma4``), may leave the mask token 
 """
 
 from dataclasses import replace
-from typing import List, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,48 +71,6 @@ def kind(config: dict) -> Optional[str]:
         return None
     markov = nested.get("markov_rank") or config.get("markov_rank") or 0
     return None if nested.get("projector_type") == "dspark" or markov else "DFlash"
-
-
-def _get(config: dict, key: str, default=None):
-    """A drafter key: ``dflash_config``'s wins over the top level's."""
-    nested = config.get("dflash_config") or {}
-    return nested[key] if key in nested else config.get(key, default)
-
-
-def _whole(config: dict, key: str, where: str, least: int = 1) -> int:
-    value = _get(config, key)
-    if type(value) is not int or value < least:
-        raise MTPError(f"{where}: {key} must be a whole number >= {least}")
-    return value
-
-
-def _number(config: dict, key: str, where: str, default) -> Optional[float]:
-    value = _get(config, key, default)
-    if value is not None and type(value) not in (int, float):
-        raise MTPError(f"{where}: {key} must be a number")
-    return None if value is None else float(value)
-
-
-def _context_windows(config: dict, where: str) -> List[Optional[int]]:
-    """Per layer, the context rows a block attends to (None: all): the last
-    ``sliding_window - 1`` for a sliding layer, every row for a full one, both
-    capped by ``draft_window_size``."""
-    layers = config.get("num_hidden_layers")
-    if type(layers) is not int or layers < 1:
-        raise MTPError(f"{where}: num_hidden_layers must be a whole number >= 1")
-    types = config.get("layer_types") or ["full_attention"] * layers
-    if set(types) - {"full_attention", "sliding_attention"}:
-        raise MTPError(f"{where}: unknown layer types {sorted(set(types))}")
-    if len(types) != layers:
-        raise MTPError(f"{where}: {len(types)} layer types for {layers} layers")
-    sliding = None
-    if "sliding_attention" in types:
-        sliding = _whole(config, "sliding_window", where, least=2) - 1
-    cap = None
-    if _get(config, "draft_window_size") is not None:
-        cap = _whole(config, "draft_window_size", where)
-    windows = [sliding if t == "sliding_attention" else None for t in types]
-    return [cap if w is None else w if cap is None else min(w, cap) for w in windows]
 
 
 class DynamicConv(nn.Module):
@@ -193,7 +151,7 @@ class DFlash(dspark.DSpark):
             for k, v in (config.get("dflash_config") or {}).items()
             if k in ("mask_token_id", "target_layer_ids", "num_target_layers")
         }
-        plain["block_size"] = _get(config, "block_size")
+        plain["block_size"] = dspark.draft_key(config, "block_size")
         for key in ("markov_rank", "enable_confidence_head"):
             plain.pop(key, None)
         super().__init__(plain, own_embed, own_head)
@@ -201,21 +159,26 @@ class DFlash(dspark.DSpark):
             self.spec, block_size=self.spec.block_size - 1, sample_from_anchor=False
         )
         where = self.WHERE
-        self.input_embedding_scale = _number(config, "input_embedding_scale", where, 1)
-        self.output_multiplier = _number(config, "output_multiplier", where, 1)
-        self.softcap = _number(config, "final_logit_softcapping", where, None)
-        self.windows = tuple(_context_windows(config, where))
+        self.input_embedding_scale = dspark.number(
+            config, "input_embedding_scale", where, 1
+        )
+        self.output_multiplier = dspark.number(config, "output_multiplier", where, 1)
+        # read from the whole config: DFlash2 releases nest them in dflash_config
+        self.softcap = dspark.number(config, "final_logit_softcapping", where, None)
+        self.windows = dspark.windows_of(config, where)
 
     @classmethod
     def check(cls, config: dict) -> None:
         """One-line errors for a config mlx-mtp cannot run as its references do: a
         causal block, attention sinks, a sliding layer without its window."""
         where = cls.WHERE
-        if _get(config, "is_causal", False) or _get(config, "causal", False):
+        if dspark.draft_key(config, "is_causal", False) or dspark.draft_key(
+            config, "causal", False
+        ):
             raise MTPError(
                 f"{where} drafts causal blocks; mlx-mtp runs non-causal ones"
             )
-        if _get(config, "attention_sink_bias", False):
+        if dspark.draft_key(config, "attention_sink_bias", False):
             raise MTPError(f"{where} has attention sinks, which mlx-mtp does not run")
         if config.get("hidden_act", "silu") != "silu":
             raise MTPError(
@@ -223,12 +186,8 @@ class DFlash(dspark.DSpark):
             )
         if not isinstance(config.get("hidden_size"), int):
             raise MTPError(f"{where}: hidden_size must be a whole number")
-        _whole(config, "block_size", where, least=2)
-        _context_windows(config, where)
-
-    @property
-    def context_windows(self) -> List[Optional[int]]:
-        return self.windows
+        dspark.whole(config, "block_size", where, least=2)
+        dspark.windows_of(config, where)
 
     def block(self, x: mx.array, context, position) -> mx.array:
         """`DSpark.block` after scaling the target's embeddings ``x`` of the block's
@@ -242,9 +201,7 @@ class DFlash(dspark.DSpark):
         state."""
         if self.output_multiplier != 1:
             z = z * self.output_multiplier
-        if self.softcap is not None:
-            z = mx.tanh(z / self.softcap) * self.softcap
-        return z, state
+        return super().slot(z, prev, g, state)
 
 
 class DFlash2(DFlash):
@@ -256,16 +213,16 @@ class DFlash2(DFlash):
     def __init__(self, config: dict, own_embed: bool = False, own_head: bool = False):
         super().__init__(config, own_embed, own_head)
         where, H = self.WHERE, self.args.hidden_size
-        K = _whole(config, "conv_kernel_size", where)
-        group = _whole(config, "conv_group_size", where)
+        K = dspark.whole(config, "conv_kernel_size", where)
+        group = dspark.whole(config, "conv_group_size", where)
         for layer in self.layers:
             layer.attention_conv = DynamicConv(H, K, group)
             layer.mlp_conv = DynamicConv(H, K, group)
         self.candidate_selector = CandidateSelector(
             self.args.vocab_size,
-            _whole(config, "selector_rank", where),
+            dspark.whole(config, "selector_rank", where),
             H,
-            _whole(config, "selector_top_k", where),
+            dspark.whole(config, "selector_top_k", where),
         )
 
     @classmethod
@@ -275,12 +232,12 @@ class DFlash2(DFlash):
         super().check(config)
         where = cls.WHERE
         H, V = config["hidden_size"], config.get("vocab_size")
-        group = _whole(config, "conv_group_size", where)
-        _whole(config, "conv_kernel_size", where)
-        _whole(config, "selector_rank", where)
+        group = dspark.whole(config, "conv_group_size", where)
+        dspark.whole(config, "conv_kernel_size", where)
+        dspark.whole(config, "selector_rank", where)
         if H % group:
             raise MTPError(f"{where}: conv_group_size {group} does not divide {H}")
-        top_k = _whole(config, "selector_top_k", where)
+        top_k = dspark.whole(config, "selector_top_k", where)
         if isinstance(V, int) and top_k > V:
             raise MTPError(
                 f"{where}: selector_top_k {top_k} exceeds the vocabulary {V}"

@@ -36,7 +36,7 @@ Qwen3 blocks (`mlx_lm.models.qwen3.TransformerBlock`), called part by part.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,7 +47,12 @@ from ..errors import MTPError, one_line
 from .capture import Taps
 
 # DeepSpec's release; mlx-vlm's published nested configs (Qwen3.8, LFM2).
-ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel", "Lfm2DSparkDraftModel")
+ARCHITECTURES = (
+    "Qwen3DSparkModel",
+    "DSparkDraftModel",
+    "Lfm2DSparkDraftModel",
+    "Gemma4DSparkModel",  # `mlx_mtp.models.gemma4_dspark`
+)
 # tau when the folder's config has no ``confidence_threshold`` (the key mlx-vlm's
 # DeepSeek-V4.1 DSpark config spells, 0.3 there): DeepSpec's own default, 0 (no cut).
 # On a memory-bound machine a wider verify pass costs little, while a cut needs its
@@ -158,6 +163,52 @@ def layer_args(config: dict, where="the drafter") -> qwen3.ModelArgs:
         ) from None
 
 
+def draft_key(config: dict, key: str, default=None):
+    """A drafter key: ``dflash_config``'s wins over the top level's."""
+    nested = config.get("dflash_config") or {}
+    return nested[key] if key in nested else config.get(key, default)
+
+
+def whole(config: dict, key: str, where: str, least: int = 1) -> int:
+    """`draft_key` ``key``, a whole number >= ``least`` (else a one-line error)."""
+    value = draft_key(config, key)
+    if type(value) is not int or value < least:
+        raise MTPError(f"{where}: {key} must be a whole number >= {least}")
+    return value
+
+
+def windows_of(config: dict, where: str) -> Tuple[Optional[int], ...]:
+    """Per drafter layer, the context rows a block attends to (None: all): the
+    last ``sliding_window - 1`` for a sliding layer (mlx-vlm's rule), every row for
+    a full one, both capped by ``draft_window_size``."""
+    layers = config.get("num_hidden_layers")
+    if type(layers) is not int or layers < 1:
+        raise MTPError(f"{where}: num_hidden_layers must be a whole number >= 1")
+    types = config.get("layer_types") or ["full_attention"] * layers
+    if set(types) - {"full_attention", "sliding_attention"}:
+        raise MTPError(f"{where}: unknown layer types {sorted(set(types))}")
+    if len(types) != layers:
+        raise MTPError(f"{where}: {len(types)} layer types for {layers} layers")
+    sliding = None
+    if "sliding_attention" in types:
+        sliding = whole(config, "sliding_window", where, least=2) - 1
+    cap = None
+    if draft_key(config, "draft_window_size") is not None:
+        cap = whole(config, "draft_window_size", where)
+    windows = [sliding if t == "sliding_attention" else None for t in types]
+    return tuple(
+        cap if w is None else w if cap is None else min(w, cap) for w in windows
+    )
+
+
+def number(config: dict, key: str, where: str, default) -> Optional[float]:
+    """`draft_key` ``key``, a number (None when unset and no ``default``)."""
+    value = draft_key(config, key, default)
+    if value is not None and type(value) not in (int, float):
+        raise MTPError(f"{where}: {key} must be a number")
+    return None if value is None else float(value)
+
+
 class MarkovHead(nn.Module):
     """The vanilla Markov head (DeepSpec ``VanillaMarkov``; spec §2.5): a bias
     ``W2 W1[prev]`` over the vocabulary, of rank r. Every head is called slot by
@@ -246,22 +297,22 @@ class DSpark(nn.Module):
     Attributes:
         TAPS: The kind of `Taps` its context reads (the outputs of the tapped
             layers, before the final norm: spec §2.1).
-        context_window: The last context rows a block attends to (None: all).
-        context_windows: The same per drafter layer.
+        context_windows: Per drafter layer, the last context rows a block attends
+            to (None: all; `windows_of`).
+        embed_scale: Its own embedding's scale (the target's embedding comes
+            scaled as the target's first layer sees it).
+        softcap: The soft cap of its slot logits, before the Markov bias (None).
     """
 
     TAPS = Taps
+    WHERE = "the DSpark drafter"
     rows_apart = False  # its passes batch streams (see `mlx_mtp.cache.mtp_caches`)
-    context_window = None
-
-    @property
-    def context_windows(self) -> List[Optional[int]]:
-        return [self.context_window] * len(self.layers)
+    embed_scale = 1.0
 
     def __init__(self, config: dict, own_embed: bool = True, own_head: bool = True):
         super().__init__()
         self.spec = DSparkSpec.from_config(config)
-        self.args = args = layer_args(config)
+        self.args = args = self.read_args(config)
         H, V, n = args.hidden_size, args.vocab_size, len(self.spec.target_layer_ids)
         if own_embed:
             self.embed_tokens = nn.Embedding(V, H)
@@ -270,11 +321,28 @@ class DSpark(nn.Module):
         self.fc = nn.Linear(n * H, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
-        self.layers = [
-            qwen3.TransformerBlock(args) for _ in range(args.num_hidden_layers)
-        ]
-        if config.get("rope_is_neox_style") is False:  # the LFM2 drafters (spec §2.4)
-            for layer in self.layers:
+        self.layers = self.make_layers(config, args)
+        self.windows = windows_of(config, self.WHERE)
+        self.softcap = number(config, "final_logit_softcapping", self.WHERE, None)
+        r = self.spec.markov_rank
+        if r:
+            self.markov_head = MARKOV_HEADS[self.spec.markov_head_type](V, r, H)
+        if self.spec.enable_confidence_head:
+            with_markov = r and self.spec.confidence_head_with_markov
+            self.confidence_head = ConfidenceHead(H + (r if with_markov else 0))
+
+    @staticmethod
+    def read_args(config: dict) -> qwen3.ModelArgs:
+        """The shared widths (`layer_args`)."""
+        return layer_args(config)
+
+    @staticmethod
+    def make_layers(config: dict, args: qwen3.ModelArgs) -> list:
+        """The decoder layers: mlx-lm's Qwen3 blocks (LFM2's with interleaved
+        RoPE: spec §2.4)."""
+        layers = [qwen3.TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        if config.get("rope_is_neox_style") is False:
+            for layer in layers:
                 layer.self_attn.rope = initialize_rope(
                     args.head_dim,
                     base=args.rope_theta,
@@ -282,12 +350,16 @@ class DSpark(nn.Module):
                     scaling_config=args.rope_scaling,
                     max_position_embeddings=args.max_position_embeddings,
                 )
-        r = self.spec.markov_rank
-        if r:
-            self.markov_head = MARKOV_HEADS[self.spec.markov_head_type](V, r, H)
-        if self.spec.enable_confidence_head:
-            with_markov = r and self.spec.confidence_head_with_markov
-            self.confidence_head = ConfidenceHead(H + (r if with_markov else 0))
+        return layers
+
+    @property
+    def context_windows(self) -> Tuple[Optional[int], ...]:
+        return self.windows
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """Its own embedding of ``ids``, at its scale."""
+        x = self.embed_tokens(ids)
+        return x if self.embed_scale == 1 else x * self.embed_scale
 
     @property
     def block_size(self) -> int:
@@ -305,11 +377,8 @@ class DSpark(nn.Module):
         B, m, _ = taps.shape
         c = self.hidden_norm(self.fc(taps))  # (B, m, H)
         for layer, cache in zip(self.layers, caches):
-            attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(c).reshape(B, m, attn.n_kv_heads, -1))
-            v = attn.v_proj(c).reshape(B, m, attn.n_kv_heads, -1)
-            k = attn.rope(k.transpose(0, 2, 1, 3), offset=cache.offset)
-            cache.update_and_fetch(k, v.transpose(0, 2, 1, 3))
+            k, v = self._kv(layer.self_attn, c)
+            cache.update_and_fetch(layer.self_attn.rope(k, offset=cache.offset), v)
 
     def block_ids(self, anchor: mx.array) -> mx.array:
         """``(B,)`` anchors -> ``(B, R)`` block inputs ``[a, M, ...]``: R = gamma rows
@@ -339,10 +408,9 @@ class DSpark(nn.Module):
         [context rows ; block rows]."""
         B, R, _ = h.shape
         q = attn.q_norm(attn.q_proj(h).reshape(B, R, attn.n_heads, -1))
-        k = attn.k_norm(attn.k_proj(h).reshape(B, R, attn.n_kv_heads, -1))
-        v = attn.v_proj(h).reshape(B, R, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=position)
-        k = attn.rope(k.transpose(0, 2, 1, 3), offset=position)
+        k, v = self._kv(attn, h)
+        k = attn.rope(k, offset=position)
         (ck, cv), mask = seen
         if ck is not None:  # (B, n_kv, T, D): positions below each row's block
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
@@ -350,6 +418,15 @@ class DSpark(nn.Module):
             mask = mx.concatenate([mask, mx.ones((B, 1, 1, R), dtype=mx.bool_)], -1)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, R, -1))
+
+    @staticmethod
+    def _kv(attn, x: mx.array):
+        """``(B, n_kv, L, D)`` keys (normed, before RoPE) and values of rows ``x``
+        ``(B, L, H)``."""
+        B, L, _ = x.shape
+        k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1))
+        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1)
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def head_input(self, g: mx.array) -> mx.array:
         """The head's input for `block`'s outputs ``g`` (normed already here)."""
@@ -373,8 +450,11 @@ class DSpark(nn.Module):
 
     def slot(self, z: mx.array, prev: mx.array, g: mx.array, state, w2=None, rows=None):
         """A slot's logits over ``z``'s columns (token ids ``rows``, or all: the
-        columns of ``w2``, `markov`'s): ``z`` plus the Markov bias after ``prev``;
-        and the Markov head's state after the slot."""
+        columns of ``w2``, `markov`'s): ``z`` soft-capped at ``softcap`` when set,
+        plus the Markov bias after ``prev`` (mlx-vlm's order); and the Markov
+        head's state after the slot."""
+        if self.softcap is not None:
+            z = mx.tanh(z / self.softcap) * self.softcap
         bias, state = self.markov(prev, g, state, w2)
         return (z if bias is None else z + bias), state
 

@@ -423,6 +423,115 @@ def write_gemma4_dflash(
     return _write(out_dir, config, t)
 
 
+# the Gemma 4 text keys a Gemma 4 DSpark drafter's config copies from its target's
+GEMMA4_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "global_head_dim",
+    "num_global_key_value_heads",
+    "attention_k_eq_v",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+    "final_logit_softcapping",
+    "hidden_activation",
+)
+
+
+def write_gemma4_dspark(
+    out_dir,
+    target_dir,
+    *,
+    seed: int = 1,
+    predictable: bool = False,
+    agree: float = 0.9,
+    block_size: int = BLOCK_SIZE,
+    weight_std: float = 0.2,
+    layer_types=("full_attention", "full_attention"),
+    sliding_window: int = 4,
+    markov_rank: int = 64,  # 8 cannot tell 512 tokens' successors apart
+) -> pathlib.Path:
+    """A Gemma 4 DSpark drafter (``Gemma4DSparkModel``, as mlx-vlm's
+    ``gemma4_dspark`` reads the published ones) for the Gemma 4 target in
+    ``target_dir``: a ``gemma4_text`` config of the target's widths with DSpark's
+    keys at its top level, Gemma 4 layers (``layer_types``: a full layer's heads
+    ``global_head_dim`` wide, keys and values one projection), its own embedding
+    and head (not the target's), the vanilla Markov head and the confidence
+    head; tensors under ``model.``, the heads bare. ``predictable``: the Markov
+    head carries the target's greedy bigram for a share ``agree`` of tokens."""
+    target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
+    text = target["text_config"]
+    V, H = text["vocab_size"], text["hidden_size"]
+    config = {k: text[k] for k in GEMMA4_KEYS if k in text}
+    config.update(
+        architectures=["Gemma4DSparkModel"],
+        model_type="gemma4_text",
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
+        sliding_window=sliding_window,
+        tie_word_embeddings=False,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        block_size=block_size,
+        mask_token_id=4,
+        target_layer_ids=list(TARGET_LAYER_IDS),
+        num_target_layers=text["num_hidden_layers"],
+        markov_rank=markov_rank,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+    )
+    init = _Init(seed, weight_std)
+    t = {}
+    for i, kind in enumerate(layer_types):
+        t.update(_gemma4_layer(init, f"layers.{i}.", config, kind))
+    t["fc.weight"] = init.normal(H, len(TARGET_LAYER_IDS) * H)
+    t["hidden_norm.weight"] = init.norm(H)
+    t["norm.weight"] = init.norm(H)
+    t["markov_head.markov_w1.weight"] = init.normal(V, markov_rank, std=0.5)
+    t["markov_head.markov_w2.weight"] = init.normal(V, markov_rank, std=0.5)
+    t["confidence_head.proj.weight"] = init.normal(1, H + markov_rank)
+    t["confidence_head.proj.bias"] = init.normal(1)
+    if predictable:
+        _predictable(t, target_dir, init, agree, "vanilla")
+    heads = {k: v for k, v in t.items() if k.split(".")[0].endswith("_head")}
+    t = {f"model.{k}": v for k, v in t.items() if k not in heads}
+    t["model.embed_tokens.weight"] = init.normal(V, H, std=0.5)
+    t["lm_head.weight"] = init.normal(V, H, std=0.5)
+    return _write(out_dir, config, {**t, **heads})
+
+
+def _gemma4_layer(init: _Init, p: str, cfg: dict, kind: str) -> Tensors:
+    """A Gemma 4 drafter layer of ``kind`` (sliding or full attention)."""
+    H, F = cfg["hidden_size"], cfg["intermediate_size"]
+    full = kind == "full_attention"
+    D = cfg["global_head_dim"] if full else cfg["head_dim"]
+    shared = full and cfg.get("attention_k_eq_v")
+    heads = cfg["num_attention_heads"]
+    kv = cfg["num_global_key_value_heads"] if shared else cfg["num_key_value_heads"]
+    a = p + "self_attn."
+    t = {
+        a + "q_proj.weight": init.normal(heads * D, H),
+        a + "k_proj.weight": init.normal(kv * D, H),
+        a + "o_proj.weight": init.normal(H, heads * D),
+        a + "q_norm.weight": init.norm(D),
+        a + "k_norm.weight": init.norm(D),
+        p + "mlp.gate_proj.weight": init.normal(F, H),
+        p + "mlp.up_proj.weight": init.normal(F, H),
+        p + "mlp.down_proj.weight": init.normal(H, F),
+        p + "layer_scalar": np.ones(1, np.float32),
+    }
+    if not shared:
+        t[a + "v_proj.weight"] = init.normal(kv * D, H)
+    for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+        t[f"{p}{norm}_layernorm.weight"] = init.norm(H)
+    return t
+
+
 # a DFlash-kin drafter's Qwen3 keys, copied from its target's text config
 QWEN3_KEYS = (
     "vocab_size",
