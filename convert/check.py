@@ -236,8 +236,33 @@ def check(
     return report
 
 
+class AgainstSource:
+    """A drafter's verdict against its source (``agreement``, ``threshold``,
+    ``source``, ``missing_source``: the report's fields)."""
+
+    @property
+    def passed(self) -> bool:
+        return self.agreement is not None and self.agreement >= self.threshold
+
+    def against_source(self, over: str) -> List[str]:
+        """The report's last line: the agreement ``over`` the text, or why there is
+        none."""
+        if self.missing_source:
+            return [
+                f"  the recorded source {self.missing_source} is not there any more: "
+                "agreement with it not checked (pass --hf-path SOURCE)"
+            ]
+        if self.source is None:
+            return ["  no source recorded: agreement with it not checked"]
+        verdict = "ok" if self.passed else "FAIL"
+        return [
+            f"  top-1 agreement with {self.source} on this target, {over}: "
+            f"{self.agreement:.3f} (threshold {self.threshold:.2f}) {verdict}"
+        ]
+
+
 @dataclass
-class AssistantReport:
+class AssistantReport(AgainstSource):
     """What `check_assistant` found (``passed`` as `CheckReport`'s)."""
 
     path: Path
@@ -253,10 +278,6 @@ class AssistantReport:
     agreement: Optional[float] = None  # vs the source assistant, on this target
     missing_source: Optional[str] = None
 
-    @property
-    def passed(self) -> bool:
-        return self.agreement is not None and self.agreement >= self.threshold
-
     def lines(self) -> List[str]:
         out = [
             f"{self.path}:",
@@ -265,18 +286,7 @@ class AssistantReport:
             f"  first draft vs the target's greedy token (teacher-forced, acceptance "
             f"proxy, {self.tokens} tokens): {self.self_agreement:.3f}",
         ]
-        if self.missing_source:
-            return out + [
-                f"  the recorded source {self.missing_source} is not there any more: "
-                "agreement with it not checked (pass --hf-path SOURCE)"
-            ]
-        if self.source is None:
-            return out + ["  no source recorded: agreement with it not checked"]
-        verdict = "ok" if self.passed else "FAIL"
-        return out + [
-            f"  top-1 agreement with {self.source} on this target over {self.tokens} "
-            f"tokens: {self.agreement:.3f} (threshold {self.threshold:.2f}) {verdict}"
-        ]
+        return out + self.against_source(f"over {self.tokens} tokens")
 
 
 def assistant_predictions(model, tokens: List[int]) -> np.ndarray:
@@ -343,7 +353,7 @@ def check_assistant(
 
 
 @dataclass
-class DrafterReport:
+class DrafterReport(AgainstSource):
     """What `check_drafter` found (``passed`` as `CheckReport`'s)."""
 
     path: Path
@@ -360,10 +370,6 @@ class DrafterReport:
     agreement: Optional[float] = None  # every slot vs the source drafter's
     missing_source: Optional[str] = None
 
-    @property
-    def passed(self) -> bool:
-        return self.agreement is not None and self.agreement >= self.threshold
-
     def lines(self) -> List[str]:
         slots = " ".join(f"{a:.2f}" for a in self.self_agreement)
         out = [
@@ -374,19 +380,7 @@ class DrafterReport:
             f"  each slot vs the target's greedy token (teacher-forced, acceptance "
             f"proxy, {self.tokens} tokens): {slots}",
         ]
-        if self.missing_source:
-            return out + [
-                f"  the recorded source {self.missing_source} is not there any more: "
-                "agreement with it not checked (pass --hf-path SOURCE)"
-            ]
-        if self.source is None:
-            return out + ["  no source recorded: agreement with it not checked"]
-        verdict = "ok" if self.passed else "FAIL"
-        return out + [
-            f"  top-1 agreement with {self.source} on this target, every slot over "
-            f"{self.tokens} tokens: {self.agreement:.3f} (threshold "
-            f"{self.threshold:.2f}) {verdict}"
-        ]
+        return out + self.against_source(f"every slot over {self.tokens} tokens")
 
 
 def drafter_predictions(model, tokens: List[int]) -> np.ndarray:

@@ -371,6 +371,7 @@ def write_dflash(
     weight_std: float = 0.2,
     layers: int = DRAFT_LAYERS,
     target_layer_ids: Optional[List[int]] = None,
+    config: Optional[dict] = None,
     **keys,
 ) -> pathlib.Path:
     """A random DFlash drafter (z-lab's ``DFlashDraftModel``, as mlx-vlm's
@@ -378,9 +379,11 @@ def write_dflash(
     keys with the drafter's layer count and ``block_size`` (anchor row included) at
     the top level, ``dflash_config`` holding the mask token and the taps; bare
     tensor names, no embedding or head. ``keys``: more top-level keys
-    (``final_logit_softcapping``, ...)."""
-    target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
-    config = _dflash_config(target, "DFlashDraftModel", layers, target_layer_ids)
+    (``final_logit_softcapping``, ...); ``config``: another spelling of the keys
+    (``layers`` and the taps then its own)."""
+    if config is None:
+        target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
+        config = _dflash_config(target, "DFlashDraftModel", layers, target_layer_ids)
     config.update(block_size=block_size, **keys)
     t = _dflash_tensors(_Init(seed, weight_std), config, np.float32(1.0))
     return _write(out_dir, config, t)
@@ -390,37 +393,32 @@ def write_gemma4_dflash(
     out_dir,
     target_dir,
     *,
-    seed: int = 1,
-    block_size: int = BLOCK_SIZE + 1,
-    weight_std: float = 0.2,
     sliding_window: int = 4,
     layer_types=("sliding_attention", "full_attention"),
     target_layer_ids: Optional[List[int]] = None,
+    **options,
 ) -> pathlib.Path:
     """A random Gemma 4 DFlash drafter (z-lab's ``gemma-4-*-DFlash``, as mlx-vlm's
     ``gemma4_dflash`` and dflash-mlx read it) for the Gemma 4 target in
     ``target_dir``: Qwen3-style layers of the target's widths, sliding and full
     (``layer_types``), ``model_type`` the target's (``gemma4``), Gemma's final soft
     cap, no architecture named and no mask token (Gemma's ``<mask>``, 4, is
-    implied); bare tensor names, no embedding or head."""
+    implied); bare tensor names, no embedding or head. ``options``: `write_dflash`'s."""
     target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
     text = target["text_config"]
-    layers = len(layer_types)
     config = {k: text[k] for k in QWEN3_KEYS if k in text and k != "hidden_act"}
     config.update(
         model_type="gemma4",
-        num_hidden_layers=layers,
+        num_hidden_layers=len(layer_types),
         rope_theta=1000000.0,
         final_logit_softcapping=text["final_logit_softcapping"],
         tie_word_embeddings=True,
         layer_types=list(layer_types),
         sliding_window=sliding_window,
-        block_size=block_size,
         num_target_layers=text["num_hidden_layers"],
         dflash_config={"target_layer_ids": list(target_layer_ids or TARGET_LAYER_IDS)},
     )
-    t = _dflash_tensors(_Init(seed, weight_std), config, np.float32(1.0))
-    return _write(out_dir, config, t)
+    return write_dflash(out_dir, target_dir, config=config, **options)
 
 
 # the Gemma 4 text keys a Gemma 4 DSpark drafter's config copies from its target's
