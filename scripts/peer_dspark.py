@@ -33,7 +33,8 @@ largest difference and whether every slot's argmax agrees; exits 1 if a check fa
 
 ``--dflash`` checks DFlash2 and DFlash drafters (`mlx_mtp.testing.dspark`'s
 ``write_dflash2`` and ``write_dflash`` fixtures, and ``write_gemma4_dflash``'s Gemma 4
-one, sliding and full layers, beside a Gemma 4 target; or ``--drafter``) against
+one, sliding and full layers, and a DFlash2 one of that spelling, beside a Gemma 4
+target; or ``--drafter``) against
 mlx-vlm's ``DFlash2DraftModel``, ``DFlashDraftModel`` and ``Gemma4DFlashDraftModel``
 (bound to the target by its ``bind``): per row each slot's selector scores
 (DFlash: logits), teacher-forced as above (the same candidates, -inf elsewhere,
@@ -254,6 +255,7 @@ def main():
     sys.path[:0] = [d for d in (args.vlm, args.dspark) if d]
     from mlx_mtp.loading import load_model
     from mlx_mtp.testing.dspark import (
+        gemma4_dflash_config,
         write_dflash,
         write_dflash2,
         write_dspark,
@@ -277,6 +279,14 @@ def main():
                 peers.append(
                     ("mlx-vlm Gemma 4 DFlash", "gemma4", vlm_dflash, theirs_dflash)
                 )
+                peers.append(
+                    (
+                        "mlx-vlm Gemma 4 DFlash2",
+                        "gemma4-dflash2",
+                        vlm_dflash,
+                        theirs_dflash,
+                    )
+                )
         if args.vlm and args.drafter is None:
             peers.append(
                 ("mlx-vlm Gemma 4", "gemma4-dspark", vlm_gemma4_dspark, theirs)
@@ -290,6 +300,13 @@ def main():
                 target = write_gemma4(Path(tmp) / "gemma4-target", "dense")
             if layout == "gemma4":
                 drafter = write_gemma4_dflash(Path(tmp) / layout, target)
+            elif layout == "gemma4-dflash2":
+                drafter = write_dflash2(
+                    Path(tmp) / layout,
+                    target,
+                    config=gemma4_dflash_config(target),
+                    mask_token_id=4,
+                )
             elif layout == "gemma4-dspark":
                 drafter = write_gemma4_dspark(Path(tmp) / layout, target)
             elif drafter is None and layout == "dflash2":
@@ -306,7 +323,7 @@ def main():
             tokens, taps = continuation(model, list(range(10, 30)), args.tokens)
             peer = load_peer(drafter, model.trunk)
             gamma = model.drafter.block_size
-            dflash = layout in ("dflash2", "dflash", "gemma4")
+            dflash = layout in ("dflash2", "dflash", "gemma4", "gemma4-dflash2")
             check = compare_dflash if dflash else compare
             worst, agree, rows = check(
                 model, lambda *a: slots(peer, *a), taps, tokens, 20, gamma

@@ -29,6 +29,7 @@ from mlx_mtp.testing.dspark import (
     TARGET_LAYER_IDS,
     write_dflash,
     write_dflash2,
+    gemma4_dflash_config,
     write_gemma4_dflash,
     write_qwen3_target,
 )
@@ -300,6 +301,34 @@ def test_a_converted_drafter_decodes_exactly_beside_a_quantized_target(model, tm
     assert isinstance(grafted.drafter, DFlash2)
     tokens, stats = greedy_run(grafted, PROMPTS[1])
     assert tokens == plain(grafted, PROMPTS[1], 24) and stats.accepted > 0, stats
+
+
+def test_a_gemma4_dflash2_drafter_decodes_exactly_and_rolls_back(tmp_path):
+    """A DFlash2 drafter beside a Gemma 4 target (the Gemma spelling, its mask
+    token named, as mlx-vlm's DFlash2 config requires): greedy identity with blocks
+    accepted whole, in part and not at all, and the context cache equal to a fresh
+    one after a rejection at every position of a block. ``peer_dspark.py
+    --dflash`` checks its scores against mlx-vlm's."""
+    from .test_dspark import assert_context_rolls_back
+    from .test_window import greedy_identity
+
+    t = write_gemma4(tmp_path / "t", "dense", predictable=True, damping=2.5)
+    config = gemma4_dflash_config(t)
+    path = write_dflash2(
+        tmp_path / "d",
+        t,
+        predictable=True,
+        selector_rank=64,
+        config=config,
+        mask_token_id=4,
+    )
+    model = load_model(str(t), draft_model=str(path))[0]
+    d = model.drafter
+    assert type(d) is DFlash2 and d.context_windows == (3, None) and d.softcap == 30
+    prompts = ([5, 17, 30, 4, 9], list(range(10, 40)), [100, 200, 300, 7])
+    hist = greedy_identity(model, prompts, n=40, ks=(2, GAMMA), policies=("auto",))
+    assert hist[GAMMA][0] and hist[GAMMA][-1] and sum(hist[GAMMA][1:-1]), hist
+    assert_context_rolls_back(model, prompts)
 
 
 def test_check_compares_a_grafted_drafter_with_its_source(tmp_path):

@@ -311,6 +311,7 @@ def write_dflash2(
     top_k: Optional[int] = None,
     target_layer_ids: Optional[List[int]] = None,
     successor: Optional[np.ndarray] = None,
+    config: Optional[dict] = None,
     **dflash_keys,
 ) -> pathlib.Path:
     """A DFlash2 drafter for the target in ``target_dir``, in the released layout
@@ -326,7 +327,9 @@ def write_dflash2(
     `write_dspark`'s Markov head does) for a share ``agree`` of the tokens, every
     token a candidate; the layers' outputs are damped, so that each mask row's
     output g stays near that of the mask token's embedding alone, g0, and
-    ``hidden_projection`` maps g0 to a constant vector."""
+    ``hidden_projection`` maps g0 to a constant vector. ``config``: another
+    spelling of the backbone's keys (`gemma4_dflash_config`'s; ``layers`` and the
+    taps then its own)."""
     target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
     text = target.get("text_config") or target
     V, H, r = text["vocab_size"], text["hidden_size"], selector_rank
@@ -339,8 +342,12 @@ def write_dflash2(
         "selector_top_k": top_k,
         **dflash_keys,
     }
-    config = _dflash_config(target, "DFlash2DraftModel", layers, target_layer_ids)
+    if config is None:
+        config = _dflash_config(target, "DFlash2DraftModel", layers, target_layer_ids)
+    else:
+        config = {**config, "architectures": ["DFlash2DraftModel"]}
     config["dflash_config"].update(keys)
+    layers = config["num_hidden_layers"]
     init = _Init(seed, weight_std)
     damp = np.float32(0.05 if predictable else 1.0)
     groups = H // group_size
@@ -358,7 +365,8 @@ def write_dflash2(
     t["candidate_selector.successor_codebook"] = init.normal(V, r, std=0.5)
     t["candidate_selector.hidden_projection.weight"] = init.normal(r, H)
     if predictable:
-        _predictable_selector(t, target_dir, init, agree, successor)
+        mask = config["dflash_config"]["mask_token_id"]
+        _predictable_selector(t, target_dir, init, agree, successor, mask)
     return _write(out_dir, config, t)
 
 
@@ -389,21 +397,30 @@ def write_dflash(
     return _write(out_dir, config, t)
 
 
-def write_gemma4_dflash(
-    out_dir,
-    target_dir,
-    *,
-    sliding_window: int = 4,
-    layer_types=("sliding_attention", "full_attention"),
-    target_layer_ids: Optional[List[int]] = None,
-    **options,
-) -> pathlib.Path:
+def write_gemma4_dflash(out_dir, target_dir, **options) -> pathlib.Path:
     """A random Gemma 4 DFlash drafter (z-lab's ``gemma-4-*-DFlash``, as mlx-vlm's
     ``gemma4_dflash`` and dflash-mlx read it) for the Gemma 4 target in
+    ``target_dir``, its config `gemma4_dflash_config`'s (``options`` of that and
+    of `write_dflash`)."""
+    shape = {k: options.pop(k) for k in GEMMA4_DFLASH_SHAPE if k in options}
+    config = gemma4_dflash_config(target_dir, **shape)
+    return write_dflash(out_dir, target_dir, config=config, **options)
+
+
+GEMMA4_DFLASH_SHAPE = ("layer_types", "sliding_window", "target_layer_ids")
+
+
+def gemma4_dflash_config(
+    target_dir,
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window: int = 4,
+    target_layer_ids: Optional[List[int]] = None,
+) -> dict:
+    """A Gemma 4 DFlash-kin drafter's config for the Gemma 4 target in
     ``target_dir``: Qwen3-style layers of the target's widths, sliding and full
     (``layer_types``), ``model_type`` the target's (``gemma4``), Gemma's final soft
     cap, no architecture named and no mask token (Gemma's ``<mask>``, 4, is
-    implied); bare tensor names, no embedding or head. ``options``: `write_dflash`'s."""
+    implied); bare tensor names, no embedding or head."""
     target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
     text = target["text_config"]
     config = {k: text[k] for k in QWEN3_KEYS if k in text and k != "hidden_act"}
@@ -418,7 +435,7 @@ def write_gemma4_dflash(
         num_target_layers=text["num_hidden_layers"],
         dflash_config={"target_layer_ids": list(target_layer_ids or TARGET_LAYER_IDS)},
     )
-    return write_dflash(out_dir, target_dir, config=config, **options)
+    return config
 
 
 # the Gemma 4 text keys a Gemma 4 DSpark drafter's config copies from its target's
@@ -585,7 +602,7 @@ def _dflash_tensors(init: _Init, config: dict, damp) -> Tensors:
     return t
 
 
-def _predictable_selector(t: Tensors, target_dir, init: _Init, agree, successor):
+def _predictable_selector(t: Tensors, target_dir, init: _Init, agree, successor, mask):
     """`write_dflash2`'s predictable selector: the codebooks carry the bigram as
     `_predictable`'s Markov head does, and ``hidden_projection`` sends g0 (the
     final norm of the mask token's embedding) to ones."""
@@ -602,7 +619,7 @@ def _predictable_selector(t: Tensors, target_dir, init: _Init, agree, successor)
     ]
     t["candidate_selector.successor_codebook"] = markov["markov_head.markov_w2.weight"]
     t["norm.weight"] = markov["norm.weight"]  # damped: the slots' own logits are weak
-    m = embed[-1]
+    m = embed[mask]
     g0 = m / np.sqrt(np.mean(m * m) + 1e-6) * t["norm.weight"]
     r = t["candidate_selector.hidden_projection.weight"].shape[0]
     t["candidate_selector.hidden_projection.weight"] = (
