@@ -21,8 +21,10 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
+from mlx_mtp.cache import block_context, mtp_caches
 from mlx_mtp.errors import MTPError
-from mlx_mtp.loading import load, read_config
+from mlx_mtp.loading import attach_assistant, load, read_config
+from mlx_mtp.models import dflash, dspark
 from mlx_mtp.models.base import Model
 
 BUILTIN_TEXT = '''\
@@ -179,8 +181,6 @@ def check(
     if not isinstance(section, dict) and isinstance(config.get("drafter"), dict):
         return check_drafter(path, config, source, threshold, text, trust_remote_code)
     if not isinstance(section, dict):
-        from mlx_mtp.models import dflash, dspark
-
         if dspark.is_dspark(config):
             raise MTPError(
                 f"{path} is a {dflash.kind(config) or 'DSpark'} drafter alone; check "
@@ -321,8 +321,6 @@ def check_assistant(
 ) -> AssistantReport:
     """`check` for a pair folder: the assistant against its target, and against the
     source assistant it was converted from, run on the same target."""
-    from mlx_mtp.loading import attach_assistant
-
     model, tokenizer = load(str(path), trust_remote_code=trust_remote_code)
     if model.assistant is None:
         raise MTPError(f"{path}: the assistant could not be loaded")
@@ -388,8 +386,6 @@ def drafter_predictions(model, tokens: List[int]) -> np.ndarray:
     position n >= 1, teacher-forced: context rows 0..n-1, anchor t_n, slot k after
     t_{n+k} (its Markov state so), predicting t_{n+k+1}, as decoding does when
     the drafts before it were accepted."""
-    from mlx_mtp.cache import block_context, mtp_caches
-
     d = model.drafter
     taps = model.hidden(mx.array(tokens)[None])  # (1, n, packed width)
     caches = mtp_caches(model)
@@ -421,9 +417,6 @@ def check_drafter(
     DFlash or Gemma 4 DSpark drafter): each slot against the target's greedy
     tokens, and every slot against the source drafter it was grafted from, run on
     the same target."""
-    from mlx_mtp.loading import attach_assistant
-    from mlx_mtp.models import dflash
-
     model, tokenizer = load(str(path), trust_remote_code=trust_remote_code)
     if model.drafter is None:
         raise MTPError(f"{path}: the grafted drafter could not be loaded")
