@@ -74,7 +74,7 @@ from .kv_cache import (
 )
 from .media import MediaCache
 from .one_row import OneRow, TrimsTail
-from .rows import apart
+from .rows import Rows, apart, batches_apart
 
 log = logging.getLogger("mlx_mtp")
 
@@ -147,7 +147,10 @@ def block_context(drafter, caches: List[Any], positions) -> List[Any]:
 def _mtp_cache(layer):
     if layer.window:
         return WindowCache(layer.window)
-    parts = [KVCache() for _ in range(layer.kv_caches)]
+    if layer.make_caches is not None:
+        parts = layer.make_caches()
+    else:
+        parts = [KVCache() for _ in range(layer.kv_caches)]
     if layer.reads_media:  # the prompt's images (`mlx_mtp.media`)
         parts.append(MediaCache())
     return ListCache(*parts) if len(parts) > 1 else parts[0]
@@ -352,8 +355,12 @@ class ListCache(CacheList):
         return next(filter(None, (p.batch_refusal() for p in self._parts())), None)
 
     @classmethod
-    def merge(cls, caches: Sequence["ListCache"]) -> "RaggedList":
-        """The streams' caches as one `RaggedList`, each part merged by its type."""
+    def merge(cls, caches: Sequence["ListCache"]):
+        """The streams' caches as one `RaggedList`, each part merged by its type; a
+        layer with a part whose streams batch apart batches apart whole (`Rows` of
+        the streams' `ListCache`s)."""
+        if any(batches_apart(ops(p)) for p in caches[0].caches):
+            return Rows.merge(caches)
         parts = zip(*(c.caches for c in caches))
         return RaggedList(*(ops(p[0]).merge(list(p)) for p in parts))
 

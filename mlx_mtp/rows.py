@@ -13,7 +13,7 @@ rows' one-stream operations; a one-stream cache class batches apart by giving it
 ``merge`` as `merge_apart` (or through `apart`).
 """
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -157,6 +157,13 @@ def merge_apart(cls, caches: Sequence[Any]) -> Rows:
     return Rows.merge(caches)
 
 
+def batches_apart(cache) -> bool:
+    """Whether ``cache``'s class batches its streams apart (its ``merge`` is
+    `merge_apart`)."""
+    merge = getattr(type(cache), "merge", None)
+    return getattr(merge, "__func__", None) is merge_apart
+
+
 def apart(cls: type) -> type:
     """``cls`` (a one-stream cache class) whose streams batch apart (`Rows`)."""
     return type(f"Apart{cls.__name__}", (cls,), {"merge": classmethod(merge_apart)})
@@ -174,20 +181,23 @@ def row_caches(caches: Sequence[Rows], b: int) -> List[Any]:
 
 
 def each_row(
-    fn: Callable[[mx.array, List[Any]], Optional[mx.array]],
-    x: mx.array,
+    fn: Callable[..., Optional[mx.array]],
+    x: Union[mx.array, Tuple[mx.array, ...]],
     caches: Sequence[Rows],
 ) -> Optional[mx.array]:
     """``fn(x_b, caches_b)`` for every row b: ``x_b`` ``(1, L - pad_b, ...)`` its
     inputs past its left padding (the pass's, taken from ``caches``), ``caches_b``
-    its one-stream caches. Returns the rows' outputs ``(1, L_b, ...)`` left-padded
-    with zeros to ``(B, L, ...)`` (a row that is padding only runs nothing), or None
-    when ``fn`` returns None."""
+    its one-stream caches; ``x`` a tuple of inputs ``(B, L, ...)``: ``fn(*x_b,
+    caches_b)``, each sliced so. Returns the rows' outputs ``(1, L_b, ...)``
+    left-padded with zeros to ``(B, L, ...)`` (a row that is padding only runs
+    nothing), or None when ``fn`` returns None."""
     padding = [c.take_padding() for c in caches][0]  # the same in every cache
-    L = x.shape[1]
+    xs = x if isinstance(x, tuple) else (x,)
+    L = xs[0].shape[1]
     outs: List[Optional[mx.array]] = []
     for b, pad in enumerate(padding):
-        outs.append(fn(x[b : b + 1, pad:], row_caches(caches, b)) if pad < L else None)
+        row = [a[b : b + 1, pad:] for a in xs]
+        outs.append(fn(*row, row_caches(caches, b)) if pad < L else None)
     like = next((o for o in outs if o is not None), None)
     if like is None:
         return None

@@ -11,6 +11,7 @@ from mlx_mtp.draft_length import DraftPolicy
 from mlx_mtp.errors import RollbackError
 from mlx_mtp.media import MediaCache
 from mlx_mtp.models.deepseek_v4_cache import V4Cache
+from mlx_mtp.models.glm5_next_cache import ProjectionRows
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.fixtures import FAMILIES
@@ -20,7 +21,12 @@ def assert_same_kv(cache, fresh, upto=None):
     if isinstance(fresh, MediaCache):  # the same images, or none
         assert [m and m.key for m in cache.rows] == [m and m.key for m in fresh.rows]
         return
+    if hasattr(fresh, "pooled"):  # GLM-5.3-Flash's indexer pools
+        assert_same_pools_below(cache, fresh, upto)
+        return
     upto = fresh.offset if upto is None else upto
+    if isinstance(fresh, ProjectionRows):  # a prefix of the positions, maybe none
+        upto = min(upto, cache.offset, fresh.offset)
     if isinstance(fresh, CacheList):
         for c, f in zip(cache.caches, fresh.caches):
             assert_same_kv(c, f, upto)
@@ -42,13 +48,47 @@ def assert_same_cache(cache, fresh):
         assert_same_v4_cache(cache, fresh)
     elif isinstance(fresh, MediaCache):
         assert_same_kv(cache, fresh)
-    elif isinstance(fresh, ArraysCache):
+    elif hasattr(fresh, "pooled"):  # GLM-5.3-Flash's indexer pools
+        assert_same_pools(cache, fresh)
+    elif isinstance(fresh, ProjectionRows):
+        assert_same_kv(cache, fresh)
+    elif isinstance(fresh, ArraysCache) or isinstance(getattr(fresh, "cache", 0), list):
         assert len(cache.cache) == len(fresh.cache)
         for ours, ref in zip(cache.cache, fresh.cache):
             np.testing.assert_allclose(np.array(ours), np.array(ref), atol=1e-4)
     else:
         assert cache.offset == fresh.offset
         assert_same_kv(cache, fresh)
+
+
+def assert_same_pools(cache, fresh):
+    """The same positions, closed pools and open pool's rows (mlx-vlm's
+    ``PoolingCache`` as `mlx_mtp.models.glm5_next_cache.PoolCache` keeps it)."""
+    assert (cache.positions, cache.remainder) == (fresh.positions, fresh.remainder)
+    assert (cache.pooled is None) == (fresh.pooled is None)
+    pairs = [(cache.buf_kv, fresh.buf_kv), (cache.buf_gate, fresh.buf_gate)]
+    pairs = [(a[:, : fresh.remainder], b[:, : fresh.remainder]) for a, b in pairs]
+    if fresh.pooled is not None:
+        pairs.append((cache.pooled, fresh.pooled))
+    for ours, ref in pairs:
+        np.testing.assert_allclose(np.array(ours), np.array(ref), atol=1e-4)
+
+
+def assert_same_pools_below(cache, fresh, upto):
+    """The closed pools below position ``upto`` and the raw key rows of the pool
+    open there (from which a rollback rebuilds it), as both caches keep them."""
+    closed = upto // fresh.ratio
+    if closed:
+        np.testing.assert_allclose(
+            np.array(cache.pooled[:, :closed]),
+            np.array(fresh.pooled[:, :closed]),
+            atol=1e-4,
+        )
+    first = closed * fresh.ratio
+    for ours, ref in zip(cache.rows, fresh.rows):
+        a = ours[:, first - cache.rows_start : upto - cache.rows_start]
+        b = ref[:, first - fresh.rows_start : upto - fresh.rows_start]
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
 
 
 def assert_same_v4_cache(cache, fresh):

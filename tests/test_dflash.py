@@ -27,9 +27,9 @@ from mlx_mtp.testing import HEADS
 from mlx_mtp.testing.dspark import (
     BLOCK_SIZE,
     TARGET_LAYER_IDS,
+    gemma4_dflash_config,
     write_dflash,
     write_dflash2,
-    gemma4_dflash_config,
     write_gemma4_dflash,
     write_qwen3_target,
 )

@@ -26,6 +26,7 @@ FAMILIES = (
     "glm4_moe_lite",
     "glm_moe_dsa",
     "glm_ocr",
+    "glm5_next",
     "gpt_oss",
     "hy_v4",
     "llama",

@@ -370,6 +370,12 @@ class Model(nn.Module):
             ``(B, L, H)`` post-norm MTP outputs; ``logits(out)`` predicts the token
             after ``tokens``.
         """
+        if by_rows([cache]):  # a block whose passes take one stream (`mlx_mtp.rows`)
+
+            def row(h: mx.array, t: mx.array, caches: List[Any]) -> mx.array:
+                return self.mtp_forward(j, h, t, caches[0])
+
+            return each_row(row, (hidden, tokens), [cache])
         e = self.embed(tokens)  # (B, L, H)
         offset = cache.offset if cache is not None else 0
         if self.family.MASK_FIRST_POSITION and not isinstance(offset, int):

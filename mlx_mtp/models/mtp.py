@@ -34,11 +34,15 @@ class MTPLayer(nn.Module):
         reads_media: The layer reads the prompt's images: its cache is a
             `mlx_mtp.cache.ListCache` of its KV cache(s) and a
             `mlx_mtp.media.MediaCache` (GLM-OCR).
+        make_caches: When the block's attention keeps caches of its own kinds, a
+            function giving them (a fresh list, in the order the block reads
+            them; a `mlx_mtp.cache.ListCache` of them): GLM-5.3-Flash's indexer.
     """
 
     window: Optional[int] = None
     kv_caches: int = 1
     reads_media: bool = False
+    make_caches: Optional[Callable[[], List[Any]]] = None
 
     def __init__(
         self, hidden_size: int, eps: float, block: nn.Module, hidden_first: bool = False

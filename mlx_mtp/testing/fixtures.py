@@ -2116,6 +2116,188 @@ def _hy_v4(
     return cfg, t
 
 
+GLM5_NEXT_TYPES = ["linear_attention", "deepseek_sparse_attention"] * 2
+GLM5_NEXT_KDA = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
+
+
+def _kda_attention(init: _Init, prefix: str, cfg: dict) -> Tensors:
+    """GLM-5-Next's KDA linear attention, as the release names it: q/k/v
+    projections and depthwise convolutions ``(C, 1, kernel)``, the forget gate's
+    low-rank pair (``f_a_proj``, ``f_b_proj``), ``b_proj``, the output gate's pair,
+    ``A_log`` and ``dt_bias`` (float32), ``o_norm``, ``o_proj``."""
+    kda = cfg["linear_attn_config"]
+    heads, d, kernel = kda["num_heads"], kda["head_dim"], kda["short_conv_kernel_size"]
+    hidden, width = cfg["hidden_size"], heads * d
+    t = {}
+    for name in ("q", "k", "v"):
+        t[f"{prefix}{name}_proj.weight"] = init.linear(width, hidden)
+        t[f"{prefix}{name}_conv1d.weight"] = init.normal((width, 1, kernel), 0.3)
+    t.update(
+        {
+            f"{prefix}f_a_proj.weight": init.linear(d, hidden),
+            f"{prefix}f_b_proj.weight": init.linear(width, d),
+            f"{prefix}b_proj.weight": init.linear(heads, hidden),
+            f"{prefix}g_a_proj.weight": init.linear(d, hidden),
+            f"{prefix}g_b_proj.weight": init.linear(width, d),
+            f"{prefix}A_log": init.normal((heads,), 0.5),
+            f"{prefix}dt_bias": init.normal((width,), 0.5),
+            f"{prefix}o_norm.weight": init.norm(d),
+            f"{prefix}o_proj.weight": init.linear(hidden, width),
+        }
+    )
+    return t
+
+
+def _dsa_nope_attention(init: _Init, prefix: str, cfg: dict, indexer: bool) -> Tensors:
+    """GLM-5-Next's sparse MLA (no RoPE), with its pooled-key indexer (its
+    compression gate and positional term) when ``indexer``."""
+    t = _mla_attention(
+        init, prefix, {k: v for k, v in cfg.items() if k != "index_topk"}
+    )
+    if indexer:
+        ih, d, hidden = cfg["index_n_heads"], cfg["index_head_dim"], cfg["hidden_size"]
+        p = f"{prefix}indexer."
+        t.update(
+            {
+                f"{p}wq_b.weight": init.linear(ih * d, cfg["q_lora_rank"], 0.3),
+                f"{p}wk.weight": init.linear(d, hidden, 0.3),
+                f"{p}k_norm.weight": init.norm(d),
+                f"{p}k_norm.bias": init.normal((d,), BIAS_STD),
+                f"{p}weights_proj.weight": init.linear(ih, hidden, 0.3),
+                f"{p}index_kpool_compress_gate": init.linear(d, hidden),
+                f"{p}index_kpool_compress_ape": init.normal(
+                    (cfg["index_kpool"], d), V4_APE_STD
+                ),
+            }
+        )
+    return t
+
+
+def _glm5_next_layer(
+    init: _Init, prefix: str, cfg: dict, idx: int, mtp: bool
+) -> Tensors:
+    """A GLM-5-Next decoder layer: KDA or sparse MLA, a dense MLP in the first
+    ``first_k_dense_replace`` layers else MoE, and (in the trunk) the attention's
+    and MLP's hyper-connections ``hc_{attn,ffn}_{fn,base,scale}``."""
+    linear = not mtp and cfg["layer_types"][idx] == "linear_attention"
+    indexer = mtp or cfg["indexer_types"][idx] == "full"
+    dense = not mtp and cfg["mlp_layer_types"][idx] == "dense"
+    t = _decoder_layer(
+        init,
+        prefix,
+        HIDDEN,
+        lambda p: (
+            _kda_attention(init, p, cfg)
+            if linear
+            else _dsa_nope_attention(init, p, cfg, indexer)
+        ),
+        lambda p: (
+            _dense_mlp(init, p, HIDDEN, INTERMEDIATE)
+            if dense
+            else _moe_mlp(init, p, cfg)
+        ),
+    )
+    if not mtp:
+        mixes = (2 + cfg["hc_mult"]) * cfg["hc_mult"]
+        for site in ("attn", "ffn"):
+            t.update(_v4_hc(init, f"{prefix}hc_{site}", cfg, mixes, 3))
+    return t
+
+
+def _glm5_next(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """GLM-5.3-Flash (glm5_next): its text model under ``text_config`` and
+    ``model.language_model.`` (``lm_head`` at the top) beside a sample of its vision
+    tower (``model.visual.*``), as the release keeps them. Four layers in four
+    hyper-connection streams: KDA, sparse MLA with an indexer, KDA, sparse MLA
+    sharing layer 1's selection (the release's indexers are all "full"; mlx-vlm
+    reads both); dense, then MoE. The nextn layer at ``layers.4``: ``enorm``,
+    ``hnorm``, ``eh_proj``, ``shared_head.norm``, sparse MLA with its own indexer,
+    MoE, no streams, no embedding or head copies (as released). Pools of 4 keys,
+    2 selected: the indexer chooses from the ninth position on."""
+    text = {
+        "model_type": "glm5_next_text",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 0,
+        "qk_head_dim": 16,
+        "v_head_dim": 16,
+        "head_dim": 0,
+        "mla_use_nope": True,
+        "attention_bias": False,
+        "index_topk": 8,
+        "index_kpool": 4,
+        "index_head_dim": 16,
+        "index_n_heads": 4,
+        "index_kpool_always_select_tail": True,
+        "index_kpool_compress": True,
+        "linear_attn_config": dict(GLM5_NEXT_KDA, gate_lower_bound=-5.0),
+        "layer_types": list(GLM5_NEXT_TYPES),
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+        "indexer_types": ["full", "full", "full", "shared"],
+        "hc_mult": 4,
+        "hc_eps": 1e-6,
+        "hc_sinkhorn_iters": 20,
+        "rms_norm_eps": 1e-5,
+        # the release's is 10; at 1 the clamp binds in the fixture
+        "swiglu_limit": 1.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "pad_token_id": None,  # not the release's 154820, past this vocabulary
+    }
+    t = _trunk(init, text, lambda p, i: _glm5_next_layer(init, p, text, i, mtp=False))
+    t.update(_glm5_next_layer(init, "model.layers.4.", text, 4, mtp=True))
+    t.update(
+        {
+            "model.layers.4.enorm.weight": init.norm(HIDDEN),
+            "model.layers.4.hnorm.weight": init.norm(HIDDEN),
+            "model.layers.4.eh_proj.weight": init.linear(HIDDEN, 2 * HIDDEN),
+            "model.layers.4.shared_head.norm.weight": init.norm(HIDDEN),
+        }
+    )
+    t = {
+        (
+            k
+            if k.startswith("lm_head.")
+            else "model.language_model." + k[len("model.") :]
+        ): v
+        for k, v in t.items()
+    }
+    t["model.visual.patch_embed.proj.weight"] = init.normal((32, 3, 2, 14, 14), 0.02)
+    t["model.visual.post_layernorm.weight"] = np.ones(32, dtype=np.float32)
+    cfg = {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "glm5_next_vision",
+            "depth": 1,
+            "hidden_size": 32,
+        },
+        "image_token_id": vocab_size - 1,
+        "tie_word_embeddings": False,
+    }
+    return cfg, t
+
+
 # GLM-OCR's chat tokens and image markers (its tokenizer's special tokens).
 GLM_TOKENS = (
     "[gMASK]",
@@ -2388,6 +2570,7 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
     "glm4_moe_lite": _glm4_moe_lite,
     "glm_moe_dsa": _glm_moe_dsa,
     "glm_ocr": _glm_ocr,
+    "glm5_next": _glm5_next,
     "hy_v4": _hy_v4,
     "longcat_flash": _longcat_flash,
     "mimo": _mimo,
