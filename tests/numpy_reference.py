@@ -67,6 +67,7 @@ FAMILIES = (
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
+    "qwen4_exp",
     "step3p5",
     "step3p7",
 )
@@ -85,6 +86,7 @@ SEPARATE = {
     "longcat_flash": "numpy_longcat_flash",
     "mimo_v2_flash": "numpy_mimo_v2_flash",
     "nemotron_h": "numpy_nemotron_h",
+    "qwen4_exp": "numpy_qwen4_exp",
     "step3p5": "numpy_step3p5",
     "step3p7": "numpy_step3p7",
 }

@@ -63,7 +63,7 @@ def assert_same_cache(cache, fresh):
 
 def assert_same_pools(cache, fresh):
     """The same positions, closed pools and open pool's rows (mlx-vlm's
-    ``PoolingCache`` as `mlx_mtp.models.glm5_next_cache.PoolCache` keeps it)."""
+    ``PoolingCache`` as `mlx_mtp.models.vlm_cache.PoolCache` keeps it)."""
     assert (cache.positions, cache.remainder) == (fresh.positions, fresh.remainder)
     assert (cache.pooled is None) == (fresh.pooled is None)
     pairs = [(cache.buf_kv, fresh.buf_kv), (cache.buf_gate, fresh.buf_gate)]

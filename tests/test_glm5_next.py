@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from mlx_mtp.cache import begin_verify, keep_below, make_caches, rewind
 from mlx_mtp.errors import MTPError, RollbackError
-from mlx_mtp.models import glm5_next, glm5_next_cache
+from mlx_mtp.models import glm5_next, vlm_cache
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 
@@ -88,7 +88,7 @@ def test_the_mtp_layers_cache_trims_across_draft_passes(loaded):
 
 def test_a_rollback_past_what_is_kept_is_refused():
     """Past its slack, an indexer cache refuses (never a wrong pool)."""
-    pools = glm5_next_cache.pool_cache_class()(4, slack=4)
+    pools = vlm_cache.pool_cache_class()(4, slack=4)
     kv = mx.random.normal((1, 12, 8))
     ready, _, _ = pools.accumulate_windows(kv, kv, 0)  # as the indexer pools them
     pools.update_and_fetch(ready.reshape(1, -1, 4, 8).mean(axis=2))

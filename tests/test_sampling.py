@@ -261,6 +261,7 @@ def test_broken_recurrent_rollback_fails_the_test(small_hybrid, monkeypatch):
         "deepseek_v4",
         "hy_v4",
         "glm5_next",
+        "qwen4_exp",
     ],
 )
 def test_mtp_sampling_matches_target_on_new_families(checkpoint, family):
@@ -269,7 +270,8 @@ def test_mtp_sampling_matches_target_on_new_families(checkpoint, family):
     one sliding, for Step-3.5; sliding layers with attention sinks for MiMo-V2-Flash;
     compressed attention, hyper-connections and a packed MTP state for DeepSeek-V4;
     hyper-connections, gated MLA with sinks and shared indexers for Hy4; KDA, pooled
-    indexers and hyper-connections for GLM-5.3-Flash).
+    indexers and hyper-connections for GLM-5.3-Flash; delta nets, an n-gram
+    embedding, QSA and hyper-connection streams for Qwen3.8-Flash-Next).
     """
     path = checkpoint(family, vocab_size=VOCAB, tokenizer=False, seed=1)
     model = load_model(str(path))[0]

@@ -40,6 +40,7 @@ FAMILIES = (
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
+    "qwen4_exp",
     "step3p5",
     "step3p7",
 )

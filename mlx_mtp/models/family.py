@@ -52,7 +52,7 @@ Optional (default in brackets):
 - ``EMBEDDING_KEY`` [``"model.embed_tokens.weight"``]: the checkpoint name of the
   trunk's token embedding (its last two parts also name it in an MLX conversion);
 - ``FINAL_NORM_KEY`` [``"model.norm.weight"``]: the checkpoint name of the trunk's
-  final norm;
+  final norm (None: it has none, and ``final_norm`` refuses);
 - ``ZERO_CENTRED_NORMS`` [False]: the checkpoint stores norms as ``w`` in
   ``x * (1 + w)`` (Qwen, Step), so a norm that scales by one is stored as 0;
 - ``is_raw(weights, config) -> bool`` [True]: the tensors are in raw Hugging Face form,
@@ -192,7 +192,7 @@ class Family:
     MASK_FIRST_POSITION: bool = False
     MASK_AS_ARRAY: bool = False
     EMBEDDING_KEY: str = "model.embed_tokens.weight"
-    FINAL_NORM_KEY: str = "model.norm.weight"
+    FINAL_NORM_KEY: Optional[str] = "model.norm.weight"
     ZERO_CENTRED_NORMS: bool = False
     is_raw: Callable[[dict, dict], bool] = always_raw
     prepare: Optional[Callable[[Any], None]] = None

@@ -19,8 +19,9 @@ mlx-lm has no GLM-5-Next, so the trunk is mlx-vlm's text model
 (``mlx_vlm.models.glm5_next.language``, the extra ``mlx-mtp[vlm]``) and the MTP block
 mlx-vlm's ``Glm5NextMTPBlock``, used unchanged but for:
 
-- caches that roll back (`mlx_mtp.models.glm5_next_cache`: its ``ArraysCache`` and
-  ``PoolingCache`` with what a rollback needs, mlx-lm's KV caches);
+- caches that roll back (`mlx_mtp.models.glm5_next_cache`, from
+  `mlx_mtp.models.vlm_cache`: its ``ArraysCache`` and ``PoolingCache`` with what a
+  rollback needs, mlx-lm's KV caches);
 - the checkpoint's names read by its own sanitize, which expects them under its
   vision-language model's ``language_model.``;
 - logits through mlx-vlm's ``linear``, as its model computes them (a verify pass of

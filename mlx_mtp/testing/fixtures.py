@@ -2298,6 +2298,259 @@ def _glm5_next(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     return cfg, t
 
 
+# Qwen3.8-Flash-Next (qwen4_exp): three Gated-DeltaNet layers, then a QSA layer (gated
+# attention with a block indexer), all MoE, in four hyper-connection streams; PLE
+# n-gram embeddings on layer 1. Its n-gram hashing, as mlx-vlm's
+# ``Qwen4ExpNGramEmbedding`` computes it (SplitMix64 multipliers, prime head sizes).
+QWEN4_EXP_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+QWEN4_PLE_CONV_STD = 0.1  # the PLE's dilated convolution; 0.3 would rule layer 1
+_QWEN4_MASK64 = (1 << 64) - 1
+_QWEN4_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _qwen4_splitmix64(value: int) -> int:
+    value = (value + _QWEN4_GAMMA) & _QWEN4_MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _QWEN4_MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _QWEN4_MASK64
+    return (value ^ (value >> 31)) & _QWEN4_MASK64
+
+
+def _qwen4_is_prime(value: int) -> bool:
+    if value < 2 or value % 2 == 0:
+        return value == 2
+    return all(value % d for d in range(3, int(np.sqrt(value)) + 1, 2))
+
+
+def _qwen4_ngram_buffers(text: dict, ple_index: int) -> Tensors:
+    """PLE layer ``ple_index``'s hashing buffers (int64): ``layer_multipliers``
+    (ngram_size), ``ngram_heads_vocab_sizes`` (the primes from
+    ``ngram_vocab_size_base`` on, numbered across PLE layers) and
+    ``ngram_heads_offsets``."""
+    heads = (text["ngram_size"] - 1) * text["heads_per_ngram"]
+    sizes, prime = [], text["ngram_vocab_size_base"] - 1
+    for _ in range(ple_index * heads):  # the earlier PLE layers' heads
+        prime += 1
+        while not _qwen4_is_prime(prime):
+            prime += 1
+    for _ in range(heads):
+        prime += 1
+        while not _qwen4_is_prime(prime):
+            prime += 1
+        sizes.append(prime)
+    half = max(1, ((1 << 63) - 1) // max(text["vocab_size"], 1) // 2)
+    base = text.get("seed", 1234) + 10007 * ple_index
+    multipliers = [
+        2 * (_qwen4_splitmix64((base + _QWEN4_GAMMA * (i + 1)) & _QWEN4_MASK64) % half)
+        + 1
+        for i in range(text["ngram_size"])
+    ]
+    return {
+        "layer_multipliers": np.array(multipliers, dtype=np.int64),
+        "ngram_heads_vocab_sizes": np.array(sizes, dtype=np.int64),
+        "ngram_heads_offsets": np.cumsum([0] + sizes[:-1]).astype(np.int64),
+    }
+
+
+def _qwen4_hc(init: _Init, prefix: str, text: dict, inject: bool = True) -> Tensors:
+    """A gated hyper-connection: a zero-centred ``hc_norm`` over the hc streams
+    (grouped per stream), the low-rank mix ``input_mix_weight_{down,up}`` and, but
+    in the final mixers, ``block_inject_weight`` (one gate per stream)."""
+    width = text["hc_count"] * text["hidden_size"]
+    t = {
+        f"{prefix}hc_norm.weight": _zero_norm(init, width),
+        f"{prefix}input_mix_weight_down.weight": init.linear(text["hc_lowrank"], width),
+        f"{prefix}input_mix_weight_up.weight": init.linear(width, text["hc_lowrank"]),
+    }
+    if inject:
+        t[f"{prefix}block_inject_weight.weight"] = init.linear(text["hc_count"], width)
+    return t
+
+
+def _qwen4_ple(init: _Init, prefix: str, text: dict, ple_index: int) -> Tensors:
+    """A PLE block: key/value projections of the n-gram embedding, its dilated
+    depthwise convolution ``(hc H, 1, kernel)``, three zero-centred grouped norms,
+    the hashing buffers and the n-gram table in ``split_ngram_parts`` row shards of
+    the padded table (``ple_embed_dim / n-gram heads`` wide)."""
+    hidden, dim = text["hidden_size"], text["ple_embed_dim"]
+    width = text["hc_count"] * hidden
+    kernel = text["ple_conv_kernel_size"]
+    t = {
+        f"{prefix}key_proj.weight": init.linear(width, dim),
+        f"{prefix}value_proj.weight": init.linear(hidden, dim),
+        f"{prefix}conv1d.weight": init.normal((width, 1, kernel), QWEN4_PLE_CONV_STD),
+        f"{prefix}norm_key.weight": _zero_norm(init, width),
+        f"{prefix}norm_query.weight": _zero_norm(init, width),
+        f"{prefix}norm_conv.weight": _zero_norm(init, width),
+    }
+    buffers = _qwen4_ngram_buffers(text, ple_index)
+    t.update({f"{prefix}ple_embedding.{k}": v for k, v in buffers.items()})
+    sizes = buffers["ngram_heads_vocab_sizes"]
+    divisor = text["make_ngram_vocab_size_divisible_by"]
+    rows = -(-int(sizes.sum()) // divisor) * divisor
+    heads, parts = len(sizes), text["split_ngram_parts"]
+    for i in range(parts):  # the first rows % parts shards one row longer
+        shard = rows // parts + (1 if i < rows % parts else 0)
+        t[f"{prefix}ple_embedding.ngram_embedding.shard_{i}.weight"] = init.normal(
+            (shard, dim // heads), EMBED_STD
+        )
+    return t
+
+
+def _qwen4_exp_layer(
+    init: _Init, prefix: str, text: dict, idx: int, mtp: bool
+) -> Tensors:
+    """A Qwen4-Exp decoder layer, no block norms: its PLE (layers in the one-indexed
+    ``ple_layer_ids``), the attention's hyper-connection, Gated-DeltaNet or QSA
+    (Qwen3.5's gated attention and an indexer ``index_qk_proj`` with zero-centred
+    ``{q,k}_layernorm``), the MLP's hyper-connection and the MoE (experts fused, as
+    released, in the MTP layer too)."""
+    t = {}
+    if not mtp and idx + 1 in text["ple_layer_ids"]:
+        ple_index = sorted(text["ple_layer_ids"]).index(idx + 1)
+        t.update(_qwen4_ple(init, f"{prefix}ple.", text, ple_index))
+    t.update(_qwen4_hc(init, f"{prefix}attn_hyper_connection.", text))
+    if not mtp and text["layer_types"][idx] == "linear_attention":
+        t.update(_gated_deltanet(init, f"{prefix}linear_attn.", text, fused=False))
+    else:
+        p = f"{prefix}self_attn."
+        t.update(_gated_attention(init, p, text))
+        heads = text["indexer_n_heads"] + text["indexer_kv_heads"]
+        d = text["indexer_head_dim"]
+        t[f"{p}indexer.index_qk_proj.weight"] = init.linear(
+            heads * d, text["hidden_size"]
+        )
+        t[f"{p}indexer.q_layernorm.weight"] = _zero_norm(init, d)
+        t[f"{p}indexer.k_layernorm.weight"] = _zero_norm(init, d)
+    t.update(_qwen4_hc(init, f"{prefix}mlp_hyper_connection.", text))
+    t.update(_qwen_moe(init, f"{prefix}mlp.", text, fused=True))
+    return t
+
+
+def _qwen4_exp(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+    """Qwen3.8-Flash-Next (qwen4_exp) as released: text model under ``text_config``
+    and ``model.language_model.`` (``lm_head`` at the top), a sample of the vision
+    tower (``model.visual.*``), the MTP at top-level ``mtp.``. Four layers in four
+    hyper-connection streams (Gated-DeltaNet x 3, then QSA: pools of 4 keys, 2
+    selected, so the indexer drops keys once a query sees 3 whole pools, from the
+    twelfth key on), MoE in each, PLE n-grams on layer 1; no final norm (the
+    ``hyper_connection_mixer`` closes the trunk). The MTP: ``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden`` (over all hc streams), ``fc_embedding``, ``fc_hidden``
+    (per stream), a QSA/MoE layer with its hyper-connections and its own mixer.
+    Norms zero-centred but the Gated-DeltaNet's; every tensor in the checkpoint
+    dtype but the PLE's int64 buffers (``A_log``, ``dt_bias`` included, as
+    released)."""
+    eos = vocab_size - 3  # the fixture tokenizer's <|endoftext|> (PLE's separator)
+    text = {
+        "model_type": "qwen4_exp_text",
+        "dtype": "float32",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "full_attention_interval": 4,
+        "hc_count": 4,
+        "hc_lowrank": 8,
+        "head_dim": 16,
+        "heads_per_ngram": 2,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+        "indexer_head_dim": 16,
+        "indexer_kv_heads": 1,
+        "indexer_n_heads": 2,
+        "initializer_range": 0.02,
+        "layer_types": list(QWEN4_EXP_TYPES),
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16,
+        "make_ngram_vocab_size_divisible_by": 8,
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": MOE_INTERMEDIATE,
+        "mtp": {
+            "hybrid": True,
+            "layer_types": ["full_attention"],
+            "num_hidden_layers": 1,
+            "rope_theta": 10000000,
+        },
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "ngram_size": 3,
+        "ngram_vocab_size_base": 61,
+        "num_attention_heads": 4,
+        "num_experts": QWEN_EXPERTS,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": len(QWEN4_EXP_TYPES),
+        "num_key_value_heads": 2,
+        "output_gate_type": "sigmoid",
+        "partial_rotary_factor": 0.25,
+        "ple_conv_kernel_size": 4,
+        "ple_embed_dim": HIDDEN,
+        "ple_layer_ids": [2],
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {  # 4 of 16 dims rotate: 2 frequencies, sections [1, 1, 0]
+            "mrope_interleaved": True,
+            "mrope_section": [1, 1, 0],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "shared_expert_intermediate_size": MOE_INTERMEDIATE,
+        "split_ngram_parts": 2,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+    base, hidden = "model.language_model.", HIDDEN
+    t = {f"{base}embed_tokens.weight": init.normal((vocab_size, hidden), EMBED_STD)}
+    for i in range(text["num_hidden_layers"]):
+        t.update(_qwen4_exp_layer(init, f"{base}layers.{i}.", text, i, mtp=False))
+    t.update(_qwen4_hc(init, f"{base}hyper_connection_mixer.", text, inject=False))
+    t["lm_head.weight"] = init.linear(vocab_size, hidden)
+    t["model.visual.patch_embed.proj.weight"] = init.normal((32, 3, 2, 16, 16), 0.02)
+    t["model.visual.merger.norm.weight"] = np.ones(32, dtype=np.float32)
+    t.update(
+        {
+            "mtp.pre_fc_norm_embedding.weight": _zero_norm(init, hidden),
+            "mtp.pre_fc_norm_hidden.weight": _zero_norm(init, 4 * hidden),
+            "mtp.fc_embedding.weight": init.linear(hidden, hidden),
+            "mtp.fc_hidden.weight": init.linear(hidden, hidden),
+        }
+    )
+    t.update(_qwen4_hc(init, "mtp.hyper_connection_mixer.", text, inject=False))
+    t.update(_qwen4_exp_layer(init, "mtp.layers.0.", text, 0, mtp=True))
+    cfg = {
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "model_type": "qwen4_exp",
+        # the release's image markers, at ids the fixture's tokenizer leaves plain
+        "image_token_id": vocab_size - 5,
+        "video_token_id": vocab_size - 4,
+        "vision_start_token_id": vocab_size - 7,
+        "vision_end_token_id": vocab_size - 6,
+        "language_model_only": False,
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {
+            "deepstack_visual_indexes": [],
+            "depth": 1,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 32,
+            "in_channels": 3,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "num_position_embeddings": 2304,
+            "out_hidden_size": hidden,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+    return cfg, t
+
+
 # GLM-OCR's chat tokens and image markers (its tokenizer's special tokens).
 GLM_TOKENS = (
     "[gMASK]",
@@ -2579,6 +2832,7 @@ _SPECS: Dict[str, Callable[..., Tuple[dict, Tensors]]] = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": functools.partial(_qwen3_5, moe=True),
     "qwen3_next": _qwen3_next,
+    "qwen4_exp": _qwen4_exp,
     "step3p5": _step3p5,
     "step3p7": _step3p7,
 }
@@ -2702,12 +2956,22 @@ _FLOAT32_SUFFIXES = (
 )
 
 
+# Kept int64, as the release stores them: Qwen4-Exp's PLE n-gram hashing buffers.
+_INT64_SUFFIXES = (
+    ".ple_embedding.layer_multipliers",
+    ".ple_embedding.ngram_heads_vocab_sizes",
+    ".ple_embedding.ngram_heads_offsets",
+)
+
+
 def _to_mx(name: str, value: np.ndarray, dtype) -> mx.array:
     """Cast to the checkpoint dtype, except the float32 tensors above; V4's hash
-    routing table ``tid2eid`` stays int32."""
+    routing table ``tid2eid`` stays int32, Qwen4-Exp's n-gram buffers int64."""
     arr = mx.array(value)
     if value.dtype == np.uint8:  # a release's fp8 bytes and scales
         return arr
+    if name.endswith(_INT64_SUFFIXES):
+        return arr.astype(mx.int64)
     if name.endswith(".tid2eid"):
         return arr.astype(mx.int32)
     if name.endswith(_FLOAT32_SUFFIXES) or name.rsplit(".", 1)[-1].startswith("hc_"):
