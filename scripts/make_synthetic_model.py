@@ -273,6 +273,90 @@ def deepseek_v4_weights(config: dict, seed: int) -> dict:
     return out
 
 
+def qwen4_exp_config(params: float, vocab: int, hidden: int = 1024) -> dict:
+    """Qwen3.8-Flash-Next's release config (the fixture's keys, `_qwen4_exp`) with
+    its shapes scaled by ``hidden`` / 2560: 4 hyper-connection streams (low rank
+    hidden / 8), Gated-DeltaNet and QSA layers 3:1 (QSA: 8 heads of 128, 2 KV heads,
+    its indexer's 4 heads of 64, a budget of 256 keys in blocks of 4), 16 experts
+    (top 4) of width hidden / 4 and a shared one, a PLE n-gram embedding on the
+    second layer, as many layers (a multiple of 4) as ``params`` allows, one MTP
+    layer."""
+    from mlx_mtp.testing import fixtures
+
+    heads, d, kv = 8, 128, 2
+    kh, vh, hd = 8, 16, 64
+    experts, inter, rank = 16, hidden // 4, hidden // 8
+    attn = hidden * heads * d * 3 + 2 * hidden * kv * d + hidden * 5 * 64
+    gdn = hidden * (2 * kh * hd + 2 * vh * hd) + vh * hd * hidden
+    mixer = 4 * (2 * 4 * hidden * rank + 4 * 4 * hidden)
+    moe = (experts + 1) * 3 * hidden * inter + experts * hidden
+    per_group = attn + 3 * gdn + 4 * (mixer + moe)
+    groups = max(1, round((params - 2 * vocab * hidden) / per_group))
+    layers = 4 * groups
+    sizes = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * groups,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=d,
+        rope_parameters={
+            "mrope_interleaved": True,
+            "mrope_section": [6, 5, 5],  # 32 of 128 dims rotate
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        linear_num_key_heads=kh,
+        linear_num_value_heads=vh,
+        linear_key_head_dim=hd,
+        linear_value_head_dim=hd,
+        num_experts=experts,
+        num_experts_per_tok=4,
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=inter,
+        hc_lowrank=rank,
+        indexer_n_heads=4,
+        indexer_head_dim=64,
+        indexer_budget=256,
+        ple_embed_dim=hidden,
+        heads_per_ngram=8,
+        ngram_vocab_size_base=4096,
+        make_ngram_vocab_size_divisible_by=128,
+        split_ngram_parts=4,
+    )
+    init = fixtures._Init(np.random.default_rng(0))
+    config = fixtures._qwen4_exp(init, vocab, **sizes)[0]
+    config["_sizes"] = sizes
+    return config
+
+
+def qwen4_exp_weights(config: dict, seed: int) -> dict:
+    """The fixture builder's random release-layout tensors for ``config``, MTP
+    included, linear weights (and the fused experts, per expert) rescaled from the
+    fixture's std to mlx-lm's init, as for deepseek_v4; the MTP's final mixer a copy
+    of the trunk's, so that its collapse reads as the trunk's does."""
+    from mlx_mtp.testing import fixtures
+
+    init = fixtures._Init(np.random.default_rng(seed))
+    tensors = fixtures._qwen4_exp(
+        init, config["text_config"]["vocab_size"], **config.pop("_sizes")
+    )[1]
+    out = {}
+    for k, v in tensors.items():
+        if k.startswith("model.visual."):
+            continue
+        if (k.endswith(".weight") and v.ndim == 2 and v.dtype != np.int64) or (
+            ".experts." in k and v.ndim == 3
+        ):
+            v = v / (fixtures.WEIGHT_STD * np.sqrt(3.0 * v.shape[-1]))
+        out[k] = mx.array(v)
+    mixer = "hyper_connection_mixer."
+    for k in [k for k in out if k.startswith(f"model.language_model.{mixer}")]:
+        out[f"mtp.{mixer}{k.rpartition(mixer)[2]}"] = out[k]
+    return out
+
+
 @dataclass(frozen=True)
 class Arch:
     """What the construction needs of a layout: its config, mlx-lm trunk and MTP block
@@ -291,6 +375,7 @@ class Arch:
     # random weights in the checkpoint's names, MTP layer included (None: the mlx-lm
     # trunk's and `block`'s)
     weights: Optional[Callable[[dict, int], dict]] = None
+    unit_norm: float = 1.0  # a norm weight that scales by one (0: zero-centred)
 
     @property
     def layout(self):
@@ -353,6 +438,16 @@ ARCHS = {
         lambda config: "mtp.0.",
         deepseek_v4_weights,
     ),
+    "qwen4_exp": Arch(
+        "qwen4_exp",
+        qwen4_exp_config,
+        "model.language_model.embed_tokens.weight",
+        "lm_head.weight",
+        None,  # no final norm: the streams' mixer closes the trunk
+        lambda config: "mtp.layers.0.",
+        qwen4_exp_weights,
+        unit_norm=0.0,
+    ),
 }
 # The trunk's and the head's block outputs, damped: attention, Gated-DeltaNet, MLP
 # (V4: attention's wo_b, the experts' w2).
@@ -362,6 +457,8 @@ DAMPED = (
     "down_proj.weight",
     "wo_b.weight",
     ".w2.weight",
+    "experts.down_proj",  # fused experts (qwen4_exp)
+    "ple.value_proj.weight",  # qwen4_exp's n-gram embedding, added to the streams
 )
 
 
@@ -408,8 +505,10 @@ def build_weights(arch: Arch, config: dict, seed: int, cycle: int = 0, zipf=0.0)
             w[f"{prefix}{k}"] = v * (DAMPING if k.endswith(DAMPED) else 1.0)
     layout = arch.layout
     for name in ("enorm", "hnorm"):
-        w[layout.key(config, 0, name)] = mx.ones((H,))
-    w[layout.key(config, 0, "norm")] = mx.array(w[arch.final_norm])
+        key = layout.key(config, 0, name)
+        w[key] = mx.full(w[key].shape if key in w else (H,), arch.unit_norm)
+    if "norm" in layout.fusion.values():  # else the layer has no final norm
+        w[layout.key(config, 0, "norm")] = mx.array(w[arch.final_norm])
     w["_noise"] = mx.random.normal((H, H)) / np.sqrt(H)
     return w, np.sort(order), parts, successor
 
@@ -695,8 +794,8 @@ def main():
         choices=sorted(ARCHS),
         default="llama",
         help="llama or qwen3 (dense), qwen3_5 (Gated-DeltaNet and full attention, "
-        "3:1) or "
-        "deepseek_v4 (V4-Flash's release layout)",
+        "3:1), deepseek_v4 (V4-Flash's release layout) or qwen4_exp "
+        "(Qwen3.8-Flash-Next's)",
     )
     p.add_argument(
         "--draft-vocab-size",
@@ -742,8 +841,8 @@ def main():
     args = p.parse_args()
     if args.dspark and (args.layout not in ("llama", "qwen3") or args.zipf):
         p.error("--dspark needs --layout llama or qwen3, without --zipf")
-    if args.layout == "deepseek_v4" and args.zipf:
-        p.error("--zipf is not built for --layout deepseek_v4")
+    if args.layout in ("deepseek_v4", "qwen4_exp") and args.zipf:
+        p.error(f"--zipf is not built for --layout {args.layout}")
     if args.zipf and args.draft_vocab_size:
         p.error("--zipf cannot be combined with --draft-vocab-size")
     if args.zipf < 0:

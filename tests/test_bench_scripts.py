@@ -101,3 +101,34 @@ def test_synthetic_deepseek_v4_is_the_release_layout(tmp_path, monkeypatch):
     plain = mtp_generate_step(prompt, model, HEADS, num_draft_tokens=0, max_tokens=24)
     assert [o.token for o in outs] == [o.token for o in plain]
     assert outs[-1].stats.acceptance_rate > 0.8
+
+
+def test_synthetic_qwen4_exp_is_the_release_layout(tmp_path, monkeypatch):
+    """Qwen3.8-Flash-Next's release layout from the fixture builder at the script's
+    shapes: top-level ``mtp.*`` with ``fc_embedding`` and ``fc_hidden`` apart,
+    zero-centred MTP norms, the MTP's mixer the trunk's; at gamma 0 the head drafts
+    the trunk's next-but-one token, and drafting decodes as plain decoding does."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import make_synthetic_model as syn
+
+    arch = syn.ARCHS["qwen4_exp"]
+    config = syn.qwen4_exp_config(2e6, 512, 128)
+    text = config["text_config"]
+    assert text["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+    w = syn.build_weights(arch, config, seed=0)[0]
+    syn.set_gamma(arch, w, config, 0.0)
+    w.pop("_noise")
+    assert {"mtp.fc_embedding.weight", "mtp.fc_hidden.weight"} <= set(w)
+    assert not mx.any(w["mtp.pre_fc_norm_hidden.weight"]).item()
+    write_tokenizer(tmp_path, 512)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), w)
+
+    model = load_model(str(tmp_path))[0]
+    prompt = np.random.default_rng(0).integers(0, 500, 12).tolist()
+    outs = list(
+        mtp_generate_step(prompt, model, HEADS, num_draft_tokens=1, max_tokens=24)
+    )
+    plain = mtp_generate_step(prompt, model, HEADS, num_draft_tokens=0, max_tokens=24)
+    assert [o.token for o in outs] == [o.token for o in plain]
+    assert outs[-1].stats.acceptance_rate > 0.8

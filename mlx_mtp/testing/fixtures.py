@@ -2426,7 +2426,7 @@ def _qwen4_exp_layer(
     return t
 
 
-def _qwen4_exp(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
+def _qwen4_exp(init: _Init, vocab_size: int, **sizes) -> Tuple[dict, Tensors]:
     """Qwen3.8-Flash-Next (qwen4_exp) as released: text model under ``text_config``
     and ``model.language_model.`` (``lm_head`` at the top), a sample of the vision
     tower (``model.visual.*``), the MTP at top-level ``mtp.``. Four layers in four
@@ -2438,7 +2438,8 @@ def _qwen4_exp(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     (per stream), a QSA/MoE layer with its hyper-connections and its own mixer.
     Norms zero-centred but the Gated-DeltaNet's; every tensor in the checkpoint
     dtype but the PLE's int64 buffers (``A_log``, ``dt_bias`` included, as
-    released)."""
+    released). ``sizes``: text config values instead of the fixture's (a larger
+    model of this layout: `scripts/make_synthetic_model.py`)."""
     eos = vocab_size - 3  # the fixture tokenizer's <|endoftext|> (PLE's separator)
     text = {
         "model_type": "qwen4_exp_text",
@@ -2504,7 +2505,8 @@ def _qwen4_exp(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
         "use_cache": True,
         "vocab_size": vocab_size,
     }
-    base, hidden = "model.language_model.", HIDDEN
+    text.update(sizes)
+    base, hidden = "model.language_model.", text["hidden_size"]
     t = {f"{base}embed_tokens.weight": init.normal((vocab_size, hidden), EMBED_STD)}
     for i in range(text["num_hidden_layers"]):
         t.update(_qwen4_exp_layer(init, f"{base}layers.{i}.", text, i, mtp=False))
@@ -2515,7 +2517,9 @@ def _qwen4_exp(init: _Init, vocab_size: int) -> Tuple[dict, Tensors]:
     t.update(
         {
             "mtp.pre_fc_norm_embedding.weight": _zero_norm(init, hidden),
-            "mtp.pre_fc_norm_hidden.weight": _zero_norm(init, 4 * hidden),
+            "mtp.pre_fc_norm_hidden.weight": _zero_norm(
+                init, text["hc_count"] * hidden
+            ),
             "mtp.fc_embedding.weight": init.linear(hidden, hidden),
             "mtp.fc_hidden.weight": init.linear(hidden, hidden),
         }
