@@ -4,8 +4,6 @@ recorded per position, indexer pools rebuilt from the key rows they keep); the
 suites over every family check greedy identity, batching, conversion and numerics,
 `scripts/peer_glm5_next.py` the agreement with mlx-vlm's own runtime."""
 
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -17,8 +15,9 @@ from mlx_mtp.models import glm5_next, vlm_cache
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 
-from .test_errors import assert_one_line_error, run_cli
+from .test_errors import assert_one_line_error
 from .test_greedy import plain_greedy
+from .vlm_trunks import generate_without_mlx_vlm
 
 # Past 8 keys the indexer chooses 2 of the pools of 4 (and the open pool's tail).
 PROMPT = [5, 77, 301, 12, 9, 140, 88, 2, 250, 31, 64, 411, 17, 99]
@@ -118,7 +117,6 @@ def test_the_text_trunk_leaves_the_vision_tower_out(loaded):
 
 
 def test_without_mlx_vlm_a_load_fails_in_one_line(checkpoint, monkeypatch):
-    path = checkpoint("glm5_next")
     cached = (
         glm5_next._language,
         glm5_next._drafter,
@@ -126,15 +124,7 @@ def test_without_mlx_vlm_a_load_fails_in_one_line(checkpoint, monkeypatch):
         glm5_next._trunk_classes,
         glm5_next._block_class,
     )
-    for name in [m for m in sys.modules if m.split(".")[0] == "mlx_vlm"]:
-        monkeypatch.setitem(sys.modules, name, None)  # "not installed"
-    for function in cached:
-        function.cache_clear()
-    try:
-        result = run_cli("generate", "--model", str(path), "-p", "hi", "-m", "4")
-    finally:
-        for function in cached:
-            function.cache_clear()
+    result = generate_without_mlx_vlm(checkpoint("glm5_next"), cached, monkeypatch)
     assert_one_line_error(
         result, "GLM-5.3-Flash (glm5_next) needs mlx-vlm: pip install 'mlx-mtp[vlm]'"
     )

@@ -4,7 +4,6 @@ mlx-vlm release, a load fails in one line. (Numerics against the numpy reference
 greedy identity, batching, sampling and conversion run in the suites over every
 fixture family.)"""
 
-import sys
 from dataclasses import replace
 
 import mlx.core as mx
@@ -16,9 +15,10 @@ from mlx_mtp.models import hy_v4, vlm
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 
-from .test_errors import assert_one_line_error, run_cli
+from .test_errors import assert_one_line_error
 from .test_greedy import plain_greedy
 from .test_numerics import SEQ, teacher_forced
+from .vlm_trunks import generate_without_mlx_vlm
 
 
 def test_the_indexers_select(loaded, monkeypatch):
@@ -139,17 +139,8 @@ def test_greedy_identity(loaded):
 
 
 def test_without_mlx_vlm_a_load_fails_in_one_line(checkpoint, monkeypatch):
-    path = checkpoint("hy_v4")
     cached = (hy_v4._language, hy_v4._drafter, hy_v4._indexer, hy_v4._trunk_class)
-    for name in [m for m in sys.modules if m.split(".")[0] == "mlx_vlm"]:
-        monkeypatch.setitem(sys.modules, name, None)  # "not installed"
-    for function in cached:
-        function.cache_clear()
-    try:
-        result = run_cli("generate", "--model", str(path), "-p", "hi", "-m", "4")
-    finally:
-        for function in cached:
-            function.cache_clear()
+    result = generate_without_mlx_vlm(checkpoint("hy_v4"), cached, monkeypatch)
     assert_one_line_error(
         result, "Hy4 (hy_v4) needs mlx-vlm: pip install 'mlx-mtp[vlm]'"
     )

@@ -5,8 +5,6 @@ indexer keys trimmed); the suites over every family check greedy identity,
 batching, conversion and numerics, `scripts/peer_qwen4_exp.py` the agreement with
 mlx-vlm's own runtime."""
 
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,8 +16,9 @@ from mlx_mtp.models import qwen4_exp
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 
-from .test_errors import assert_one_line_error, run_cli
+from .test_errors import assert_one_line_error
 from .test_greedy import plain_greedy
+from .vlm_trunks import generate_without_mlx_vlm
 
 # Past 8 keys the indexer chooses 2 of the blocks of 4.
 PROMPT = [5, 77, 301, 12, 9, 140, 88, 2, 250, 31, 64, 411, 17, 99]
@@ -114,19 +113,9 @@ def test_without_mlx_vlm_a_load_fails_in_one_line(checkpoint, monkeypatch):
         qwen4_exp._trunk_classes,
         qwen4_exp.qsa_rows_class,
     )
-    for name in [m for m in sys.modules if m.split(".")[0] == "mlx_vlm"]:
-        monkeypatch.setitem(sys.modules, name, None)  # "not installed"
-    for function in cached:
-        function.cache_clear()
-    try:
-        result = run_cli("generate", "--model", str(path), "-p", "hi", "-m", "4")
-    finally:
-        for function in cached:
-            function.cache_clear()
-    assert_one_line_error(
-        result,
-        "Qwen3.8-Flash-Next (qwen4_exp) needs mlx-vlm: pip install 'mlx-mtp[vlm]'",
-    )
+    result = generate_without_mlx_vlm(path, cached, monkeypatch)
+    message = "Qwen3.8-Flash-Next (qwen4_exp) needs mlx-vlm: pip install 'mlx-mtp[vlm]'"
+    assert_one_line_error(result, message)
 
 
 def test_several_ranks_are_refused_in_one_line(loaded):

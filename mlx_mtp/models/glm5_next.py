@@ -59,13 +59,13 @@ HEAD_NAMES = {
 }
 
 
-def text(config: dict) -> dict:
-    """The text model's config (``text_config``; a flat one as it is)."""
-    return config.get("text_config") or config
+def _layers(config: dict) -> int:
+    """The trunk's layers (the first nextn layer's index)."""
+    return vlm.text_config(config)["num_hidden_layers"]
 
 
 LAYOUT = Layout(
-    prefix=lambda config, j: f"{TEXT}layers.{text(config)['num_hidden_layers'] + j}.",
+    prefix=lambda config, j: f"{TEXT}layers.{_layers(config) + j}.",
     fusion=HEAD_NAMES,
     copies={
         "embed_tokens.weight": f"{TEXT}embed_tokens.weight",
@@ -129,13 +129,7 @@ def _to_vlm(weights: dict) -> dict:
 def _trunk_classes():
     language = _language()
 
-    class ModelArgs(language.TextConfig):
-        """mlx-vlm's text config, read from a GLM-5.3-Flash config's
-        ``text_config``."""
-
-        @classmethod
-        def from_dict(cls, params: dict):
-            return super().from_dict(text(params))
+    ModelArgs = vlm.text_args(language.TextConfig)
 
     class Model(language.LanguageModel):
         """mlx-vlm's GLM-5-Next text model returning logits, with caches that roll
@@ -177,7 +171,7 @@ def mtp_layer_of(key: str, config: dict) -> Optional[int]:
     """The nextn layer a tensor belongs to (layer index ``num_hidden_layers`` and
     beyond), else None."""
     m = LAYER.match(key)
-    layers = text(config)["num_hidden_layers"]
+    layers = _layers(config)
     if m and int(m[1]) >= layers:
         return int(m[1]) - layers
     return None

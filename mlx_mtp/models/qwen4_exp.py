@@ -70,11 +70,6 @@ RELEASE_NAMES = {
 HALVES = ("fc_embedding", "fc_hidden")
 
 
-def text(config: dict) -> dict:
-    """The text model's config (``text_config``; a flat one as it is)."""
-    return config.get("text_config") or config
-
-
 LAYOUT = Layout(
     prefix=lambda config, j: "mtp.",
     fusion={
@@ -234,13 +229,7 @@ def _to_vlm(weights: dict) -> dict:
 def _trunk_classes():
     language = _language()
 
-    class ModelArgs(language.TextConfig):
-        """mlx-vlm's text config, read from a Qwen3.8-Flash-Next config's
-        ``text_config``."""
-
-        @classmethod
-        def from_dict(cls, params: dict):
-            return super().from_dict(text(params))
+    ModelArgs = vlm.text_args(language.TextConfig)
 
     class Model(language.LanguageModel):
         """mlx-vlm's Qwen3.8-Flash-Next text model returning logits, with caches

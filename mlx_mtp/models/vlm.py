@@ -51,6 +51,26 @@ def need(module: str, what: str, declared: Sequence[Tuple[str, str]] = ()) -> ob
     return found
 
 
+def text_config(config: dict) -> dict:
+    """A vision-language config's text model config (``text_config``; a flat
+    config as it is)."""
+    return config.get("text_config") or config
+
+
+def text_args(base: type) -> type:
+    """``base`` (an mlx-vlm text config class) read from a vision-language
+    config's ``text_config`` (`text_config`)."""
+
+    class TextArgs(base):
+        @classmethod
+        def from_dict(cls, params: dict):
+            return super().from_dict(text_config(params))
+
+    TextArgs.__name__ = TextArgs.__qualname__ = base.__name__
+    TextArgs.__doc__ = f"mlx-vlm's ``{base.__name__}``, read from ``text_config``."
+    return TextArgs
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
