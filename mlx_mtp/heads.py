@@ -55,7 +55,8 @@ def quantized_modes(module: nn.Module) -> Dict[str, dict]:
 
 def quantize_heads(stack: MTPStack, bits: int, group_size: int = 64) -> Optional[dict]:
     """Quantize every float linear layer of the heads whose input width allows it
-    (affine); layers that came quantized (a release's mxfp8/mxfp4) stay as they are.
+    (affine), but those a layer names in its ``float_layers``; layers that came
+    quantized (a release's mxfp8/mxfp4) stay as they are.
 
     Returns the quantization record for the config: the affine settings, plus one
     entry per layer that came quantized; None when nothing is (``bits`` 16, no packed
@@ -64,8 +65,11 @@ def quantize_heads(stack: MTPStack, bits: int, group_size: int = 64) -> Optional
     packed = quantized_modes(stack)
     if bits >= 16:
         return {**next(iter(packed.values())), **packed} if packed else None
+    floats = tuple(n for l in stack.layers for n in getattr(l, "float_layers", ()))
 
     def predicate(path, m):
+        if floats and path.endswith(floats):  # a layer the release keeps float
+            return False
         return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
 
     nn.quantize(stack, group_size=group_size, bits=bits, class_predicate=predicate)

@@ -11,8 +11,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_mtp.cache import begin_verify, keep_below, make_caches, rewind
+from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
 from mlx_mtp.models import qwen4_exp
+from mlx_mtp.models.qwen4_exp import FLOAT_LAYERS as FLOATS
 from mlx_mtp.speculative import mtp_generate_step
 from mlx_mtp.testing import HEADS
 
@@ -124,3 +126,17 @@ def test_several_ranks_are_refused_in_one_line(loaded):
     model, _ = loaded("qwen4_exp")
     with pytest.raises(MTPError, match="cannot shard"):
         distributed.shard(model.trunk, object())
+
+
+def test_a_quantized_conversion_keeps_the_release_float_layers(checkpoint, tmp_path):
+    """``convert -q`` quantizes the trunk (4 bits) and the heads (8), but each
+    stream's injection gate and the shared expert's gate stay float, as released."""
+    out = convert(str(checkpoint("qwen4_exp")), tmp_path / "q4", quantize=True)
+    weights = {}
+    for f in sorted(out.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    kept = [k for k in weights if k.endswith(tuple(f"{n}.weight" for n in FLOATS))]
+    assert len(kept) == 3 * 4 + 3  # 2 gates + 1 per layer (4), and the MTP's 3
+    assert all(weights[k].dtype == mx.float32 for k in kept)
+    assert not any(k.replace(".weight", ".scales") in weights for k in kept)
+    assert any(k.endswith("o_proj.scales") for k in weights)  # the rest is quantized

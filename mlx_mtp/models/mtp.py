@@ -10,7 +10,7 @@ Hugging Face names onto it. The block is the family's own mlx-lm decoder layer, 
 weights load exactly as the trunk's do.
 """
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,12 +37,16 @@ class MTPLayer(nn.Module):
         make_caches: When the block's attention keeps caches of its own kinds, a
             function giving them (a fresh list, in the order the block reads
             them; a `mlx_mtp.cache.ListCache` of them): GLM-5.3-Flash's indexer.
+        float_layers: Name endings of linear layers quantized heads keep float
+            (`mlx_mtp.heads.quantize_heads`): those a release keeps in full
+            precision.
     """
 
     window: Optional[int] = None
     kv_caches: int = 1
     reads_media: bool = False
     make_caches: Optional[Callable[[], List[Any]]] = None
+    float_layers: Tuple[str, ...] = ()
 
     def __init__(
         self, hidden_size: int, eps: float, block: nn.Module, hidden_first: bool = False

@@ -68,6 +68,9 @@ RELEASE_NAMES = {
     "layers.0": "block",
 }
 HALVES = ("fc_embedding", "fc_hidden")
+# The projections the release keeps in full precision: each stream's injection gate
+# and the shared expert's gate (a quantized trunk and 8-bit heads keep them float).
+FLOAT_LAYERS = ("block_inject_weight", "shared_expert_gate")
 
 
 LAYOUT = Layout(
@@ -245,6 +248,17 @@ def _trunk_classes():
         def make_cache(self):
             return make_cache(self.layers)
 
+        @property
+        def quant_predicate(self):
+            """mlx-vlm's choices (its 8-bit router gates, its n-gram table's
+            group), the `FLOAT_LAYERS` kept float."""
+            theirs = super().quant_predicate
+
+            def predicate(path, module):
+                return not path.endswith(FLOAT_LAYERS) and theirs(path, module)
+
+            return predicate
+
         def sanitize(self, weights: dict) -> dict:
             context = SimpleNamespace(config=SimpleNamespace(text_config=self.args))
             fixed = _vlm_model().Model.sanitize(context, _to_vlm(weights))
@@ -324,11 +338,14 @@ class MTPLayer(nn.Module):
     Attributes:
         window, kv_caches, reads_media, make_caches: as `mlx_mtp.models.mtp.MTPLayer`
             (one QSA cache, `QSARows`).
+        float_layers: Names of the projections quantized heads keep float
+            (`FLOAT_LAYERS`).
     """
 
     window = None
     kv_caches = 1
     reads_media = False
+    float_layers = FLOAT_LAYERS
 
     def __init__(self, args):
         super().__init__()
