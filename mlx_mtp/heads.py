@@ -65,7 +65,8 @@ def quantize_heads(stack: MTPStack, bits: int, group_size: int = 64) -> Optional
     packed = quantized_modes(stack)
     if bits >= 16:
         return {**next(iter(packed.values())), **packed} if packed else None
-    floats = tuple(n for l in stack.layers for n in getattr(l, "float_layers", ()))
+    layers = getattr(stack, "layers", ())  # an assistant has none
+    floats = tuple(n for l in layers for n in getattr(l, "float_layers", ()))
 
     def predicate(path, m):
         if floats and path.endswith(floats):  # a layer the release keeps float
