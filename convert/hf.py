@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from mlx_mtp import assistant as assistants
-from mlx_mtp import draft_vocab
+from mlx_mtp import draft_vocab, tables
 from mlx_mtp.assistant import is_assistant
 from mlx_mtp.errors import MissingHeadsError, MTPError
 from mlx_mtp.heads import (
@@ -269,6 +269,12 @@ def _convert_folder(
         config.pop("quantization", None)  # so that -q's settings are the default
         trunk, config = quantize_model(
             trunk, config, o.q_group_size, o.q_bits, mode=o.q_mode
+        )
+        q = config["quantization"]  # -q's settings, mlx-lm's defaults filled in
+        q.update(
+            tables.quantize_tables(
+                trunk, family.MAPPED_TABLES, q["bits"], q["group_size"], q["mode"]
+            )
         )
         trunk_quant = {
             k: config["quantization"][k] for k in ("group_size", "bits", "mode")

@@ -24,6 +24,7 @@ from .images import pending_media, prompt_media
 from .options import DecodeOptions
 from .speculative import Session, mtp_generate_step
 from .stats import MTPStats
+from .tables import mapped_bytes
 
 
 @dataclass
@@ -31,10 +32,12 @@ class GenerationResponse(_LMResponse):
     """mlx-lm's response with the MTP statistics of the run so far, and where its
     token came from: ``source`` "heads" or "lookup" for an accepted draft (the MTP
     layers, an assistant or a block drafter are "heads"), None for a token the
-    verify pass gave."""
+    verify pass gave; ``mapped_memory``, the GB of tables read by row from their
+    files (`mlx_mtp.tables`), which ``peak_memory`` does not count."""
 
     mtp: Optional[MTPStats] = None
     source: Optional[str] = None
+    mapped_memory: float = 0.0
 
 
 def encode_prompt(
@@ -176,6 +179,7 @@ def stream_generate(
     )
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
+    mapped = mapped_bytes(model) / 1e9
     with (
         wired_limit(model, [generation_stream]),
         mx.stream(generation_stream),
@@ -205,6 +209,7 @@ def stream_generate(
                 finish_reason=("stop" if stop else "length") if last else None,
                 mtp=step.stats.snapshot(),
                 source=step.source,
+                mapped_memory=mapped,
             )
             if last:
                 steps.close()
@@ -234,6 +239,8 @@ def format_stats(r: GenerationResponse) -> str:
         f"generated {r.generation_tokens} tok @ {r.generation_tps:.1f} tok/s | "
         f"peak {r.peak_memory:.2f} GB"
     )
+    if getattr(r, "mapped_memory", 0.0):
+        line += f" (+ {r.mapped_memory:.2f} GB of tables read from disk)"
     stats = r.mtp
     if stats is not None and stats.positions and not stats.drafted:
         line += " | no drafts (plain decoding)"

@@ -5,7 +5,9 @@
 The trunk is built by mlx-lm's own class for the ``model_type`` through mlx-lm's
 ``load_model`` (so quantized MLX conversions load exactly as mlx-lm loads them); the
 only change is a sanitize that first sets the MTP tensors aside. Those are translated by
-the family module and loaded strictly into an `MTPStack`.
+the family module and loaded strictly into an `MTPStack`. The tables a family reads by
+row (``MAPPED_TABLES``) are memory-mapped from their files, not loaded
+(`mlx_mtp.tables`).
 """
 
 import logging
@@ -17,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import assistant as assistants
-from . import distributed, draft_vocab, memory
+from . import distributed, draft_vocab, memory, tables
 from .errors import MissingHeadsError, MTPError, one_line
 from .files import check_not_mid_update, read_json, safetensors_header
 from .heads import (
@@ -166,10 +168,11 @@ class MTPSplit:
     exposes under no public name; this wraps it.
     """
 
-    def __init__(self, family):
+    def __init__(self, family, tables: Optional[Dict[str, tables.Stored]] = None):
         self.family = family
         self.mtp: Dict[str, mx.array] = {}
         self.raw = True
+        self.tables = tables
 
     def __call__(self, config: dict):
         from mlx_lm.utils import _get_classes
@@ -180,11 +183,21 @@ class MTPSplit:
 
         class Trunk(model_class):
             def sanitize(self, weights):
+                raw_names = {id(v): (k, v) for k, v in weights.items()}
                 weights = dequantize_fp8(weights, fp8_block(config))
                 split.raw = split.family.is_raw(weights, config)
                 weights, split.mtp = split.family.split_weights(weights, config)
                 if hasattr(model_class, "sanitize"):
                     weights = model_class.sanitize(self, weights)
+                if split.tables:
+                    weights = tables.map_tables(
+                        self,
+                        weights,
+                        raw_names,
+                        split.tables,
+                        split.family.MAPPED_TABLES,
+                        config.get("quantization"),
+                    )
                 return weights
 
         Trunk.__name__ = Trunk.__qualname__ = model_class.__name__
@@ -246,13 +259,22 @@ def config_fixes(config: dict, family=None) -> dict:
 
 
 def load_trunk(
-    model_path: Path, family, lazy: bool
+    model_path: Path, family, lazy: bool, map_tables: bool = False
 ) -> Tuple[nn.Module, dict, MTPSplit]:
     """Build the trunk with mlx-lm; returns ``(trunk, config, split)``, ``split``
-    holding the checkpoint's MTP tensors (see `MTPSplit`)."""
+    holding the checkpoint's MTP tensors (see `MTPSplit`).
+
+    Args:
+        map_tables: Read the family's ``MAPPED_TABLES`` by row from their files
+            (`mlx_mtp.tables`) instead of loading them (a conversion, which writes
+            them, loads them).
+    """
     from mlx_lm.utils import load_model
 
-    split = MTPSplit(family)
+    located = None
+    if map_tables and family.MAPPED_TABLES:
+        located = tables.locate(model_path, family.MAPPED_TABLES)
+    split = MTPSplit(family, located)
     try:
         trunk, config = load_model(
             model_path,
@@ -375,12 +397,13 @@ def _load_model(
     heads whole; weights that do not fit the machine refused unless ``force``
     (`mlx_mtp.memory.check_fits`)."""
     model_path = resolve(path_or_hf_repo, revision)
+    config = read_config(model_path)
     if not force:
         folders = [model_path]
         if draft_model is not None and Path(draft_model).is_dir():
             folders.append(Path(draft_model))
-        memory.check_fits(folders, ranks=1 if group is None else group.size())
-    config = read_config(model_path)
+        mapped = _table_bytes(model_path, config)
+        memory.check_fits(folders, 1 if group is None else group.size(), mapped)
     if assistants.is_assistant(config):
         raise MTPError(
             f"{model_path} is a Gemma 4 assistant, a drafter for a Gemma 4 model: load "
@@ -392,7 +415,8 @@ def _load_model(
     check_shards(model_path)
     for f in sorted(model_path.glob("model*.safetensors")):
         safetensors_header(f)  # a truncated or malformed file: one line naming it
-    trunk, config, split = load_trunk(model_path, family, lazy or group is not None)
+    lazy_trunk = lazy or group is not None
+    trunk, config, split = load_trunk(model_path, family, lazy_trunk, map_tables=True)
     stack = MTPStack([])
     if has_heads_file(config):  # an mlx-mtp conversion
         try:
@@ -437,6 +461,16 @@ def _load_model(
         evaluate_all(model)
     model.eval()
     return model, config, model_path
+
+
+def _table_bytes(model_path: Path, config: dict) -> int:
+    """The bytes of the tables a load maps (`mlx_mtp.tables`), 0 for a model type
+    not known here (its load then says why in one line)."""
+    try:
+        markers = get_family(config).MAPPED_TABLES
+    except MTPError:
+        return 0
+    return tables.stored_bytes(model_path, markers)
 
 
 def _stored_ranking(model_path: Path, config: dict, model: Model):

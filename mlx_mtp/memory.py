@@ -5,7 +5,8 @@ The limit (`memory_limit`) is ``MLX_MTP_MEMORY_LIMIT`` when set (bytes, or a siz
 such as ``24GB``, ``512MiB``), else Metal's recommended working set on a Mac, else
 the memory the system says is available now. The weights are what their files hold
 (`weights_bytes`: every ``*.safetensors`` of the model's folder, its MTP heads and
-drafter included), a share of them per rank when the trunk is sharded.
+drafter included, but the tables read by row from their files), a share of them per
+rank when the trunk is sharded.
 """
 
 import os
@@ -94,21 +95,25 @@ def readable_size(n: float) -> str:
     return f"{int(n)} bytes"
 
 
-def check_fits(folders: Iterable[Path], ranks: int = 1) -> None:
-    """Refuse, in one `MTPError` line, weights (``folders``' safetensors, split over
-    ``ranks``) larger than `memory_limit`: how much is missing, and what would fit.
+def check_fits(folders: Iterable[Path], ranks: int = 1, mapped: int = 0) -> None:
+    """Refuse, in one `MTPError` line, weights (``folders``' safetensors but the
+    ``mapped`` bytes of tables read by row from their files, `mlx_mtp.tables`; split
+    over ``ranks``) larger than `memory_limit`: how much is missing, and what would
+    fit.
 
     Raises:
         MTPError: the weights do not fit.
     """
     folders = list(folders)
-    need = weights_bytes(folders) // max(ranks, 1)
+    need = (weights_bytes(folders) - mapped) // max(ranks, 1)
     limit, source = memory_limit()
     if need <= limit:
         return
     per = f" per rank over {ranks}" if ranks > 1 else ""
+    besides = f" besides {readable_size(mapped)} read from disk" if mapped else ""
     raise MTPError(
-        f"{folders[0]}: its weights take {readable_size(need)}{per}, more than the "
+        f"{folders[0]}: its weights take {readable_size(need)}{per}{besides}, "
+        "more than the "
         f"{readable_size(limit)} MLX can use here ({source}; "
         f"{readable_size(need - limit)} missing): use a smaller quantization "
         "(mlx-mtp convert -q --q-bits 4), shard it over several Macs, or pass "

@@ -21,6 +21,7 @@ LAYERS = [
         "fast_blas",
         "files",
         "memory",
+        "tables",
         "private",
         "one_row",
         "rows",

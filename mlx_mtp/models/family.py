@@ -85,6 +85,10 @@ Optional (default in brackets):
   the prompt holds an image: the placeholder token, the tower's spatial merge (an
   image of t x h x w patches takes t*h*w / merge**2 placeholders) and the tokens
   around them (`mlx_mtp.media.expand`);
+- ``MAPPED_TABLES`` [()]: parts of the names of the trunk's embedding tables that a
+  step reads a few rows of (Qwen3.8-Flash-Next's hashed n-gram table), the same in
+  the checkpoint and in the trunk: a load reads them by row from their files,
+  memory-mapped, and never loads them (`mlx_mtp.tables`);
 - ``make_drafter(trunk, config)`` [None]: the checkpoint's MTP tensors are a block
   drafter (DeepSeek-V4.1's DSpark stages), not MTP layers: the module ``sanitize``'s
   names load into, attached as the model's drafter (``make_layer`` then refuses).
@@ -205,6 +209,7 @@ class Family:
     fix_config: Callable[[dict], dict] = no_fixes
     trunk_classes: Optional[Callable[[dict], tuple]] = None
     hidden_width: Callable[[Any], int] = args_hidden_size
+    MAPPED_TABLES: Tuple[str, ...] = ()
     make_drafter: Optional[Callable[[Any, dict], Any]] = None
     image_processor: Optional[Callable[[Any], Any]] = None
     media: Optional[Callable[..., Any]] = None

@@ -68,6 +68,9 @@ RELEASE_NAMES = {
     "layers.0": "block",
 }
 HALVES = ("fc_embedding", "fc_hidden")
+# The n-gram table's shards (``ngram_embedding.shard_{s}`` as released,
+# ``ngram_embedding.shards.{s}`` in the trunk): read by row, memory-mapped.
+NGRAM_TABLE = ".ngram_embedding.shard"
 # The projections the release keeps in full precision: each stream's injection gate
 # and the shared expert's gate (a quantized trunk and 8-bit heads keep them float).
 FLOAT_LAYERS = ("block_inject_weight", "shared_expert_gate")
@@ -441,6 +444,7 @@ FAMILY = define(
     ZERO_CENTRED_NORMS=True,
     EMBEDDING_KEY=f"{TEXT}embed_tokens.weight",
     FINAL_NORM_KEY=None,  # no final norm: a mixer of its streams closes the trunk
+    MAPPED_TABLES=(NGRAM_TABLE,),
     mtp_layer_of=mtp_layer_of,
     split_weights=split_weights,
     sanitize=sanitize,

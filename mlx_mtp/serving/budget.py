@@ -63,6 +63,8 @@ def default_budget(model) -> int:
     is counted at its arrays' full size, the snapshot of a prompt's caches that a
     join keeps too (a full copy: `Session.snapshot`). The rest is for what the
     budgets do not count: an admission's caches while they are copied into the
-    batch (the budget counts them once), and the rounds' activations."""
+    batch (the budget counts them once), and the rounds' activations. The weights
+    are the model's parameters: tables read by row from their files
+    (`mlx_mtp.tables`) are not among them, their pages being the files'."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return max(0, (device_memory() - weights) // 2)
