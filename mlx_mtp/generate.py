@@ -21,6 +21,7 @@ from .defaults import DEFAULT_MAX_BATCH
 from .errors import MTPError
 from .grammar import grammar_fields
 from .images import pending_media, prompt_media
+from .memory import readable_size
 from .options import DecodeOptions
 from .speculative import Session, mtp_generate_step
 from .stats import MTPStats
@@ -240,7 +241,8 @@ def format_stats(r: GenerationResponse) -> str:
         f"peak {r.peak_memory:.2f} GB"
     )
     if getattr(r, "mapped_memory", 0.0):
-        line += f" (+ {r.mapped_memory:.2f} GB of tables read from disk)"
+        mapped = readable_size(r.mapped_memory * 1e9)
+        line += f" (+ {mapped} of tables read from disk)"
     stats = r.mtp
     if stats is not None and stats.positions and not stats.drafted:
         line += " | no drafts (plain decoding)"

@@ -26,25 +26,14 @@ Needs the extra ``mlx-mtp[vlm]``; no network.
 """
 
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from peer_vlm import compare, run_fixtures, teacher_forced
 
 SEQ = [5, 77, 301, 12, 9, 140, 88, 2, 250, 31, 64, 411, 17, 99]
-ATOL = 1e-4
-
-
-def ours(path: Path):
-    """mlx-mtp's ``(trunk (n, V), mtp (n - 1, V))`` teacher-forced logits."""
-    from mlx_mtp import load
-
-    model = load(str(path))[0]
-    seq = mx.array(SEQ)[None]
-    h = model.hidden(seq)
-    z = model.mtp_forward(0, h[:, :-1], seq[:, 1:])
-    return np.array(model.logits(h)[0]), np.array(model.logits(z)[0])
+FIXTURES = (("random", "float32", False), ("predictable", "float32", True))
 
 
 def theirs(path: Path, fixed: bool):
@@ -90,35 +79,12 @@ def _fix(layer, args, limit: float) -> None:
         layer.mlp.switch_mlp.activation = hy_v4.ClampedSwiGLU(limit)
 
 
-def compare(name: str, mine, peer) -> bool:
-    ok = True
-    for part, a, b in zip(("trunk", "MTP"), mine, peer):
-        diff = np.abs(a - b).max(axis=-1)
-        same = a.argmax(-1) == b.argmax(-1)
-        bad = [i for i in range(len(diff)) if diff[i] > ATOL or not same[i]]
-        print(
-            f"  {name:<24} {part:<5} max |diff| {diff.max():.2e}, argmax equal on "
-            f"{same.sum()}/{len(same)} rows" + (f"; rows off: {bad}" if bad else "")
-        )
-        ok = ok and not bad
-    return ok
-
-
-def main() -> int:
-    from mlx_mtp.testing.fixtures import write_checkpoint
-
-    ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        for predictable in (False, True):
-            path = Path(tmp) / f"hy_v4-{predictable}"
-            write_checkpoint("hy_v4", path, predictable=predictable, release="mxfp8")
-            print(f"hy_v4 fixture, MXFP8 release form, predictable={predictable}")
-            mine = ours(path)
-            compare("mlx-vlm as shipped", mine, theirs(path, fixed=False))
-            ok = compare("mlx-vlm, changed", mine, theirs(path, fixed=True)) and ok
-    print("agree" if ok else "DISAGREE")
-    return 0 if ok else 1
+def check(path: Path, title: str) -> bool:
+    print(f"{title}, MXFP8 release form")
+    mine = teacher_forced(path, SEQ)
+    compare("mlx-vlm as shipped", mine, theirs(path, fixed=False))
+    return compare("mlx-vlm, changed", mine, theirs(path, fixed=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_fixtures("hy_v4", check, FIXTURES, release="mxfp8"))

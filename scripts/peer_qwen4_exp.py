@@ -54,27 +54,14 @@ strictly. Needs the extra ``mlx-mtp[vlm]``; no network.
 """
 
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
+from peer_vlm import compare, f32, run_fixtures, teacher_forced, text_only
 
 SEQ = [5, 77, 301, 12, 9, 140, 88, 2, 250, 31, 64, 411]
 SEQ += [17, 99, 509, 46, 380, 7, 128, 356, 61, 490, 23, 174]
 PREFILL = 12
-ATOL = 1e-4
-
-
-def ours(path: Path):
-    """mlx-mtp's ``(trunk (n, V), mtp (n - 1, V))`` teacher-forced logits."""
-    from mlx_mtp import load
-
-    model = load(str(path))[0]
-    seq = mx.array(SEQ)[None]
-    h = model.hidden(seq)
-    z = model.mtp_forward(0, h[:, :-1], seq[:, 1:])
-    return _f32(model.logits(h)[0]), _f32(model.logits(z)[0])
 
 
 def theirs(path: Path):
@@ -89,7 +76,7 @@ def theirs(path: Path):
     out = target.language_model(seq, return_hidden=True)
     h = out.hidden_states[0]  # the streams before the final mixer
     z, _ = drafter._forward_tokens(seq[:, 1:], h[:, :-1], mx.int32)
-    return _f32(out.logits[0]), _f32(drafter._lm_head_fn(z)[0])
+    return f32(out.logits[0]), f32(drafter._lm_head_fn(z)[0])
 
 
 def ours_decode(path: Path):
@@ -103,7 +90,7 @@ def ours_decode(path: Path):
     for ids in _steps():
         rows.append(model.logits(model.hidden(ids, caches.trunk))[0])
         mx.eval(rows[-1])
-    return (_f32(mx.concatenate(rows)),)
+    return (f32(mx.concatenate(rows)),)
 
 
 def theirs_decode(path: Path):
@@ -116,7 +103,7 @@ def theirs_decode(path: Path):
     for ids in _steps():
         rows.append(lm(ids, cache=cache).logits[0])
         mx.eval(rows[-1])
-    return (_f32(mx.concatenate(rows)),)
+    return (f32(mx.concatenate(rows)),)
 
 
 def _steps():
@@ -128,78 +115,13 @@ def _steps():
         yield seq[:, i : i + 1]
 
 
-def _text_only(path: Path) -> Path:
-    """A copy of the checkpoint without its vision tensors (``model.visual.*``),
-    beside it: the fixture keeps a two-tensor sample of the tower, which mlx-vlm's
-    strict load refuses (the tower's other parameters missing); with none, it drops
-    the tower and loads the text model strictly."""
-    out = path.with_name(path.name + "-text")
-    out.mkdir(exist_ok=True)
-    (out / "config.json").write_text((path / "config.json").read_text())
-    weights = mx.load(str(path / "model.safetensors"))
-    text = {k: v for k, v in weights.items() if not k.startswith("model.visual.")}
-    mx.save_safetensors(str(out / "model.safetensors"), text, {"format": "pt"})
-    return out
-
-
-def _f32(x: mx.array) -> np.ndarray:
-    return np.array(x.astype(mx.float32))
-
-
-def compare(name: str, parts, mine, peer) -> bool:
-    ok = True
-    for part, a, b in zip(parts, mine, peer):
-        diff = np.abs(a - b).max(axis=-1)
-        same = a.argmax(-1) == b.argmax(-1)
-        bad = [i for i in range(len(diff)) if diff[i] > ATOL or not same[i]]
-        print(
-            f"  {name:<20} {part:<5} {a.shape}: max |diff| {diff.max():.2e}, argmax "
-            f"equal on {same.sum()}/{len(same)} rows"
-            + (f"; rows off: {bad}" if bad else "")
-        )
-        ok = ok and not bad
-    return ok
-
-
-def main() -> int:
-    from mlx_mtp.testing.fixtures import write_checkpoint
-
-    ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, dtype, predictable in (
-            ("random", "float32", False),
-            ("predictable", "float32", True),
-            ("random-bf16", "bfloat16", False),
-        ):
-            path = Path(tmp) / name
-            write_checkpoint("qwen4_exp", path, predictable=predictable, dtype=dtype)
-            peer = _text_only(path)
-            print(
-                f"qwen4_exp fixture {name} ({dtype}), {len(SEQ)} tokens "
-                f"(decode: prefill {PREFILL}, then 1 at a time)"
-            )
-            try:
-                agree = compare(
-                    "(a) forward", ("trunk", "MTP"), ours(path), theirs(peer)
-                )
-                agree = (
-                    compare(
-                        "(b) decode", ("trunk",), ours_decode(path), theirs_decode(peer)
-                    )
-                    and agree
-                )
-            except RuntimeError as e:  # see the module docstring
-                if dtype == "float32":
-                    raise
-                print(f"  not run on {mx.default_device()}: {e}")
-                continue
-            if dtype == "float32":
-                ok = agree and ok
-            elif not agree:
-                print("  (bfloat16: reported only)")
-    print("agree" if ok else "DISAGREE")
-    return 0 if ok else 1
+def check(path: Path, title: str) -> bool:
+    peer = text_only(path)
+    print(f"{title}, {len(SEQ)} tokens (decode: prefill {PREFILL}, then 1 at a time)")
+    forward = compare("(a) forward", teacher_forced(path, SEQ), theirs(peer))
+    decode = compare("(b) decode", ours_decode(path), theirs_decode(peer), ["trunk"])
+    return forward and decode
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_fixtures("qwen4_exp", check))

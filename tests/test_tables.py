@@ -5,6 +5,9 @@ memory guard and in the run's statistics; ``convert -q`` quantizes it as mlx-vlm
 does (its rows' widths are not a multiple of the default group)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -143,3 +146,15 @@ def test_the_run_statistics_name_the_table_apart_from_the_peak(wide):
     assert last.mapped_memory == tables.mapped_bytes(model) / 1e9 > 0
     assert "of tables read from disk" in format_stats(last)
     assert generate(model, tokenizer, "hello", max_tokens=3)
+
+
+@pytest.mark.slow
+def test_the_measuring_script_runs_and_both_loads_agree():
+    """``scripts/table_memory.py`` on a small table: it exits 0 only when the
+    mapped and the loaded table decode the same tokens."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "table_memory.py"
+    run = [sys.executable, str(script), "--rows", "4e4", "--tokens", "8"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "same tokens: True" in out.stdout
+    assert {line.split()[0] for line in out.stdout.splitlines()} >= {"mapped", "loaded"}
