@@ -158,3 +158,19 @@ def test_the_measuring_script_runs_and_both_loads_agree():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "same tokens: True" in out.stdout
     assert {line.split()[0] for line in out.stdout.splitlines()} >= {"mapped", "loaded"}
+
+
+def test_the_server_budget_leaves_the_table_out(wide, monkeypatch):
+    """The batch's cache budget is half of what the weights leave: a mapped table is
+    not among them, so the budget is the table's half larger than with it loaded."""
+    from mlx_mtp.serving.budget import default_budget
+
+    mapped, _ = load(str(wide["float"]))
+    table = tables.stored_bytes(wide["float"], [TABLE])
+    monkeypatch.setattr(tables, "locate", lambda folder, markers: {})
+    loaded, _ = load(str(wide["float"]))
+    assert tables.mapped_bytes(loaded) == 0
+    assert default_budget(mapped) - default_budget(loaded) in (
+        table // 2,
+        table // 2 + 1,
+    )
