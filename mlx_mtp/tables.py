@@ -118,6 +118,12 @@ class MappedEmbedding(nn.Module):
             }
 
     @property
+    def weight(self) -> np.memmap:
+        """The stored table, read-only (its shape is what code asking an embedding
+        for ``weight.shape`` reads: mlx-lm's ``quantize_model``)."""
+        return self._maps[0]
+
+    @property
     def nbytes(self) -> int:
         """The bytes the table's tensors take in their files."""
         return sum(s.nbytes for s in self._stored)
@@ -143,7 +149,8 @@ class MappedEmbedding(nn.Module):
 
     def to_quantized(self, **kwargs) -> "MappedEmbedding":
         """Itself: a mapped table is read in the form it is stored in (mlx-lm's
-        loader asks every layer its config names to quantize)."""
+        loader asks every layer its config names to quantize, and its
+        ``quantize_model`` every layer that can be)."""
         return self
 
 

@@ -19,7 +19,7 @@ from mlx_mtp import generate, load, memory, tables
 from mlx_mtp.convert import convert
 from mlx_mtp.errors import MTPError
 from mlx_mtp.generate import format_stats, stream_generate
-from mlx_mtp.loading import load_trunk
+from mlx_mtp.loading import load_model, load_trunk
 from mlx_mtp.models import get_family
 
 from .test_errors import assert_one_line_error, run_cli
@@ -69,6 +69,7 @@ def test_a_mapped_quantized_table_gives_the_loaded_rows(tmp_path, dtype, params)
     assert ours.dtype == theirs.dtype
     assert mx.array_equal(ours, theirs).item()
     assert mapped.to_quantized(**params) is mapped  # the loader's quantize pass
+    assert mapped.weight.shape == quantized.weight.shape
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +111,19 @@ def test_the_ngram_table_is_mapped_and_decodes_as_loaded(wide, form):
     ours = model.family.logits(model.trunk, model.family.hidden(model.trunk, ids))
     theirs = family.logits(loaded, family.hidden(loaded, ids))
     assert mx.array_equal(ours, theirs).item()
+
+
+def test_quantizing_a_loaded_model_leaves_its_mapped_tables(wide):
+    """mlx-lm's ``quantize_model`` over a loaded model (as a script quantizing in
+    memory runs it) keeps each mapped table as it is stored."""
+    from mlx_lm.utils import quantize_model
+
+    model, config, _ = load_model(str(wide["float"]))
+    quantize_model(model.trunk, config, None, 4)
+    shards = _tables(model.trunk)
+    assert shards and all(isinstance(m, tables.MappedEmbedding) for m in shards)
+    ids = mx.array([PROMPT])
+    assert model.family.hidden(model.trunk, ids).shape[:2] == (1, len(PROMPT))
 
 
 def test_a_quantized_conversion_quantizes_the_table_in_a_group_dividing_it(wide):
