@@ -1590,13 +1590,15 @@ def convert(hf_path, mlx_path, graft_from, check_path, min_agreement, **options)
     click.echo(f"wrote {run(hf_path, mlx_path, **options)}")
 
 
-@main.command(short_help="Add MTP heads (or a Gemma 4 assistant) to an MLX model.")
+@main.command(short_help="Add MTP heads or a drafter to an MLX model.")
 @click.option(
     "--from",
+    "--drafter",
     "source",
     required=True,
-    help="Hugging Face checkpoint whose MTP heads to add, or a Gemma 4 assistant "
-    "(folder or hub repo; only the files they need are downloaded).",
+    help="Hugging Face checkpoint whose MTP heads to add, or a drafter: a Gemma 4 "
+    "assistant, a DSpark or DFlash drafter (folder or hub repo; only the files "
+    "they need are downloaded).",
 )
 @mlx_path_option("The MLX conversion (without heads) to add to.", required=True)
 @head_bits_option("8")

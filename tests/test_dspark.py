@@ -157,7 +157,8 @@ def test_a_grafted_drafter_runs_with_its_target_folder_alone(target, tmp_path):
     conversion of its target (its copies of the target's tables dropped, its
     layers at 8 bits), the folder alone decodes greedy exactly with drafts
     accepted; the drafter's folder is untouched. A second graft without
-    --overwrite, the folder given as a --draft-model, and a missing drafter file
+    --overwrite (spelt ``--drafter``), the folder given as a --draft-model, and
+    a missing drafter file
     are refused in one line (decoded without under --allow-missing-heads)."""
     src = drafter(target, "to-graft", predictable=True)
     before = {p.name: p.read_bytes() for p in src.iterdir()}
@@ -176,7 +177,7 @@ def test_a_grafted_drafter_runs_with_its_target_folder_alone(target, tmp_path):
     model = load_model(str(conv))[0]
     tokens, stats = greedy_run(model, PROMPTS[1])
     assert tokens == plain(model, PROMPTS[1], 24) and stats.accepted > 0, stats
-    again = CliRunner().invoke(main, args)
+    again = CliRunner().invoke(main, ["graft", "--drafter", *args[2:]])
     assert again.exit_code == 1 and "already has a drafter" in again.output
     assert again.output.count("\n") == 1, again.output
     with pytest.raises(MTPError, match="is a target's conversion"):
