@@ -158,8 +158,8 @@ def test_a_grafted_drafter_runs_with_its_target_folder_alone(target, tmp_path):
     layers at 8 bits), the folder alone decodes greedy exactly with drafts
     accepted; the drafter's folder is untouched. A second graft without
     --overwrite (spelt ``--drafter``), the folder given as a --draft-model, and
-    a missing drafter file
-    are refused in one line (decoded without under --allow-missing-heads)."""
+    a missing drafter file are refused in one line (decoded without under
+    --allow-missing-heads)."""
     src = drafter(target, "to-graft", predictable=True)
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     conv = convert(
