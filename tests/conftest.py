@@ -6,14 +6,16 @@ import signal
 import mlx.core as mx
 import pytest
 
-from mlx_mtp.loading import load, load_model
-from mlx_mtp.testing.fixtures import FAMILIES, write_checkpoint
+from mlx_mtp.loading import load
+from mlx_mtp.testing.fixtures import write_checkpoint
 
 # The slowest modules (the exactness sweeps over every family, conversions (GGUF, the
 # Gemma 4 pairs and DeepSeek-V4's release dtypes included), several ranks, batched V4
 # rows, full-disk and interrupted writes): behind the ``slow`` marker, so that
 # ``python -m pytest`` stays a few minutes; ``python -m pytest -m slow`` runs them,
-# and CI (.ci/run) runs both.
+# and CI (.ci/run) runs both. In the other modules a path's slowest further tests
+# (another drafter's twin, a sampled sweep beside a greedy one) carry the mark
+# themselves: each path keeps a test against plain decoding in the default run.
 SLOW_MODULES = {
     "test_batch_greedy",
     "test_batch_sampling",
@@ -77,6 +79,16 @@ def loaded(checkpoint):
         return models[family, predictable]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tool_folder(tmp_path_factory):
+    """The predictable qwen3_5 checkpoint with a chat template that renders tools
+    (`tests.test_anthropic.tool_checkpoint`), one per worker for every server module
+    that serves it: its round costs and draft-vocabulary ranking are measured once."""
+    from .test_anthropic import tool_checkpoint
+
+    return tool_checkpoint(tmp_path_factory.mktemp("tools"))
 
 
 @pytest.fixture(scope="session", autouse=True)

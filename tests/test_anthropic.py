@@ -58,8 +58,8 @@ def tool_checkpoint(out):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tool_checkpoint(tmp_path_factory.mktemp("anthropic"))
+def folder(tool_folder):
+    return tool_folder
 
 
 @pytest.fixture(scope="module")

@@ -430,6 +430,7 @@ def signal_after_a_result(monkeypatch, signum: int, after: int = 1) -> None:
     monkeypatch.setattr(gen, "batch_generate", signalled)
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_keeps_its_results_and_a_rerun_goes_on(
     model_path, tmp_path, monkeypatch
 ):

@@ -79,6 +79,7 @@ def test_decoding_is_mlx_lms(v41, loaded):
     assert lm_tokenizer.decode(theirs) in result.output
 
 
+@pytest.mark.slow
 def test_prompt_lookup_is_mlx_lms(v41, loaded):
     """Rejected lookup drafts roll the trunk's caches back: mlx-lm's tokens, through
     the library and the CLI (lookup alone, and with the drafter)."""
@@ -131,6 +132,7 @@ def post(server, body):
     return reply.status, json.loads(reply.read())
 
 
+@pytest.mark.slow
 def test_served_with_its_drafter_and_lookup(v41, loaded):
     """The server starts (its round costs timed with the drafter) and replies as
     `stream_generate`, with the drafter and with prompt lookup."""

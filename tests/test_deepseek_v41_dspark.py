@@ -272,6 +272,7 @@ def test_sampling_test_catches_q_without_the_markov_correction(small, monkeypatc
 # --- the CLI and checkpoints that do not fit -----------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_generate_with_the_drafter_prints_the_plain_text(tmp_path):
     """``generate`` at k = gamma and auto prints what ``-k 0`` prints; a k above
     gamma is refused in one line."""
@@ -412,7 +413,7 @@ def test_the_servers_cache_cost_bounds_v41_rows(model):
         assert held <= cost.bytes([n]) < 2 * held + 64 * 1024, (n, held)
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_leaving_row_keeps_its_session(model, k):
     """A V4.1 row's session, taken as it leaves the batch (the short row first,
     while the other's rounds go on: with k = 0 a plain round is already launched,

@@ -133,6 +133,7 @@ def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
     assert_context_rolls_back(model)
 
 
+@pytest.mark.slow
 def test_batched_rows_decode_as_alone(model):
     assert_rows_decode_as_alone(model)
 
@@ -158,6 +159,7 @@ def sampling_fails(model, n=600, **options) -> bool:
     return sampling_after_prompt_fails(model, SAMPLE_PROMPT, V, GAMMA, n, **options)
 
 
+@pytest.mark.slow
 def test_sampling_is_exact(small):
     assert not sampling_fails(small)
 
@@ -303,6 +305,7 @@ def test_a_converted_drafter_decodes_exactly_beside_a_quantized_target(model, tm
     assert tokens == plain(grafted, PROMPTS[1], 24) and stats.accepted > 0, stats
 
 
+@pytest.mark.slow
 def test_a_gemma4_dflash2_drafter_decodes_exactly_and_rolls_back(tmp_path):
     """A DFlash2 drafter beside a Gemma 4 target (the Gemma spelling, its mask
     token named, as mlx-vlm's DFlash2 config requires): greedy identity with blocks
@@ -331,6 +334,7 @@ def test_a_gemma4_dflash2_drafter_decodes_exactly_and_rolls_back(tmp_path):
     assert_context_rolls_back(model, prompts)
 
 
+@pytest.mark.slow
 def test_check_compares_a_grafted_drafter_with_its_source(tmp_path):
     """``check`` of a conversion with a grafted drafter: every slot's top-1,
     teacher-forced over the built-in text, agrees with its source drafter's on the
@@ -457,6 +461,7 @@ def test_a_gemma4_dflash_drafter_matches_the_reference_and_decodes_exactly(tmp_p
     greedy_identity(grafted, PROMPTS[1:2], n=24, ks=(GAMMA,), policies=("auto",))
 
 
+@pytest.mark.slow
 def test_serving_a_target_with_its_dflash2_drafter(tmp_path):
     t = write_qwen3_target(tmp_path / "t", vocab_size=512, predictable=True)
     assert_served_as_plain(t, write_dflash2(tmp_path / "d", t, predictable=True))

@@ -200,7 +200,9 @@ def test_greedy_identity_at_every_block_length_and_auto(model):
     assert all(n > 0 for n in hist[BLOCK_SIZE]), hist
 
 
-@pytest.mark.parametrize("markov", MARKOV[1:])
+@pytest.mark.parametrize(
+    "markov", [MARKOV[1], pytest.param(MARKOV[2], marks=pytest.mark.slow)]
+)
 def test_gated_and_rnn_heads_decode_greedy_exactly(pairs, markov):
     """k = 1..gamma and ``auto`` give plain decoding's tokens with a gated or an
     rnn Markov head, which carries the target's bigram: blocks are accepted whole
@@ -716,7 +718,7 @@ def test_sampling_test_catches_a_cut_that_peeks_at_the_slot(tmp_path, monkeypatc
     assert sampling_fails(model, BLOCK_SIZE)
 
 
-@pytest.mark.parametrize("tau", [0.0, TAU])
+@pytest.mark.parametrize("tau", [0.0, pytest.param(TAU, marks=pytest.mark.slow)])
 def test_batched_rows_decode_as_alone(pairs, tau, monkeypatch):
     """Rows joining at different rounds, with different pending context rows
     (left-padded into the context caches) and positions: greedy rows equal plain
@@ -792,6 +794,7 @@ def tokenized(tmp_path_factory):
     return load(str(t), draft_model=str(d))
 
 
+@pytest.mark.slow
 def test_grammars_cut_blocks_and_keep_plain_constrained_output(tokenized):
     """Under a JSON schema and a regex, drafting blocks (k = gamma and auto) gives
     plain constrained decoding's text."""

@@ -149,9 +149,10 @@ def test_bad_flags(checkpoint):
         assert result.exit_code == 2 and "or -1 for no limit" in result.output
 
 
-def test_context_overflow(loaded):
+def test_context_overflow(loaded, monkeypatch):
     model, tokenizer = loaded("mimo")
-    limit = model.args.max_position_embeddings
+    limit = 256  # the fixture's 4096 would cost seconds of prefill
+    monkeypatch.setattr(model.args, "max_position_embeddings", limit)
     with pytest.raises(MTPError, match=f"context is {limit}"):
         generate(model, tokenizer, [5] * limit, max_tokens=4)
     responses = list(

@@ -67,14 +67,17 @@ def test_greedy_identity_at_every_block_length_and_auto(model):
     assert hist[GAMMA][0] and hist[GAMMA][-1] and sum(hist[GAMMA][1:-1]), hist
 
 
+@pytest.mark.slow
 def test_context_cache_equals_a_fresh_one_after_every_rejection(model):
     assert_context_rolls_back(model, PROMPTS)
 
 
+@pytest.mark.slow
 def test_batched_rows_decode_as_alone(model):
     assert_rows_decode_as_alone(model)
 
 
+@pytest.mark.slow
 def test_sampling_is_exact(tmp_path):
     from .test_sampling import sampling_after_prompt_fails
 
@@ -105,6 +108,7 @@ def test_sliding_layers_read_their_window_and_a_wider_rope_is_refused(pair):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_converted_and_a_grafted_drafter_decode_exactly(model, pair, tmp_path):
     """``convert -q`` of the drafter alone (its layers at 8 bits) beside a
     quantized conversion of its target, and ``graft`` of it onto that conversion:

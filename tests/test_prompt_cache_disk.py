@@ -192,9 +192,8 @@ def test_the_disk_tier_stays_within_its_bytes_and_owners(loaded, tmp_path):
     assert found is not None and found.tokens == sessions[2].tokens
 
 
-@pytest.mark.parametrize(
-    "alone", [pytest.param(False, marks=pytest.mark.slow), True]  # batched: ~10 s
-)
+@pytest.mark.slow  # ~10 s each
+@pytest.mark.parametrize("alone", [False, True])
 def test_a_shared_system_prompt_is_kept_apart(checkpoint, tmp_path, alone):
     """Requests that share a long system prompt and ask different things go on from
     its caches (kept apart when the first one prefilled it), batched or through the

@@ -15,7 +15,6 @@ from mlx_mtp.models.qwen3_next import SHIFTED
 from mlx_mtp.options import DecodeOptions
 from mlx_mtp.resolve import drafting
 from mlx_mtp.round import commit, launch, plan
-from mlx_mtp.sampling import SamplingParams
 from mlx_mtp.speculative import Run, Session, prefill
 
 from .test_cache import assert_same_cache, fresh_caches

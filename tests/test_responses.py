@@ -16,15 +16,15 @@ from mlx_mtp import responses_api
 from mlx_mtp.server import Server, server_args
 from mlx_mtp.server_checks import RequestError
 
-from .test_anthropic import ADD, MODEL, PLACE, USER, tool_checkpoint
+from .test_anthropic import ADD, MODEL, PLACE, USER
 from .test_server import scripted
 
 KEY, OTHER = "sekret", "other"
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tool_checkpoint(tmp_path_factory.mktemp("responses"))
+def folder(tool_folder):
+    return tool_folder
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ generation, and a burst of concurrent clients is answered as sequential runs are
 
 import http.client
 import json
-import shutil
 import threading
 
 import openai
@@ -15,23 +14,21 @@ from mlx_mtp import generate as mtp_generate
 from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args
 from mlx_mtp.serving import provider, scheduler
-from mlx_mtp.testing.fixtures import write_checkpoint
 
 KEY = "sekret"
 MESSAGES = [{"role": "user", "content": "Write a function."}]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    # a hybrid trunk: sessions must keep its recurrent state exact
-    return write_checkpoint(
-        "qwen3_5", tmp_path_factory.mktemp("served"), predictable=True
-    )
+def folder(checkpoint):
+    # a hybrid trunk: sessions must keep its recurrent state exact (the session's
+    # checkpoint, whose round costs and ranking each worker measures once)
+    return checkpoint("qwen3_5", predictable=True)
 
 
 @pytest.fixture(scope="module")
-def served(checkpoint):
-    server = Server(server_args(model=str(checkpoint), port=0, api_key=KEY)).start()
+def served(folder):
+    server = Server(server_args(model=str(folder), port=0, api_key=KEY)).start()
     yield server
     server.close()
 
@@ -42,8 +39,8 @@ def client(served):
 
 
 @pytest.fixture(scope="module")
-def local(checkpoint):
-    return load(str(checkpoint))
+def local(folder):
+    return load(str(folder))
 
 
 def expected(local, messages, max_tokens, **kw):
@@ -178,23 +175,11 @@ def test_a_second_turn_runs_only_its_new_tokens(client, local):
     assert r2.choices[0].message.content == expected(local, second, 12)
 
 
-def test_tools_reach_the_template_and_tool_calls_are_parsed(
-    checkpoint, tmp_path, monkeypatch
-):
+def test_tools_reach_the_template_and_tool_calls_are_parsed(tool_folder, monkeypatch):
     """With a template that renders tools (Hermes/Qwen style, mlx-lm's json_tools
     parser), the prompt holds the tool, and a reply that is a tool call comes back as
     OpenAI ``tool_calls``."""
-    folder = shutil.copytree(checkpoint, tmp_path / "tools")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = (
-        "{% if tools %}<|im_start|>system\n{% for t in tools %}"
-        "{{ t.function.name }}: {{ t.function.description }}\n{% endfor %}"
-        'Call tools as <tool_call>{"name": .., "arguments": ..}</tool_call>'
-        "{# tool_call.name #}<|im_end|>\n{% endif %}"
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
-    )
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    folder = tool_folder
     _, tokenizer = load(str(folder))
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
     reply = tokenizer.encode(call + "</tool_call>", add_special_tokens=False)
@@ -330,13 +315,13 @@ def test_auth_body_bound_and_endpoints(served):
     )
 
 
-def test_a_client_going_away_stops_its_generation(checkpoint):
+def test_a_client_going_away_stops_its_generation(folder):
     """A streaming client that disconnects after a few chunks: its generation stops
     within a round (EOS is made unreachable, so nothing else would stop it before
     5000 tokens), its conversation stays consistent, and the server goes on."""
     import socket
 
-    server = Server(server_args(model=str(checkpoint), port=0)).start()
+    server = Server(server_args(model=str(folder), port=0)).start()
     try:
         tokenizer = server.generator.model_provider.tokenizer
         tokenizer._eos_token_ids = {-1}
@@ -409,6 +394,7 @@ def test_serve_command_bad_inputs_are_one_line(tmp_path, served):
     assert busy.output.count("\n") == 1, busy.output
 
 
+@pytest.mark.slow
 def test_serving_a_gemma4_pair(tmp_path):
     """``serve --model TARGET --draft-model ASSISTANT``: the pair drafts, exactly."""
     from mlx_mtp.testing.gemma4 import write_gemma4, write_gemma4_assistant

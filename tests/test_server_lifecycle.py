@@ -24,9 +24,7 @@ from mlx_lm import server as lm_server
 from mlx_mtp import generate as mtp_generate
 from mlx_mtp import grammar
 from mlx_mtp import server as server_module
-from mlx_mtp.generate import stream_generate
 from mlx_mtp.server import Server, server_args
-from mlx_mtp.speculative import Session
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args
 from mlx_mtp.serving import generator, jobs, scheduler
 
-from .test_anthropic import tool_checkpoint
 from .test_server import scripted
 
 USER = [{"role": "user", "content": "Write a function."}]
@@ -32,8 +31,8 @@ ANTHROPIC_WEATHER = {"name": "get_weather", "input_schema": {"type": "object"}}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tool_checkpoint(tmp_path_factory.mktemp("replies"))
+def folder(tool_folder):
+    return tool_folder
 
 
 @pytest.fixture(scope="module")

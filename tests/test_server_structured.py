@@ -13,7 +13,6 @@ import pytest
 from mlx_mtp import generate as mtp_generate
 from mlx_mtp.loading import load
 from mlx_mtp.server import Server, server_args
-from mlx_mtp.testing.fixtures import write_checkpoint
 
 MESSAGES = [{"role": "user", "content": "Reply in JSON."}]
 SCHEMA = {
@@ -38,15 +37,13 @@ PENALTIES = dict(frequency_penalty=0.6, presence_penalty=0.4, logit_bias={"5": 3
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_checkpoint(
-        "qwen3_5", tmp_path_factory.mktemp("agents"), predictable=True
-    )
+def folder(checkpoint):
+    return checkpoint("qwen3_5", predictable=True)
 
 
 @pytest.fixture(scope="module")
-def served(checkpoint):
-    server = Server(server_args(model=str(checkpoint), port=0)).start()
+def served(folder):
+    server = Server(server_args(model=str(folder), port=0)).start()
     yield server
     server.close()
 
@@ -57,8 +54,8 @@ def client(served):
 
 
 @pytest.fixture(scope="module")
-def local(checkpoint):
-    return load(str(checkpoint))
+def local(folder):
+    return load(str(folder))
 
 
 def chat(client, k, stream=False, max_tokens=48, **fields):

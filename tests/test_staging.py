@@ -368,6 +368,10 @@ def test_a_folder_mid_update_is_refused_until_the_update_is_finished(sources, tm
 
 # --- SIGTERM and SIGHUP -------------------------------------------------------------
 
+# The stand-in for a slow write sleeps in short steps, as real work runs bytecode
+# between calls: the kernel may deliver the signal to one of MLX's or OpenBLAS's
+# threads, and then Python runs the handler only when the main thread next leaves a C
+# call, which one long sleep would delay for its whole length.
 SLOW = """
 import sys, time
 import mlx_mtp.convert.{module} as module
@@ -376,7 +380,8 @@ real = module.{name}
 def slow(*args, **kwargs):
     real(*args, **kwargs)
     print("written", flush=True)
-    time.sleep(120)
+    for _ in range(1200):
+        time.sleep(0.1)
 
 module.{name} = slow
 from mlx_mtp.cli import run

@@ -234,6 +234,7 @@ def _sampling_fails(model, tokenizer, n=200) -> bool:
     return chi_square_rejects(counts, np.array(list(exact.values())))
 
 
+@pytest.mark.slow
 def test_sampling_under_a_grammar_is_plain_constrained_sampling(loaded):
     """The complete outputs of a small regex, sampled with drafts, follow their exact
     probabilities under plain constrained sampling (chi-square at 1e-4)."""

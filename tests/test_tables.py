@@ -154,6 +154,7 @@ def test_the_memory_guard_counts_the_table_apart(wide, monkeypatch):
     assert_one_line_error(result, "besides", "read from disk")
 
 
+@pytest.mark.slow
 def test_the_run_statistics_name_the_table_apart_from_the_peak(wide):
     model, tokenizer = load(str(wide["float"]))
     *_, last = stream_generate(model, tokenizer, "hello", max_tokens=3)

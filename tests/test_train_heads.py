@@ -119,6 +119,7 @@ def test_loss_decreases(trunk, tmp_path):
     assert np.mean(losses[-4:]) < np.mean(losses[:4])
 
 
+@pytest.mark.slow
 def test_resume_continues_with_identical_state(trunk, straight, tmp_path):
     class Interrupt(Exception):
         pass
@@ -140,6 +141,7 @@ def test_resume_continues_with_identical_state(trunk, straight, tmp_path):
     assert_same_heads(straight, resumed)
 
 
+@pytest.mark.slow
 def test_a_crash_while_checkpointing_resumes_from_the_checkpoint(
     trunk, straight, tmp_path
 ):
@@ -311,6 +313,7 @@ def test_training_computes_the_runtimes_chained_drafts(family, trunk, checkpoint
             assert mx.allclose(out, want, atol=1e-4).item(), (family, i, j)
 
 
+@pytest.mark.slow
 def test_training_goes_on_from_heads_trained_earlier(trunk, tmp_path):
     """``init_heads``: a run starts from the heads an earlier one wrote (quantized or
     not), with their draft vocabulary, where that run stopped."""

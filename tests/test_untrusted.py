@@ -213,6 +213,7 @@ def test_costs_file_is_never_left_half_written(fresh, cache_home, monkeypatch):
     assert_costs_repaired(cache_home, fresh["key"])
 
 
+@pytest.mark.slow
 def test_cli_and_server_survive_a_bad_costs_file(folder, fresh, cache_home):
     (cache_home / "costs.json").write_text("[]")
     result = CliRunner().invoke(
